@@ -1,0 +1,342 @@
+"""Typed run configuration: one schema, YAML defaults, `key=value` overrides.
+
+The `Config` dataclass is the single source of truth for which keys exist and
+their types and ranges; `configs/base.yml` is the single source of their
+default values (a test checks the two name the same keys). Loading is pure: it
+reads files and returns a frozen `Config`, touching neither JAX nor the
+environment. Device-dependent resolution (device count, `-1` fill) lives in
+`maxpar.mesh`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import omegaconf
+from omegaconf import OmegaConf
+
+PHYSICAL_AXES = ("data", "fsdp", "tensor", "expert", "stage")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """Bad configuration; the trainer prints it and exits with status 2."""
+
+
+def _key(doc: str, *, min: float | None = None, max: float | None = None,
+         choices: Sequence[Any] | None = None, allow: Sequence[Any] = ()) -> dataclasses.Field:
+    """A schema field: its one-line doc and its allowed values (no default here)."""
+    return dataclasses.field(metadata=dict(doc=doc, min=min, max=max, choices=choices, allow=tuple(allow)))
+
+
+AxisRule = tuple[str, tuple[str, ...]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    # Run and outputs
+    run_name: str = _key("name of the run; its outputs and checkpoints live in base_output_directory/run_name ('' = timestamped)")
+    base_output_directory: str = _key("parent directory of all runs")
+    model_name: str = _key("model shape preset from configs/models/NAME.yml ('' = use the keys as given)")
+    seed: int = _key("seed for parameter init and data shuffling")
+    steps: int = _key("number of optimizer steps", min=0)
+    # Batch
+    per_device_batch_size: float = _key("rows per device per microbatch (may be fractional if the global batch is whole)", min=0)
+    max_target_length: int = _key("sequence length of a training row", min=1)
+    gradient_accumulation_steps: int = _key("microbatches accumulated per optimizer step", min=1)
+    # Optimizer
+    learning_rate: float = _key("peak learning rate", min=0)
+    warmup_steps: int = _key("linear warm-up steps from 0 to learning_rate", min=0)
+    learning_rate_final_fraction: float = _key("cosine decay ends at this fraction of learning_rate", min=0, max=1)
+    adam_b1: float = _key("AdamW beta1", min=0, max=1)
+    adam_b2: float = _key("AdamW beta2", min=0, max=1)
+    adam_eps: float = _key("AdamW epsilon", min=0)
+    adam_weight_decay: float = _key("AdamW decoupled weight decay", min=0)
+    gradient_clipping_threshold: float = _key("global-norm clipping threshold (0 = off)", min=0)
+    # Model
+    emb_dim: int = _key("model (residual) width", min=1)
+    num_query_heads: int = _key("attention query heads", min=1)
+    num_kv_heads: int = _key("attention key/value heads (GQA); divides num_query_heads", min=1)
+    head_dim: int = _key("width of one attention head", min=1)
+    mlp_dim: int = _key("SwiGLU hidden width", min=1)
+    num_decoder_layers: int = _key("decoder layers", min=1)
+    vocab_size: int = _key("vocabulary size (>= the tokenizer's)", min=1)
+    rope_theta: float = _key("RoPE base frequency", min=1)
+    normalization_layer_epsilon: float = _key("RMSNorm epsilon", min=0)
+    logits_via_embedding: bool = _key("tie the output projection to the token embedding")
+    dtype: str = _key("activation/compute dtype", choices=DTYPES)
+    weight_dtype: str = _key("parameter and optimizer-state dtype", choices=DTYPES)
+    remat_policy: str = _key("activation rematerialization per layer", choices=("none", "minimal", "full"))
+    scan_layers: bool = _key("nn.scan over layers (stacked `layers` axis); faster compile")
+    # Logging, eval, checkpoints
+    log_period: int = _key("log metrics every N steps", min=1)
+    eval_interval: int = _key("evaluate every N steps (0 = only at the end, -1 = never)", min=-1)
+    eval_steps: int = _key("batches per evaluation", min=1)
+    eval_fraction: float = _key("fraction of text documents held out for eval", min=0, max=0.5)
+    checkpoint_period: int = _key("save a checkpoint every N steps", min=1)
+    enable_checkpointing: bool = _key("save checkpoints and resume from the newest one")
+    async_checkpointing: bool = _key("write checkpoints in the background while training continues")
+    max_checkpoints_to_keep: int = _key("newest checkpoints kept on disk (0 = all)", min=0)
+    peak_flops_per_device: float = _key("peak dense FLOP/s of one device for MFU (0 = look up the device kind)", min=0)
+    # Data
+    dataset_type: str = _key("input pipeline", choices=("synthetic", "text"))
+    dataset_path: str = _key("glob of text files, one document each; {stdlib} = Python's standard library directory")
+    tokenizer_path: str = _key("'' = byte-level; a sentencepiece .model or a Hugging Face tokenizer.json")
+    # Sharding
+    mesh_axes: tuple[str, ...] = _key("order of the physical mesh axes (a permutation of data, fsdp, tensor, expert, stage)")
+    logical_axis_rules: tuple[AxisRule, ...] = _key("logical axis -> physical mesh axes, in priority order")
+    extra_logical_axis_rules: tuple[AxisRule, ...] = _key("rules checked before logical_axis_rules (strategy presets use this)")
+    num_slices: int = _key("slices (DCN granules); -1 = detect from the devices", min=-1, allow=(-1,))
+    ici_data_parallelism: int = _key("data-parallel degree within a slice (-1 = fill)", min=-1)
+    ici_fsdp_parallelism: int = _key("FSDP degree within a slice (-1 = fill)", min=-1)
+    ici_tensor_parallelism: int = _key("tensor-parallel degree within a slice (-1 = fill)", min=-1)
+    ici_expert_parallelism: int = _key("expert-parallel degree within a slice (-1 = fill)", min=-1)
+    ici_stage_parallelism: int = _key("pipeline stages within a slice (-1 = fill)", min=-1)
+    dcn_data_parallelism: int = _key("data-parallel degree across slices (-1 = fill)", min=-1)
+    dcn_fsdp_parallelism: int = _key("FSDP degree across slices (-1 = fill)", min=-1)
+    dcn_tensor_parallelism: int = _key("tensor-parallel degree across slices (-1 = fill)", min=-1)
+    dcn_expert_parallelism: int = _key("expert-parallel degree across slices (-1 = fill)", min=-1)
+    dcn_stage_parallelism: int = _key("pipeline stages across slices (-1 = fill)", min=-1)
+
+    # ---- derived values: pure functions of the config ----
+    @property
+    def query_groups(self) -> int:
+        """Query heads sharing one key/value head."""
+        return self.num_query_heads // self.num_kv_heads
+
+    @property
+    def axis_rules(self) -> tuple[AxisRule, ...]:
+        """All logical axis rules in priority order."""
+        return self.extra_logical_axis_rules + self.logical_axis_rules
+
+    def ici_parallelism(self) -> dict[str, int]:
+        return {axis: getattr(self, f"ici_{axis}_parallelism") for axis in PHYSICAL_AXES}
+
+    def dcn_parallelism(self) -> dict[str, int]:
+        return {axis: getattr(self, f"dcn_{axis}_parallelism") for axis in PHYSICAL_AXES}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain, YAML/JSON-friendly values (tuples become lists)."""
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(Config)}
+_HINTS = typing.get_type_hints(Config)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return value
+
+
+# ---------------------------------------------------------------- loading
+
+def load_config(argv: Sequence[str]) -> Config:
+    """`argv` = [CONFIG.yml, key=value, ...] -> validated Config.
+
+    Precedence, lowest first: the root YAML (base.yml), the model preset named
+    by `model_name`, YAML files that extend the root via `base_config`, then
+    command-line overrides.
+    """
+    if not argv or "=" in argv[0]:
+        raise ConfigError("usage: python -m maxpar.train CONFIG.yml [key=value ...] (first argument must be a YAML file)")
+    chain = _yaml_chain(Path(argv[0]))
+    overrides = ("command line", parse_overrides(argv[1:]))
+    layers = chain + [overrides]
+    for source, layer in layers:
+        _check_known_keys(layer, source)
+    model_name = _merge([layer for _, layer in layers]).get("model_name", "")
+    model_layers = []
+    if model_name:
+        model_file = Path(chain[0][0]).parent / "models" / f"{model_name}.yml"
+        if not model_file.is_file():
+            available = sorted(p.stem for p in model_file.parent.glob("*.yml"))
+            raise ConfigError(f"model_name={model_name!r}: no file {model_file}; available: {', '.join(available)}")
+        model_layer = _read_yaml(model_file)
+        _check_known_keys(model_layer, str(model_file))
+        model_layers = [(str(model_file), model_layer)]
+    ordered = chain[:1] + model_layers + chain[1:] + [overrides]
+    return config_from_dict(_merge([layer for _, layer in ordered]))
+
+
+def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """`key=value` strings -> dict, values typed as YAML (OmegaConf)."""
+    result: dict[str, Any] = {}
+    for item in items:
+        key, sep, _ = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        if "." in key:
+            raise ConfigError(f"override {item!r}: keys are flat (no dots); did you mean {_suggest(key.split('.')[-1])}?")
+        try:
+            parsed = OmegaConf.to_container(OmegaConf.from_dotlist([item]))
+        except omegaconf.errors.OmegaConfBaseException as e:
+            raise ConfigError(f"override {item!r}: cannot parse value: {e}") from None
+        result[key] = parsed[key]
+    return result
+
+
+def config_from_dict(values: Mapping[str, Any]) -> Config:
+    """Validate a complete key -> value mapping and build the Config."""
+    _check_known_keys(values, "config")
+    missing = sorted(set(FIELDS) - set(values))
+    if missing:
+        raise ConfigError(f"missing config keys: {', '.join(missing)} (every key needs a default in configs/base.yml)")
+    typed = {name: _coerce(name, values[name]) for name in FIELDS}
+    config = Config(**typed)
+    validate(config)
+    return config
+
+
+def _yaml_chain(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """[(source, layer)] from the root (no base_config) down to `path`."""
+    chain: list[tuple[str, dict[str, Any]]] = []
+    seen: set[Path] = set()
+    while True:
+        path = path.resolve()
+        if path in seen:
+            raise ConfigError(f"base_config cycle at {path}")
+        seen.add(path)
+        layer = _read_yaml(path)
+        parent = layer.pop("base_config", None)
+        chain.insert(0, (str(path), layer))
+        if parent is None:
+            return chain
+        path = path.parent / str(parent)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(path))
+    except Exception as e:  # yaml and OmegaConf raise many kinds
+        raise ConfigError(f"cannot parse {path}: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of key: value")
+    return data
+
+
+def _merge(layers: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        merged.update(layer)
+    return merged
+
+
+def _suggest(key: str) -> str:
+    close = difflib.get_close_matches(key, list(FIELDS), n=3, cutoff=0.6)
+    if not close:
+        close = [name for name in FIELDS if key in name or name in key][:3]
+    return " or ".join(close) if close else "(no similar key; see configs/base.yml)"
+
+
+def _check_known_keys(layer: Mapping[str, Any], source: str) -> None:
+    for key in layer:
+        if key not in FIELDS:
+            raise ConfigError(f"unknown config key {key!r} in {source}; did you mean {_suggest(str(key))}?")
+
+
+def _type_name(hint: Any) -> str:
+    return getattr(hint, "__name__", str(hint))
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Check `value` against the schema type of `name`; ints are accepted as floats."""
+    hint = _HINTS[name]
+    bad = ConfigError(f"{name}={value!r}: expected {_type_name(hint)}, got {type(value).__name__}")
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise bad
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise bad
+        return value
+    if typing.get_origin(hint) is tuple and typing.get_args(hint) == (str, ...):
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{name}={value!r}: expected a list of strings")
+        return tuple(value)
+    return _coerce_rules(name, value)
+
+
+def _coerce_rules(name: str, value: Any) -> tuple[AxisRule, ...]:
+    example = "e.g. [[embed, [fsdp]], [mlp, [tensor]]]"
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{name}: expected a list of [logical_name, [mesh axes]] rules, {example}")
+    rules = []
+    for rule in value:
+        ok = isinstance(rule, (list, tuple)) and len(rule) == 2 and isinstance(rule[0], str)
+        axes = rule[1] if ok else None
+        if isinstance(axes, str):
+            axes = [axes]
+        if axes is None:
+            axes = [] if ok else None
+        if not ok or not isinstance(axes, (list, tuple)) or not all(isinstance(a, str) for a in axes):
+            raise ConfigError(f"{name}: bad rule {rule!r}; each rule is [logical_name, [mesh axes]], {example}")
+        unknown = [a for a in axes if a not in PHYSICAL_AXES]
+        if unknown:
+            raise ConfigError(f"{name}: rule {rule!r} names unknown mesh axis {unknown[0]!r}; "
+                              f"mesh axes are {', '.join(PHYSICAL_AXES)}")
+        rules.append((rule[0], tuple(axes)))
+    return tuple(rules)
+
+
+# ---------------------------------------------------------------- validation
+
+def validate(config: Config) -> None:
+    """Ranges, choices and cross-key rules that need no devices."""
+    for name, field in FIELDS.items():
+        value, meta = getattr(config, name), field.metadata
+        if meta["choices"] is not None and value not in meta["choices"]:
+            raise ConfigError(f"{name}={value!r}: must be one of {', '.join(map(str, meta['choices']))}")
+        if value in meta["allow"]:
+            continue
+        if meta["min"] is not None and value < meta["min"]:
+            raise ConfigError(f"{name}={value!r}: must be >= {meta['min']}")
+        if meta["max"] is not None and value > meta["max"]:
+            raise ConfigError(f"{name}={value!r}: must be <= {meta['max']}")
+    if sorted(config.mesh_axes) != sorted(PHYSICAL_AXES):
+        raise ConfigError(f"mesh_axes={list(config.mesh_axes)}: must be a permutation of {', '.join(PHYSICAL_AXES)}")
+    if config.num_query_heads % config.num_kv_heads:
+        raise ConfigError(f"num_query_heads={config.num_query_heads} must be a multiple of "
+                          f"num_kv_heads={config.num_kv_heads}")
+    for level, degrees in (("ici", config.ici_parallelism()), ("dcn", config.dcn_parallelism())):
+        for axis, degree in degrees.items():
+            if degree == 0:
+                raise ConfigError(f"{level}_{axis}_parallelism=0: must be a positive degree or -1 (fill)")
+        fills = [axis for axis, degree in degrees.items() if degree == -1]
+        if len(fills) > 1:
+            raise ConfigError(f"at most one {level}_*_parallelism may be -1; got -1 for "
+                              + ", ".join(f"{level}_{a}_parallelism" for a in fills))
+    if config.dataset_type == "text" and not config.dataset_path:
+        raise ConfigError("dataset_type=text needs dataset_path (a glob of text files)")
+
+
+def to_yaml(config: Config) -> str:
+    """Every key with its value, for logs and checkpoints."""
+    return OmegaConf.to_yaml(OmegaConf.create(config.to_dict()))
+
+
+def describe_keys() -> list[tuple[str, str, str]]:
+    """(key, type, doc) for every key: used by `--help` and the base.yml test."""
+    return [(name, _type_name(_HINTS[name]), field.metadata["doc"]) for name, field in FIELDS.items()]
+

@@ -1,0 +1,16 @@
+"""Data input: tokenizers, packed text batches and synthetic batches."""
+
+from maxpar.data.synthetic import synthetic_batches
+from maxpar.data.text import process_rows, resolve_files, split_files, text_batches
+from maxpar.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+
+__all__ = [
+    "ByteTokenizer",
+    "Tokenizer",
+    "load_tokenizer",
+    "process_rows",
+    "resolve_files",
+    "split_files",
+    "synthetic_batches",
+    "text_batches",
+]

@@ -1,0 +1,229 @@
+"""Packed language-model batches from whole text files.
+
+Layout ("lanes"): row j of every global batch comes from lane j, an independent
+packed stream over its own documents. A process builds only its contiguous
+block of lanes, so the global batch is bitwise identical for any process count
+and each process reads only the files its lanes need.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import os
+import sysconfig
+from collections.abc import Sequence
+from typing import Any
+
+import grain
+import numpy as np
+
+from maxpar.data.tokenizer import Tokenizer
+
+# Datasets are index-addressed; this is "forever" (one doc or step per index).
+INFINITE = 2**62
+STDLIB_PLACEHOLDER = "{stdlib}"
+
+
+
+def sync_read() -> grain.ReadOptions:
+    """Reads on demand in the caller's thread.
+
+    Grain's default prefetches 500 elements on 16 threads per stream; with one
+    stream per lane that would read far ahead of what the batches need.
+    """
+    return grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+
+
+def resolve_files(pattern: str) -> list[str]:
+    """Expands `{stdlib}` and globs recursively, so the default corpus (the
+    Python standard library source) is found on any machine without a download."""
+    expanded = os.path.expanduser(
+        pattern.replace(STDLIB_PLACEHOLDER, sysconfig.get_paths()["stdlib"])
+    )
+    files = sorted(p for p in glob.glob(expanded, recursive=True) if os.path.isfile(p))
+    if not files:
+        raise ValueError(
+            f"data file pattern {pattern!r} (expanded to {expanded!r}) matches no files"
+        )
+    return files
+
+
+def split_files(
+    files: Sequence[str], eval_fraction: float, seed: int
+) -> tuple[list[str], list[str]]:
+    """Returns (train, eval): whole files held out, so eval text is never trained on.
+
+    Holds out max(1, round(eval_fraction * n)) files (at most n - 1) when
+    eval_fraction > 0 and n >= 2; none otherwise. Both lists keep input order.
+    """
+    if not 0.0 <= eval_fraction < 1.0:
+        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    n = len(files)
+    if eval_fraction == 0.0 or n < 2:
+        return list(files), []
+    n_eval = min(n - 1, max(1, round(eval_fraction * n)))
+    held_out = set(np.random.default_rng(_entropy(seed)).permutation(n)[:n_eval].tolist())
+    train = [f for i, f in enumerate(files) if i not in held_out]
+    evals = [f for i, f in enumerate(files) if i in held_out]
+    return train, evals
+
+
+def process_rows(global_batch_rows: int, process_index: int, process_count: int) -> range:
+    """The global batch rows (= lanes) owned by one process: a contiguous block."""
+    if global_batch_rows < 1:
+        raise ValueError(f"global_batch_rows must be >= 1, got {global_batch_rows}")
+    if process_count < 1 or not 0 <= process_index < process_count:
+        raise ValueError(f"bad process_index={process_index} for process_count={process_count}")
+    if global_batch_rows % process_count:
+        raise ValueError(
+            f"global_batch_rows={global_batch_rows} is not divisible by "
+            f"process_count={process_count}"
+        )
+    rows = global_batch_rows // process_count
+    return range(process_index * rows, (process_index + 1) * rows)
+
+
+def _entropy(seed: int) -> int:
+    """Seeds as non-negative ints, because numpy SeedSequence rejects negatives."""
+    return int(seed) % 2**64
+
+
+def read_text(path: str) -> str:
+    """Reads a whole document; undecodable bytes become U+FFFD rather than errors."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read()
+
+
+def document_features(text: str, tokenizer: Tokenizer) -> dict[str, np.ndarray]:
+    """(input, target) pairs of one document: `[bos] + text + [eos]` shifted by one,
+    so no target ever belongs to another document."""
+    body = tokenizer.encode(text)
+    toks = np.empty(len(body) + 2, np.int32)
+    toks[0] = tokenizer.bos_id
+    toks[1:-1] = body
+    toks[-1] = tokenizer.eos_id
+    return {"inputs": toks[:-1], "targets": toks[1:]}
+
+
+class _LaneDocuments:
+    """Maps lane-local index m to the features of the lane's m-th document.
+
+    Documents form an endless sequence of epochs (global index k is position
+    k % n of epoch k // n's seeded permutation); lane j takes k = j + m * lanes.
+    Every lane thus gets documents even when n < lanes, and each epoch reshuffles.
+    """
+
+    def __init__(self, files: Sequence[str], tokenizer: Tokenizer, *, lane: int,
+                 lanes: int, seed: int):
+        self._files = tuple(files)
+        self._tokenizer = tokenizer
+        self._lane = lane
+        self._lanes = lanes
+        self._seed = _entropy(seed)
+        self._order: tuple[int, np.ndarray] | None = None  # (epoch, permutation) cache
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if self._order is None or self._order[0] != epoch:
+            rng = np.random.default_rng([self._seed, epoch])
+            self._order = (epoch, rng.permutation(len(self._files)))
+        return self._order[1]
+
+    def path(self, m: int) -> str:
+        epoch, position = divmod(self._lane + m * self._lanes, len(self._files))
+        return self._files[int(self._permutation(epoch)[position])]
+
+    def __call__(self, m: int) -> dict[str, np.ndarray]:
+        return document_features(read_text(self.path(m)), self._tokenizer)
+
+
+class _JsonSafeState(grain.IterDataset):
+    """Makes a ConcatThenSplit iterator's state survive a JSON round trip.
+
+    Grain's packer stores slices as tuples and compares them with a tuple
+    sentinel; after JSON (Orbax writes iterator state as JSON) they come back as
+    lists and a restore silently produces different rows. We hand out lists and
+    turn them back into tuples on restore.
+    """
+
+    def __iter__(self) -> grain.DatasetIterator:
+        return _JsonSafeStateIterator(self._parent.__iter__())
+
+
+class _JsonSafeStateIterator(grain.DatasetIterator):
+
+    def __next__(self) -> Any:
+        return next(self._parent)
+
+    def get_state(self) -> dict[str, Any]:
+        state = dict(self._parent.get_state())
+        state["remainder_slices"] = {
+            k: [int(x) for x in v] for k, v in state["remainder_slices"].items()
+        }
+        return state
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        state["remainder_slices"] = {
+            k: tuple(int(x) for x in v) for k, v in state["remainder_slices"].items()
+        }
+        self._parent.set_state(state)
+
+
+def _lane_rows(documents: _LaneDocuments, seq_len: int) -> grain.IterDataset:
+    """One lane: its documents packed end to end into rows of seq_len."""
+    docs = grain.MapDataset.range(INFINITE).map(documents).to_iter_dataset(sync_read())
+    packed = grain.experimental.ConcatThenSplitIterDataset(
+        docs, length_struct={"inputs": seq_len, "targets": seq_len}
+    )
+    return _JsonSafeState(packed)
+
+
+def _stack_lanes(rows: tuple[dict[str, np.ndarray], ...], pad_id: int) -> dict[str, np.ndarray]:
+    """Stacks one row per lane into the batch dict; padding gets pad_id/position 0.
+
+    Positions come from the packer and restart at 0 for every segment, including
+    the continuation of a document split across rows: attention never sees the
+    earlier part, and RoPE only depends on relative positions anyway.
+    """
+    segment_ids = np.stack([r["inputs_segment_ids"] for r in rows]).astype(np.int32)
+    valid = segment_ids > 0
+    return {
+        "inputs": np.where(valid, np.stack([r["inputs"] for r in rows]), pad_id).astype(np.int32),
+        "targets": np.where(valid, np.stack([r["targets"] for r in rows]), pad_id).astype(np.int32),
+        "segment_ids": segment_ids,
+        "positions": np.where(valid, np.stack([r["inputs_positions"] for r in rows]), 0).astype(np.int32),
+    }
+
+
+def text_batches(
+    files: Sequence[str],
+    tokenizer: Tokenizer,
+    *,
+    seq_len: int,
+    global_batch_rows: int,
+    seed: int,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> grain.IterDataset:
+    """This process's rows of an endless stream of packed global batches.
+
+    Yields dicts of int32 arrays [global_batch_rows // process_count, seq_len]:
+    inputs, targets, segment_ids (1, 2, ... per document in a row; 0 = padding)
+    and positions (within the segment). Same seed -> same stream, for any
+    process_count. Iterators support get_state()/set_state() with JSON-safe state.
+    """
+    if not files:
+        raise ValueError("text_batches needs at least one file")
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    lanes = process_rows(global_batch_rows, process_index, process_count)
+    streams = [
+        _lane_rows(
+            _LaneDocuments(files, tokenizer, lane=lane, lanes=global_batch_rows, seed=seed),
+            seq_len,
+        )
+        for lane in lanes
+    ]
+    pad_id = int(tokenizer.pad_id)
+    return grain.experimental.ZipIterDataset(streams).map(functools.partial(_stack_lanes, pad_id=pad_id))

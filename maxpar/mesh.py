@@ -1,0 +1,103 @@
+"""Physical device mesh: ICI degrees within a slice, DCN degrees across slices.
+
+`resolve_mesh_shape` is pure (tests call it with any device count);
+`create_mesh` lays out real devices. A "slice" is a set of devices joined by
+the fast interconnect: a TPU slice where devices have `slice_index`, otherwise
+one process (a host), so that multi-process CPU/GPU jobs get a real DCN level.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh
+
+from maxpar.config import Config, ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshShape:
+    """Resolved degrees per physical axis, in `axis_names` order."""
+
+    axis_names: tuple[str, ...]
+    ici: tuple[int, ...]
+    dcn: tuple[int, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(i * d for i, d in zip(self.ici, self.dcn))
+
+    def degree(self, axis: str) -> int:
+        return self.shape[self.axis_names.index(axis)]
+
+    def describe(self) -> str:
+        return " ".join(f"{a}={i}x{d}" if d > 1 else f"{a}={i}"
+                        for a, i, d in zip(self.axis_names, self.ici, self.dcn) if i * d > 1) or "single device"
+
+
+def _fill(level: str, degrees: Mapping[str, int], total: int, unit: str) -> dict[str, int]:
+    """Replace the one -1 so that the product of degrees equals `total`."""
+    known = math.prod(d for d in degrees.values() if d != -1)
+    listing = ", ".join(f"{level}_{a}_parallelism={d}" for a, d in degrees.items() if d != 1)
+    fills = [a for a, d in degrees.items() if d == -1]
+    if fills:
+        if total % known:
+            raise ConfigError(f"cannot fill {level}_{fills[0]}_parallelism=-1: the other {level} degrees "
+                              f"({listing}) multiply to {known}, which does not divide {total} {unit}")
+        return {a: (total // known if d == -1 else d) for a, d in degrees.items()}
+    if known != total:
+        raise ConfigError(f"{level} degrees ({listing or 'all 1'}) multiply to {known} but there are {total} {unit}; "
+                          f"set one {level}_*_parallelism to -1 to fill it")
+    return dict(degrees)
+
+
+def resolve_mesh_shape(config: Config, num_devices: int, num_slices: int = 1) -> MeshShape:
+    """Fill the -1 degrees for `num_devices` devices spread over `num_slices` slices."""
+    if num_devices % num_slices:
+        raise ConfigError(f"{num_devices} devices do not split evenly into {num_slices} slices")
+    ici = _fill("ici", config.ici_parallelism(), num_devices // num_slices, "devices per slice")
+    dcn = _fill("dcn", config.dcn_parallelism(), num_slices, "slices")
+    names = config.mesh_axes
+    return MeshShape(names, tuple(ici[a] for a in names), tuple(dcn[a] for a in names))
+
+
+def slice_granules(devices: Sequence[jax.Device]) -> tuple[int, bool]:
+    """(number of slices, whether they are processes rather than TPU slices)."""
+    if all(hasattr(d, "slice_index") for d in devices):
+        return len({d.slice_index for d in devices}), False
+    return len({d.process_index for d in devices}), True
+
+
+def num_slices_for(config: Config, devices: Sequence[jax.Device]) -> int:
+    """The slice count the mesh will use: detected, or the configured 1 (flat)."""
+    detected, _ = slice_granules(devices)
+    if config.num_slices in (-1, detected):
+        return detected
+    if config.num_slices == 1:
+        return 1
+    raise ConfigError(f"num_slices={config.num_slices} but the devices form {detected} slice(s) "
+                      f"(TPU slices, or processes elsewhere); use -1 to detect or 1 for one flat mesh")
+
+
+def create_mesh(config: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Build the Mesh; hierarchical (hybrid) when there is more than one slice."""
+    devices = list(jax.devices() if devices is None else devices)
+    num_slices = num_slices_for(config, devices)
+    shape = resolve_mesh_shape(config, len(devices), num_slices)
+    if num_slices == 1:
+        array = mesh_utils.create_device_mesh(shape.shape, devices, allow_split_physical_axes=True)
+    else:
+        _, by_process = slice_granules(devices)
+        array = mesh_utils.create_hybrid_device_mesh(
+            shape.ici, shape.dcn, devices, process_is_granule=by_process, allow_split_physical_axes=True)
+    return Mesh(np.asarray(array), shape.axis_names)
+
+
+def mesh_shape_of(mesh: Mesh, config: Config) -> MeshShape:
+    """The resolved degrees of an existing mesh (for printing and planning)."""
+    return resolve_mesh_shape(config, mesh.devices.size, num_slices_for(config, list(mesh.devices.flat)))

@@ -1,0 +1,115 @@
+"""Analytic FLOPs, MFU, parameter counts, and the metrics writers (JSONL, TensorBoard, terminal)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from maxpar.config import Config
+
+# Peak dense bf16 FLOP/s per device (no sparsity), from the vendors' spec sheets.
+# Matched against jax's device_kind; the longest matching key wins.
+PEAK_BF16_FLOPS = {
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,   # v5e
+    "TPU v5e": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v5": 459e12,        # v5p reports itself as "TPU v5"
+    "TPU v6 lite": 918e12,   # v6e (Trillium)
+    "TPU v6e": 918e12,
+    "A100": 312e12,
+    "H100": 989e12,          # SXM
+    "H100 PCIe": 756e12,
+    "H200": 989e12,
+    "GH200": 989e12,
+    "B200": 2250e12,
+}
+
+METRIC_KEYS = ("step", "loss", "eval_loss", "learning_rate", "grad_norm", "step_time_s", "tokens_per_s",
+               "tokens_per_s_per_device", "tflops_per_device", "mfu")
+
+
+def peak_flops(device_kind: str, configured: float = 0.0) -> float | None:
+    """Peak FLOP/s of one device: the configured value, else the table, else None (unknown)."""
+    if configured > 0:
+        return configured
+    matches = [key for key in PEAK_BF16_FLOPS if key.lower() in device_kind.lower()]
+    return PEAK_BF16_FLOPS[max(matches, key=len)] if matches else None
+
+
+def matmul_params(config: Config) -> int:
+    """Weights that take part in a matmul per token (the output projection included, even if tied)."""
+    e, d = config.emb_dim, config.head_dim
+    attention = e * d * (2 * config.num_query_heads + 2 * config.num_kv_heads)
+    mlp = 3 * e * config.mlp_dim
+    return config.num_decoder_layers * (attention + mlp) + e * config.vocab_size
+
+
+def training_flops_per_token(config: Config) -> float:
+    """Forward + backward FLOPs per token: 6 * matmul params + causal attention.
+
+    Attention scores (QK^T) and the weighted sum (PV) cost 2 * 2 * head_dim FLOPs per
+    query head per attended key. Causal attention is counted once: a query attends on
+    average seq/2 keys (the lower triangle), i.e. half of PaLM's 12*L*H*D*T term.
+    Backward is twice forward, hence the factor 3 on both terms.
+    """
+    per_layer_attention = 2 * config.max_target_length * config.num_query_heads * config.head_dim
+    return 6 * matmul_params(config) + 3 * config.num_decoder_layers * per_layer_attention
+
+
+def parameter_counts(abstract_params: Any) -> dict[str, int]:
+    """Total and embedding parameter counts of an (abstract) parameter tree."""
+    total, embedding = 0, 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_params):
+        size = math.prod(leaf.shape)
+        total += size
+        if "token_embedding" in jax.tree_util.keystr(path):
+            embedding += size
+    return {"total": total, "embedding": embedding, "non_embedding": total - embedding}
+
+
+def throughput(config: Config, *, tokens_per_step: int, step_time_s: float, num_devices: int,
+               peak: float | None) -> dict[str, float | None]:
+    tokens_per_s = tokens_per_step / step_time_s
+    tflops = tokens_per_s * training_flops_per_token(config) / num_devices / 1e12
+    return {
+        "step_time_s": step_time_s,
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_device": tokens_per_s / num_devices,
+        "tflops_per_device": tflops,
+        "mfu": tflops * 1e12 / peak if peak else None,
+    }
+
+
+class MetricsWriter:
+    """metrics.jsonl (one object per logged step) and TensorBoard events; process 0 only."""
+
+    def __init__(self, run_dir: Path, enabled: bool):
+        self.enabled = enabled
+        if not enabled:
+            return
+        from tensorboardX import SummaryWriter
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        self._tensorboard = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def write(self, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {key: row.get(key) for key in METRIC_KEYS}
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        for key, value in record.items():
+            if key != "step" and value is not None:
+                self._tensorboard.add_scalar(key, value, row["step"])
+        self._tensorboard.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self._jsonl.close()
+            self._tensorboard.close()

@@ -1,0 +1,5 @@
+"""Flax Linen model of maxpar."""
+
+from maxpar.model.transformer import Transformer
+
+__all__ = ["Transformer"]

@@ -1,0 +1,118 @@
+"""Building blocks of a Llama-style decoder: RMSNorm, RoPE, GQA attention, SwiGLU.
+
+Weights carry logical axis names (`nn.with_logical_partitioning`) and
+activations logical constraints; no physical mesh axis appears here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from maxpar.config import Config
+
+Array = jax.Array
+
+# Logical axes of activations.
+RESIDUAL = ("activation_batch", "activation_length", "activation_embed")
+ATTN_Q = ("activation_batch", "activation_attn_length", "activation_heads", "activation_head_dim")
+ATTN_KV = ("activation_batch", "activation_attn_length", "activation_kv_heads", "activation_head_dim")
+MLP_HIDDEN = ("activation_batch", "activation_length", "activation_mlp")
+
+
+def constrain(x: Array, logical_axes: Sequence[str]) -> Array:
+    return nn.with_logical_constraint(x, tuple(logical_axes))
+
+
+def kernel(module: nn.Module, name: str, shape: Sequence[int], axes: Sequence[str],
+           fan_in_axes: Sequence[int], weight_dtype: jnp.dtype) -> Array:
+    """A matmul weight with fan-in-scaled truncated-normal init and logical axes."""
+    fan_out_axes = tuple(i for i in range(len(shape)) if i not in tuple(fan_in_axes))
+    init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal",
+                                            in_axis=tuple(fan_in_axes), out_axis=fan_out_axes)
+    return module.param(name, nn.with_logical_partitioning(init, tuple(axes)), tuple(shape), weight_dtype)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32."""
+
+    config: Config
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        cfg = self.config
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+                           (x.shape[-1],), jnp.dtype(cfg.weight_dtype))
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.normalization_layer_epsilon)
+        return (normed * scale.astype(jnp.float32)).astype(cfg.dtype)
+
+
+def apply_rope(x: Array, positions: Array, theta: float) -> Array:
+    """Rotary embedding in the half-split convention: x [B, L, H, D], positions [B, L]."""
+    half = x.shape[-1] // 2
+    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = positions.astype(jnp.float32)[:, :, None, None] * inv_freq
+    sin, cos = jnp.sin(angle), jnp.cos(angle)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def attention_mask(segment_ids: Array) -> Array:
+    """[B, 1, 1, Lq, Lk]: causal, and only within the same packed document."""
+    length = segment_ids.shape[1]
+    causal = jnp.arange(length)[:, None] >= jnp.arange(length)[None, :]
+    same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return (causal[None] & same_doc)[:, None, None]
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention with RoPE; softmax in float32."""
+
+    config: Config
+
+    @nn.compact
+    def __call__(self, x: Array, positions: Array, segment_ids: Array) -> Array:
+        cfg = self.config
+        wdt, dt = jnp.dtype(cfg.weight_dtype), jnp.dtype(cfg.dtype)
+        e, h, kv, d = cfg.emb_dim, cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
+        wq = kernel(self, "query", (e, h, d), ("embed", "heads", "head_dim"), (0,), wdt)
+        wk = kernel(self, "key", (e, kv, d), ("embed", "kv_heads", "head_dim"), (0,), wdt)
+        wv = kernel(self, "value", (e, kv, d), ("embed", "kv_heads", "head_dim"), (0,), wdt)
+        wo = kernel(self, "out", (h, d, e), ("heads", "head_dim", "embed"), (0, 1), wdt)
+
+        q = constrain(jnp.einsum("ble,ehd->blhd", x, wq.astype(dt)), ATTN_Q)
+        k = constrain(jnp.einsum("ble,ehd->blhd", x, wk.astype(dt)), ATTN_KV)
+        v = constrain(jnp.einsum("ble,ehd->blhd", x, wv.astype(dt)), ATTN_KV)
+        q = apply_rope(q, positions, cfg.rope_theta) * jnp.asarray(d ** -0.5, dt)
+        k = apply_rope(k, positions, cfg.rope_theta)
+
+        b, length = x.shape[:2]
+        q = q.reshape(b, length, kv, cfg.query_groups, d)
+        scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
+        scores = jnp.where(attention_mask(segment_ids), scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+        out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, length, h, d)
+        out = constrain(out, ATTN_Q)
+        return constrain(jnp.einsum("blhd,hde->ble", out, wo.astype(dt)), RESIDUAL)
+
+
+class Mlp(nn.Module):
+    """SwiGLU feed-forward: silu(x W_gate) * (x W_up) W_down."""
+
+    config: Config
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        cfg = self.config
+        wdt, dt = jnp.dtype(cfg.weight_dtype), jnp.dtype(cfg.dtype)
+        e, m = cfg.emb_dim, cfg.mlp_dim
+        w_gate = kernel(self, "wi_gate", (e, m), ("embed", "mlp"), (0,), wdt)
+        w_up = kernel(self, "wi_up", (e, m), ("embed", "mlp"), (0,), wdt)
+        w_down = kernel(self, "wo", (m, e), ("mlp", "embed"), (0,), wdt)
+        gate = constrain(x @ w_gate.astype(dt), MLP_HIDDEN)
+        up = constrain(x @ w_up.astype(dt), MLP_HIDDEN)
+        return constrain((nn.silu(gate) * up) @ w_down.astype(dt), RESIDUAL)

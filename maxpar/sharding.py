@@ -1,0 +1,62 @@
+"""Logical axes -> physical mesh shardings, driven by `logical_axis_rules` data.
+
+Model code names only logical axes; this module is the one place that turns
+them into `NamedSharding`s for a given mesh and rule set.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from maxpar.config import AxisRule, ConfigError
+
+BATCH_AXES = ("activation_batch", "activation_length")
+
+
+def logical_specs(boxed_tree: Any) -> Any:
+    """Logical PartitionSpecs of a tree whose leaves carry `nn.Partitioned` metadata."""
+    return nn.get_partition_spec(boxed_tree)
+
+
+def mesh_shardings(logical_spec_tree: Any, mesh: Mesh, rules: Sequence[AxisRule]) -> Any:
+    """NamedShardings for a tree of logical PartitionSpecs."""
+    return nn.logical_to_mesh_sharding(logical_spec_tree, mesh, list(rules))
+
+
+def batch_sharding(mesh: Mesh, rules: Sequence[AxisRule]) -> NamedSharding:
+    """Sharding of [batch, length] input arrays."""
+    return NamedSharding(mesh, nn.logical_to_mesh_axes(BATCH_AXES, list(rules)))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def shard_count(sharding: NamedSharding) -> int:
+    """Into how many distinct pieces the sharding cuts an array."""
+    spec = sharding.spec
+    axes = [a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)]
+    return math.prod(sharding.mesh.shape[a] for a in axes)
+
+
+def check_divisible(abstract_tree: Any, shardings: Any) -> None:
+    """Every sharded dimension must divide evenly; name the offender if not."""
+    leaves = jax.tree_util.tree_leaves_with_path(abstract_tree)
+    for (path, leaf), sharding in zip(leaves, jax.tree_util.tree_leaves(shardings)):
+        for dim, entry in zip(leaf.shape, sharding.spec):
+            if entry is None:
+                continue
+            axes = (entry,) if isinstance(entry, str) else tuple(entry)
+            degree = math.prod(sharding.mesh.shape[a] for a in axes)
+            if dim % degree:
+                name = jax.tree_util.keystr(path)
+                raise ConfigError(
+                    f"parameter {name} of shape {tuple(leaf.shape)} cannot be split: dimension {dim} is sharded over "
+                    f"mesh axes {axes} of total degree {degree}. Change the model dims or the "
+                    f"ici_/dcn_*_parallelism degrees (or logical_axis_rules) so that {degree} divides {dim}.")

@@ -1,0 +1,200 @@
+"""`python -m maxpar.train CONFIG.yml [key=value ...]`: the training loop.
+
+config -> mesh -> sharded state -> jitted step -> loop with logging, eval and
+checkpoints. Everything device-dependent starts here, never while parsing config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from tqdm import tqdm
+
+from maxpar import checkpoint
+from maxpar.config import Config, ConfigError, load_config
+from maxpar.data.pipeline import make_datasets
+from maxpar.mesh import create_mesh, resolve_mesh_shape, num_slices_for
+from maxpar.metrics import (MetricsWriter, parameter_counts, peak_flops, throughput,
+                            training_flops_per_token)
+from maxpar.model import Transformer
+from maxpar.optimizer import make_optimizer
+from maxpar.sharding import batch_sharding
+from maxpar.train_step import (create_state, jit_eval_step, jit_train_step, sharding_context,
+                               state_shardings)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchShape:
+    """Rows per optimizer step and per microbatch for a device count."""
+
+    global_rows: int
+    microbatch_rows: int
+    tokens_per_step: int
+
+
+def batch_shape(config: Config, num_devices: int) -> BatchShape:
+    """Global batch = per_device_batch_size x devices x gradient_accumulation_steps rows."""
+    micro = config.per_device_batch_size * num_devices
+    if micro != int(micro) or micro < 1:
+        raise ConfigError(f"per_device_batch_size={config.per_device_batch_size} x {num_devices} devices = {micro} "
+                          f"rows per microbatch; it must be a whole number >= 1")
+    rows = int(micro) * config.gradient_accumulation_steps
+    return BatchShape(rows, int(micro), rows * config.max_target_length)
+
+
+def process_rows(sharding: NamedSharding, global_rows: int) -> tuple[int, int]:
+    """(index, count) of this process's contiguous block of batch rows.
+
+    The data pipeline produces block `index` of `count` equal blocks; this
+    checks that the mesh gives each process such a block.
+    """
+    owned = set()
+    for index in sharding.addressable_devices_indices_map((global_rows, 1)).values():
+        owned.update(range(global_rows)[index[0]])
+    count = global_rows // len(owned)
+    first = min(owned)
+    if len(owned) * count != global_rows or owned != set(range(first, first + len(owned))) or first % len(owned):
+        raise ConfigError("this process's devices do not hold one contiguous block of the batch; put the "
+                          "cross-process (DCN) degree on the data or fsdp axis, outermost in mesh_axes")
+    return first // len(owned), count
+
+
+def global_batch(local: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
+    """Assemble global arrays from each process's rows."""
+    return {key: jax.make_array_from_process_local_data(sharding, value) for key, value in local.items()}
+
+
+def run_directory(config: Config) -> Path:
+    name = config.run_name or time.strftime("run_%Y%m%d_%H%M%S")
+    return Path(config.base_output_directory) / name
+
+
+def _evaluate(eval_step, params, dataset_factory, steps: int, sharding) -> float:
+    """Mean loss over the first `steps` batches of a fresh eval iterator (comparable over time)."""
+    iterator = iter(dataset_factory())
+    totals = [eval_step(params, global_batch(next(iterator), sharding)) for _ in range(steps)]
+    loss_sum = sum(float(t["loss_sum"]) for t in totals)
+    tokens = sum(float(t["tokens"]) for t in totals)
+    return loss_sum / max(tokens, 1.0)
+
+
+def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: Path | None = None) -> dict[str, Any]:
+    """Train per `config`; returns the last logged metrics row."""
+    devices = list(jax.devices() if devices is None else devices)
+    run_dir = run_dir or run_directory(config)
+    lead = jax.process_index() == 0
+    log = tqdm.write if lead else (lambda *_: None)
+
+    mesh = create_mesh(config, devices)
+    shape = batch_shape(config, len(devices))
+    eval_rows = shape.microbatch_rows
+    in_sharding = batch_sharding(mesh, config.axis_rules)
+    shard_index, shard_count = process_rows(in_sharding, shape.global_rows)
+    train_data, eval_data = make_datasets(config, global_rows=shape.global_rows, eval_rows=eval_rows,
+                                          shard_index=shard_index, shard_count=shard_count)
+
+    model, tx = Transformer(config), make_optimizer(config)
+    abstract, shardings = state_shardings(model, tx, config, mesh)
+    counts = parameter_counts(abstract.params)
+    peak = peak_flops(devices[0].device_kind, config.peak_flops_per_device)
+    mesh_desc = resolve_mesh_shape(config, len(devices), num_slices_for(config, devices)).describe()
+    log(f"maxpar: run {run_dir}")
+    log(f"  model {config.model_name or 'custom'}: {counts['total']:,} parameters "
+        f"({counts['non_embedding']:,} non-embedding), {config.num_decoder_layers} layers, emb {config.emb_dim}")
+    log(f"  mesh {mesh_desc} over {len(devices)} {devices[0].device_kind} device(s) in {jax.process_count()} process(es)")
+    log(f"  batch {shape.global_rows} rows x {config.max_target_length} tokens = {shape.tokens_per_step:,} tokens/step "
+        f"({config.gradient_accumulation_steps} microbatch(es)); {training_flops_per_token(config):.3e} FLOPs/token; "
+        f"peak {'unknown' if peak is None else f'{peak:.3e}'} FLOP/s per device")
+
+    iterator = iter(train_data)
+    manager = checkpoint.make_manager(run_dir, config) if config.enable_checkpointing else None
+    with sharding_context(mesh, config):
+        latest = manager.latest_step() if manager else None
+        if latest is not None:
+            state = checkpoint.restore(manager, latest, abstract, shardings, iterator)
+            log(f"  resumed from checkpoint at step {latest}")
+        else:
+            state = create_state(model, tx, config, mesh, shardings)
+        start = int(state.step)
+
+        batch_struct = {key: jax.ShapeDtypeStruct((shape.global_rows, config.max_target_length), np.int32,
+                                                  sharding=in_sharding)
+                        for key in ("inputs", "targets", "segment_ids", "positions")}
+        compile_start = time.perf_counter()
+        step_fn = jit_train_step(model, tx, config, mesh, shardings).lower(abstract, batch_struct).compile()
+        log(f"  compiled the train step in {time.perf_counter() - compile_start:.1f} s")
+        eval_fn = jit_eval_step(model, config, mesh, shardings.params) if eval_data else None
+
+        writer = MetricsWriter(run_dir, enabled=lead)
+        bar = tqdm(total=config.steps, initial=start, disable=None if lead else True, unit="step", dynamic_ncols=True)
+        row: dict[str, Any] = {}
+        window_start, window_steps = time.perf_counter(), 0
+        for step in range(start + 1, config.steps + 1):
+            state, metrics = step_fn(state, global_batch(next(iterator), in_sharding))
+            window_steps += 1
+            bar.update(1)
+            last = step == config.steps
+            eval_due = eval_fn is not None and config.eval_interval >= 0 and (
+                last or (config.eval_interval > 0 and step % config.eval_interval == 0))
+            if step % config.log_period == 0 or last or eval_due:
+                metrics = jax.device_get(metrics)
+                elapsed = (time.perf_counter() - window_start) / window_steps
+                row = {"step": step, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
+                       "learning_rate": float(metrics["learning_rate"]), "eval_loss": None,
+                       **throughput(config, tokens_per_step=shape.tokens_per_step, step_time_s=elapsed,
+                                    num_devices=len(devices), peak=peak)}
+                if eval_due:
+                    row["eval_loss"] = _evaluate(eval_fn, state.params, eval_data, config.eval_steps, in_sharding)
+                if not math.isfinite(row["loss"]):
+                    raise FloatingPointError(f"loss is {row['loss']} at step {step}; stopping")
+                writer.write(row)
+                bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+                log(_format_row(row))
+            if manager and (step % config.checkpoint_period == 0 or last):
+                checkpoint.save(manager, step, state, iterator, config)
+            if row.get("step") == step:
+                window_start, window_steps = time.perf_counter(), 0
+        bar.close()
+        writer.close()
+        if manager:
+            manager.wait_until_finished()
+            manager.close()
+    return row
+
+
+def _format_row(row: dict[str, Any]) -> str:
+    parts = [f"step {row['step']}", f"loss {row['loss']:.4f}"]
+    if row["eval_loss"] is not None:
+        parts.append(f"eval_loss {row['eval_loss']:.4f}")
+    parts += [f"lr {row['learning_rate']:.2e}", f"grad_norm {row['grad_norm']:.3f}",
+              f"{row['step_time_s'] * 1e3:.0f} ms/step", f"{row['tokens_per_s']:,.0f} tok/s",
+              f"{row['tflops_per_device']:.3f} TFLOP/s/device",
+              "MFU unknown" if row["mfu"] is None else f"MFU {row['mfu']:.1%}"]
+    return "  ".join(parts)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        config = load_config(argv)
+        train(config)
+    except ConfigError as e:
+        print(f"maxpar: config error: {e}", file=sys.stderr)
+        return 2
+    except FloatingPointError as e:
+        print(f"maxpar: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

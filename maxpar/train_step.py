@@ -1,0 +1,128 @@
+"""Train state, loss, and the jitted train and eval steps with explicit shardings."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+
+from maxpar.config import Config
+from maxpar.optimizer import learning_rate_schedule
+from maxpar.sharding import batch_sharding, check_divisible, logical_specs, mesh_shardings, replicated
+
+Batch = dict[str, jax.Array]
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+@contextlib.contextmanager
+def sharding_context(mesh: Mesh, config: Config) -> Iterator[None]:
+    """Mesh and logical rules that model tracing needs for its sharding constraints."""
+    with jax.set_mesh(mesh), nn.logical_axis_rules(list(config.axis_rules)):
+        yield
+
+
+def init_state(model: nn.Module, tx: optax.GradientTransformation, config: Config, rng: jax.Array) -> TrainState:
+    """Parameters and optimizer state, still boxed with their logical axes."""
+    tokens = jnp.zeros((1, config.max_target_length), jnp.int32)
+    params = model.init(rng, tokens, tokens, tokens)["params"]
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+
+def state_shardings(model: nn.Module, tx: optax.GradientTransformation, config: Config, mesh: Mesh) -> tuple[Any, Any]:
+    """(abstract unboxed state, its NamedShardings) from the logical axis rules."""
+    with sharding_context(mesh, config):
+        boxed = jax.eval_shape(partial(init_state, model, tx, config), jax.random.key(0))
+    shardings = mesh_shardings(logical_specs(boxed), mesh, config.axis_rules)
+    abstract = nn.unbox(boxed)
+    check_divisible(abstract, shardings)
+    return abstract, shardings
+
+
+def create_state(model: nn.Module, tx: optax.GradientTransformation, config: Config, mesh: Mesh,
+                 shardings: Any) -> TrainState:
+    """Initialize directly into the sharded layout: no device ever holds the full model."""
+    init = jax.jit(lambda rng: nn.unbox(init_state(model, tx, config, rng)), out_shardings=shardings)
+    with sharding_context(mesh, config):
+        return init(jax.random.key(config.seed))
+
+
+def loss_sum_and_count(params: Any, model: nn.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """Summed float32 cross-entropy over real (non-padding) targets, and their count."""
+    logits = model.apply({"params": params}, batch["inputs"], batch["positions"], batch["segment_ids"])
+    mask = batch["segment_ids"] != 0
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    return jnp.sum(jnp.where(mask, losses, 0.0)), jnp.sum(mask).astype(jnp.float32)
+
+
+def _split_microbatches(batch: Batch, num: int) -> Batch:
+    """[G, L] -> [num, G/num, L], keeping each device's rows on that device."""
+    return jax.tree.map(lambda x: x.reshape(x.shape[0] // num, num, *x.shape[1:]).swapaxes(0, 1), batch)
+
+
+def _grads(params: Any, model: nn.Module, batch: Batch, accumulation_steps: int) -> tuple[Any, jax.Array, jax.Array]:
+    """Gradient of the summed loss, accumulated over microbatches with a scan."""
+    grad_fn = jax.value_and_grad(loss_sum_and_count, has_aux=True)
+    if accumulation_steps == 1:
+        (loss_sum, count), grads = grad_fn(params, model, batch)
+        return grads, loss_sum, count
+
+    def accumulate(carry, micro):
+        grads_acc, loss_acc, count_acc = carry
+        (loss_sum, count), grads = grad_fn(params, model, micro)
+        grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
+        return (grads_acc, loss_acc + loss_sum, count_acc + count), None
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+    (grads, loss_sum, count), _ = jax.lax.scan(accumulate, init, _split_microbatches(batch, accumulation_steps))
+    return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), loss_sum, count
+
+
+def train_step(state: TrainState, batch: Batch, *, model: nn.Module, tx: optax.GradientTransformation,
+               config: Config) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer step on a global batch; loss is the mean over all its real tokens."""
+    grads, loss_sum, count = _grads(state.params, model, batch, config.gradient_accumulation_steps)
+    count = jnp.maximum(count, 1.0)
+    grads = jax.tree.map(lambda g: g / count.astype(g.dtype), grads)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {
+        "loss": loss_sum / count,
+        "grad_norm": optax.global_norm(grads),
+        "learning_rate": learning_rate_schedule(config)(state.step),
+        "tokens": count,
+    }
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def eval_step(params: Any, batch: Batch, *, model: nn.Module) -> dict[str, jax.Array]:
+    loss_sum, count = loss_sum_and_count(params, model, batch)
+    return {"loss_sum": loss_sum, "tokens": count}
+
+
+def jit_train_step(model: nn.Module, tx: optax.GradientTransformation, config: Config, mesh: Mesh,
+                   shardings: Any):
+    """The train step with explicit in/out shardings; the input state is donated."""
+    return jax.jit(partial(train_step, model=model, tx=tx, config=config),
+                   in_shardings=(shardings, batch_sharding(mesh, config.axis_rules)),
+                   out_shardings=(shardings, replicated(mesh)), donate_argnums=0)
+
+
+def jit_eval_step(model: nn.Module, config: Config, mesh: Mesh, param_shardings: Any):
+    return jax.jit(partial(eval_step, model=model),
+                   in_shardings=(param_shardings, batch_sharding(mesh, config.axis_rules)),
+                   out_shardings=replicated(mesh))
