@@ -91,7 +91,7 @@ class Config:
     mesh_axes: tuple[str, ...] = _key("order of the physical mesh axes (a permutation of data, fsdp, tensor, expert, stage)")
     logical_axis_rules: tuple[AxisRule, ...] = _key("logical axis -> physical mesh axes, in priority order")
     extra_logical_axis_rules: tuple[AxisRule, ...] = _key("rules checked before logical_axis_rules (strategy presets use this)")
-    num_slices: int = _key("slices (DCN granules); -1 = detect from the devices", min=-1, allow=(-1,))
+    num_slices: int = _key("slices (DCN granules); -1 = detect from the devices", min=1, allow=(-1,))
     ici_data_parallelism: int = _key("data-parallel degree within a slice (-1 = fill)", min=-1)
     ici_fsdp_parallelism: int = _key("FSDP degree within a slice (-1 = fill)", min=-1)
     ici_tensor_parallelism: int = _key("tensor-parallel degree within a slice (-1 = fill)", min=-1)
@@ -266,6 +266,8 @@ def _coerce(name: str, value: Any) -> Any:
             raise bad
         return float(value)
     if hint is str:
+        if value is None:  # `key=` on the command line
+            return ""
         if not isinstance(value, str):
             raise bad
         return value

@@ -51,14 +51,15 @@ def batch_shape(config: Config, num_devices: int) -> BatchShape:
     return BatchShape(rows, int(micro), rows * config.max_target_length)
 
 
-def process_rows(sharding: NamedSharding, global_rows: int) -> tuple[int, int]:
+def process_rows(sharding: NamedSharding, batch_shape: tuple[int, int]) -> tuple[int, int]:
     """(index, count) of this process's contiguous block of batch rows.
 
     The data pipeline produces block `index` of `count` equal blocks; this
     checks that the mesh gives each process such a block.
     """
+    global_rows = batch_shape[0]
     owned = set()
-    for index in sharding.addressable_devices_indices_map((global_rows, 1)).values():
+    for index in sharding.addressable_devices_indices_map(batch_shape).values():
         owned.update(range(global_rows)[index[0]])
     count = global_rows // len(owned)
     first = min(owned)
@@ -98,7 +99,7 @@ def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: 
     shape = batch_shape(config, len(devices))
     eval_rows = shape.microbatch_rows
     in_sharding = batch_sharding(mesh, config.axis_rules)
-    shard_index, shard_count = process_rows(in_sharding, shape.global_rows)
+    shard_index, shard_count = process_rows(in_sharding, (shape.global_rows, config.max_target_length))
     train_data, eval_data = make_datasets(config, global_rows=shape.global_rows, eval_rows=eval_rows,
                                           shard_index=shard_index, shard_count=shard_count)
 

@@ -102,7 +102,7 @@ def train_step(state: TrainState, batch: Batch, *, model: nn.Module, tx: optax.G
     params = optax.apply_updates(state.params, updates)
     metrics = {
         "loss": loss_sum / count,
-        "grad_norm": optax.global_norm(grads),
+        "grad_norm": optax.tree.norm(grads),
         "learning_rate": learning_rate_schedule(config)(state.step),
         "tokens": count,
     }

@@ -1,0 +1,44 @@
+"""Regression: the default config trains on offline real text to a held-out loss below a threshold.
+
+    python end_to_end/convergence.py [--threshold 2.3] [key=value ...]
+
+Runs `python -m maxpar.train configs/base.yml` (plus overrides) in a fresh run directory, prints the
+loss curve and a PASS/FAIL line, and exits non-zero on FAIL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threshold", type=float, default=2.3, help="final eval loss must be below this (nats)")
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as out:
+        command = [sys.executable, "-m", "maxpar.train", "configs/base.yml", f"base_output_directory={out}",
+                   "run_name=convergence", "enable_checkpointing=false", *args.overrides]
+        if subprocess.run(command, cwd=Path(__file__).resolve().parent.parent).returncode:
+            print("FAIL: training exited with an error")
+            return 1
+        rows = [json.loads(line) for line in (Path(out) / "convergence" / "metrics.jsonl").read_text().splitlines()]
+    print("step  train_loss  eval_loss")
+    for row in rows:
+        eval_loss = "" if row["eval_loss"] is None else f"{row['eval_loss']:.4f}"
+        print(f"{row['step']:>4}  {row['loss']:.4f}      {eval_loss}")
+    final = next((r["eval_loss"] for r in reversed(rows) if r["eval_loss"] is not None), None)
+    if final is None or final >= args.threshold:
+        print(f"FAIL: final eval loss {final} is not below {args.threshold}")
+        return 1
+    print(f"PASS: final eval loss {final:.4f} < {args.threshold} (uniform bytes: 5.545)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""The backbone: sharded runs reproduce the single-device run's per-step losses."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import read_metrics, tiny_config, write_corpus
+from maxpar.train import train
+
+STEPS = 4
+STRATEGIES = {
+    "dp8": ("configs/base.yml", ["ici_data_parallelism=8", "ici_fsdp_parallelism=1"]),
+    "fsdp8": ("configs/base.yml", ["ici_fsdp_parallelism=8"]),
+    "fsdp4_tp2": ("configs/base.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
+    "dp2_fsdp2_tp2": ("configs/base.yml", ["ici_data_parallelism=2", "ici_fsdp_parallelism=2",
+                                           "ici_tensor_parallelism=2"]),
+    "fsdp_transpose": ("configs/fsdp_transpose.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
+    "tp_sequence": ("configs/tp_sequence.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def losses(tmp_path, corpus, devices, *overrides, config_file="configs/base.yml"):
+    config = tiny_config(f"steps={STEPS}", "dataset_type=text", f"dataset_path={corpus}", "eval_fraction=0",
+                         *overrides, config_file=config_file)
+    run_dir = tmp_path / "run"
+    train(config, devices=devices, run_dir=run_dir)
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    return np.array([r["loss"] for r in rows])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, corpus):
+    return losses(tmp_path_factory.mktemp("ref"), corpus, jax.devices()[:1], "per_device_batch_size=8")
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_strategy_matches_single_device(name, tmp_path, corpus, reference):
+    config_file, overrides = STRATEGIES[name]
+    sharded = losses(tmp_path, corpus, jax.devices(), "per_device_batch_size=1", *overrides,
+                     config_file=config_file)
+    assert reference[-1] < reference[0]  # it is really training
+    np.testing.assert_allclose(sharded, reference, rtol=1e-5)
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path, corpus, reference):
+    accumulated = losses(tmp_path, corpus, jax.devices()[:1], "per_device_batch_size=4",
+                         "gradient_accumulation_steps=2")
+    np.testing.assert_allclose(accumulated, reference, rtol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["minimal", "full"])
+def test_remat_policy_does_not_change_losses(policy, tmp_path, corpus, reference):
+    rematted = losses(tmp_path, corpus, jax.devices()[:1], "per_device_batch_size=8", f"remat_policy={policy}")
+    np.testing.assert_allclose(rematted, reference, rtol=1e-5)

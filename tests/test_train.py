@@ -1,0 +1,78 @@
+"""The training loop: outputs, metrics, eval, resume, and the command line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import read_metrics, tiny_config, write_corpus
+from maxpar.metrics import METRIC_KEYS, peak_flops, training_flops_per_token
+from maxpar.train import train
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def text_config(corpus, *overrides):
+    return tiny_config("dataset_type=text", f"dataset_path={corpus}", "per_device_batch_size=2", *overrides)
+
+
+def test_outputs_metrics_and_eval(tmp_path, corpus):
+    config = text_config(corpus, "steps=6", "log_period=2", "eval_interval=3", "eval_steps=2", "eval_fraction=0.2")
+    train(config, devices=jax.devices()[:2], run_dir=tmp_path)
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [2, 3, 4, 6]  # log steps plus the eval step 3 and the last step
+    for row in rows:
+        assert tuple(row) == METRIC_KEYS
+        assert row["mfu"] is None  # CPU has no known peak
+        assert row["tokens_per_s"] == pytest.approx(row["tokens_per_s_per_device"] * 2)
+    assert [r["eval_loss"] is not None for r in rows] == [False, True, False, True]
+    assert all(np.isfinite(r["eval_loss"]) for r in rows if r["eval_loss"] is not None)
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_mfu_uses_configured_peak(tmp_path, corpus):
+    config = text_config(corpus, "steps=2", "peak_flops_per_device=1e12")
+    row = train(config, devices=jax.devices()[:1], run_dir=tmp_path)
+    assert row["mfu"] == pytest.approx(row["tflops_per_device"] * 1e12 / 1e12)
+    assert row["tflops_per_device"] == pytest.approx(
+        row["tokens_per_s"] * training_flops_per_token(config) / 1e12)
+
+
+def test_peak_flops_table():
+    assert peak_flops("TPU v5 lite") == 197e12
+    assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert peak_flops("cpu") is None
+    assert peak_flops("cpu", configured=5e11) == 5e11
+
+
+def test_resume_continues_the_same_run(tmp_path, corpus):
+    # A constant schedule after warm-up makes the 6-step run's schedule independent of `steps`.
+    common = ("checkpoint_period=2", "enable_checkpointing=true", "learning_rate_final_fraction=1.0",
+              "async_checkpointing=true")
+    whole = train(text_config(corpus, "steps=6", *common), devices=jax.devices()[:1], run_dir=tmp_path / "a")
+    train(text_config(corpus, "steps=4", *common), devices=jax.devices()[:1], run_dir=tmp_path / "b")
+    resumed = train(text_config(corpus, "steps=6", *common), devices=jax.devices()[:1], run_dir=tmp_path / "b")
+    assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4", "6"]
+    a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert resumed["loss"] == whole["loss"]
+
+
+def test_command_line_training_run(tmp_path, corpus):
+    args = [sys.executable, "-m", "maxpar.train", "configs/base.yml", "steps=3", "log_period=1",
+            "dataset_type=text", f"dataset_path={corpus}", "enable_checkpointing=false", "eval_interval=0",
+            "emb_dim=64", "mlp_dim=128", "head_dim=16", "num_decoder_layers=1", "max_target_length=32",
+            f"base_output_directory={tmp_path}", "run_name=cli"]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "parameters" in result.stdout + result.stderr
+    assert [r["step"] for r in read_metrics(tmp_path / "cli")] == [1, 2, 3]
