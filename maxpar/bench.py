@@ -90,7 +90,7 @@ def worker_env(devices: int) -> dict[str, str]:
 
 def collective_counts(hlo_text: str) -> dict[str, int]:
     """Collective ops in compiled HLO: the communication the partitioner actually inserted."""
-    counts = {op: len(re.findall(rf"= \S+ {op}(?:-start)?\(", hlo_text)) for op in COLLECTIVES}
+    counts = {op: len(re.findall(rf"^\s*(?:ROOT )?%\S+ = .* {op}(?:-start)?\(", hlo_text, re.M)) for op in COLLECTIVES}
     return {op: n for op, n in counts.items() if n}
 
 
@@ -102,17 +102,12 @@ def peak_rss_mib() -> float:
 def run_worker(name: str, steps: int, warmup: int, extra: Sequence[str]) -> dict[str, Any]:
     """Build the real trainer pieces for one strategy, compile, and time `steps` steps after `warmup`."""
     import jax
-    import numpy as np
 
     from maxpar.config import load_config
-    from maxpar.data.pipeline import make_datasets
-    from maxpar.mesh import create_mesh, mesh_shape_of
+    from maxpar.mesh import mesh_shape_of
     from maxpar.metrics import parameter_counts, training_flops_per_token
-    from maxpar.model import Transformer
-    from maxpar.optimizer import make_optimizer
-    from maxpar.sharding import batch_sharding
-    from maxpar.train import batch_shape, global_batch, process_rows
-    from maxpar.train_step import create_state, jit_train_step, sharding_context, state_shardings
+    from maxpar.train import global_batch, setup_run
+    from maxpar.train_step import create_state
 
     overrides = config_overrides(name, extra) + [f"steps={warmup + steps}"]
     config = load_config([str(BASE_CONFIG), *overrides])
@@ -120,36 +115,25 @@ def run_worker(name: str, steps: int, warmup: int, extra: Sequence[str]) -> dict
     if len(devices) != strategy_devices(name):
         raise RuntimeError(f"{name}: expected {strategy_devices(name)} devices, JAX sees {len(devices)}")
 
-    mesh = create_mesh(config, devices)
-    shape = batch_shape(config, len(devices))
-    in_sharding = batch_sharding(mesh, config.axis_rules)
-    shard_index, shard_count = process_rows(in_sharding, (shape.global_rows, config.max_target_length))
-    train_data, _ = make_datasets(config, global_rows=shape.global_rows, eval_rows=shape.microbatch_rows,
-                                  shard_index=shard_index, shard_count=shard_count)
-    model, tx = Transformer(config), make_optimizer(config)
-    abstract, shardings = state_shardings(model, tx, config, mesh)
+    run = setup_run(config, devices)
+    mesh, shape, abstract = run.mesh, run.shape, run.abstract_state
+    state = create_state(run.model, run.tx, config, mesh, run.state_shardings)
+    start = time.perf_counter()
+    compiled = run.compile_train_step()
+    compile_s = time.perf_counter() - start
 
-    with sharding_context(mesh, config):
-        state = create_state(model, tx, config, mesh, shardings)
-        batch_struct = {key: jax.ShapeDtypeStruct((shape.global_rows, config.max_target_length), np.int32,
-                                                  sharding=in_sharding)
-                        for key in ("inputs", "targets", "segment_ids", "positions")}
-        start = time.perf_counter()
-        compiled = jit_train_step(model, tx, config, mesh, shardings).lower(abstract, batch_struct).compile()
-        compile_s = time.perf_counter() - start
-
-        # Batches are assembled before timing: the step, not the synthetic data, is under test.
-        iterator = iter(train_data)
-        times, cpu_times, losses = [], [], []
-        for _ in range(warmup + steps):
-            batch = global_batch(next(iterator), in_sharding)
-            jax.block_until_ready(batch)
-            start, cpu_start = time.perf_counter(), time.process_time()
-            state, metrics = compiled(state, batch)
-            jax.block_until_ready((state, metrics))
-            times.append(time.perf_counter() - start)
-            cpu_times.append(time.process_time() - cpu_start)
-            losses.append(float(metrics["loss"]))
+    # Batches are assembled before timing: the step, not the synthetic data, is under test.
+    iterator = iter(run.train_data)
+    times, cpu_times, losses = [], [], []
+    for _ in range(warmup + steps):
+        batch = global_batch(next(iterator), run.in_sharding)
+        jax.block_until_ready(batch)
+        start, cpu_start = time.perf_counter(), time.process_time()
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready((state, metrics))
+        times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
+        losses.append(float(metrics["loss"]))
 
     step_s = statistics.median(times[warmup:])
     return {
@@ -188,8 +172,8 @@ def spawn(name: str, args: argparse.Namespace) -> dict[str, Any]:
         return {"strategy": name, "error": f"timed out after {args.timeout} s"}
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     if done.returncode or not lines:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
-        return {"strategy": name, "error": f"exit {done.returncode}: " + " | ".join(tail)}
+        tail = [line.strip() for line in (done.stderr or done.stdout).strip().splitlines()[-3:]]
+        return {"strategy": name, "error": f"exit {done.returncode}: " + " / ".join(tail)}
     result = json.loads(lines[-1][len(RESULT_PREFIX):])
     result["remat_warnings"] = done.stderr.count(REMAT_WARNING)
     result["wall_s"] = time.perf_counter() - start
@@ -211,7 +195,8 @@ def markdown_table(results: Sequence[dict[str, Any]], header: str) -> str:
     lines = [header, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['strategy']} | error: {r['error']} |" + " |" * (len(columns) - 2))
+            error = r["error"].replace("|", "\\|")
+            lines.append(f"| {r['strategy']} | error: {error} |" + " |" * (len(columns) - 2))
             continue
         collectives = ", ".join(f"{op} {n}" for op, n in r["collectives"].items()) or "none"
         if r.get("remat_warnings"):
@@ -230,7 +215,7 @@ def describe_run(args: argparse.Namespace) -> str:
     flags = os.environ.get("XLA_FLAGS", "").strip()
     return (f"maxpar bench: {model}; {GLOBAL_ROWS} rows x {MODEL['max_target_length']} tokens/step; "
             f"median of {args.steps} steps after {args.warmup} warm-up; {os.cpu_count()} CPU cores, "
-            f"load average {os.getloadavg()[0]:.1f}{extra}{'; XLA_FLAGS ' + flags if flags else ''}")
+            f"load average {os.getloadavg()[0]:.1f} at start{extra}{'; XLA_FLAGS ' + flags if flags else ''}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -262,16 +247,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if os.getloadavg()[0] > (os.cpu_count() or 1):
         print(f"maxpar bench: warning: load average {os.getloadavg()[0]:.1f} exceeds {os.cpu_count()} cores; "
               f"other processes will inflate the step times", file=sys.stderr)
+    run = describe_run(args)
     results = []
     for name in names:
         print(f"maxpar bench: {name} on {strategy_devices(name)} simulated device(s) ...", file=sys.stderr, flush=True)
         results.append(spawn(name, args))
-    table = markdown_table(results, describe_run(args))
+    table = markdown_table(results, run)
     print(table)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench.md").write_text(table, encoding="utf-8")
-        (args.out / "bench.json").write_text(json.dumps({"run": describe_run(args), "results": results}, indent=2),
+        (args.out / "bench.json").write_text(json.dumps({"run": run, "results": results}, indent=2),
                                              encoding="utf-8")
     return 1 if any("error" in r for r in results) else 0
 

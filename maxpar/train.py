@@ -10,13 +10,15 @@ import dataclasses
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import grain
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+import optax
+from jax.sharding import Mesh, NamedSharding
 from tqdm import tqdm
 
 from maxpar import checkpoint
@@ -28,8 +30,7 @@ from maxpar.metrics import (MetricsWriter, parameter_counts, peak_flops, through
 from maxpar.model import Transformer
 from maxpar.optimizer import make_optimizer
 from maxpar.sharding import batch_sharding
-from maxpar.train_step import (create_state, jit_eval_step, jit_train_step, sharding_context,
-                               state_shardings)
+from maxpar.train_step import BATCH_KEYS, create_state, jit_eval_step, jit_train_step, state_shardings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,87 +89,117 @@ def _evaluate(eval_step, params, dataset_factory, steps: int, sharding) -> float
     return loss_sum / max(tokens, 1.0)
 
 
-def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: Path | None = None) -> dict[str, Any]:
-    """Train per `config`; returns the last logged metrics row."""
-    devices = list(jax.devices() if devices is None else devices)
-    run_dir = run_dir or run_directory(config)
-    lead = jax.process_index() == 0
-    log = tqdm.write if lead else (lambda *_: None)
+@dataclasses.dataclass(frozen=True)
+class RunSetup:
+    """Everything a run builds before its first step (shared by the loop and the benchmark)."""
 
+    config: Config
+    devices: list[jax.Device]
+    mesh: Mesh
+    shape: BatchShape
+    in_sharding: NamedSharding
+    model: Transformer
+    tx: optax.GradientTransformation
+    abstract_state: Any
+    state_shardings: Any
+    train_data: grain.IterDataset
+    eval_data: Callable[[], grain.IterDataset] | None
+
+    def compile_train_step(self) -> Any:
+        """Ahead-of-time compiled train step for this run's state and batch layout."""
+        batch = {key: jax.ShapeDtypeStruct((self.shape.global_rows, self.config.max_target_length), np.int32,
+                                           sharding=self.in_sharding) for key in BATCH_KEYS}
+        step = jit_train_step(self.model, self.tx, self.config, self.mesh, self.state_shardings)
+        return step.lower(self.abstract_state, batch).compile()
+
+
+def setup_run(config: Config, devices: Sequence[jax.Device] | None = None) -> RunSetup:
+    """Mesh, batch layout, data, model, optimizer and state shardings for `config`."""
+    devices = list(jax.devices() if devices is None else devices)
     mesh = create_mesh(config, devices)
     shape = batch_shape(config, len(devices))
-    eval_rows = shape.microbatch_rows
     in_sharding = batch_sharding(mesh, config.axis_rules)
     shard_index, shard_count = process_rows(in_sharding, (shape.global_rows, config.max_target_length))
-    train_data, eval_data = make_datasets(config, global_rows=shape.global_rows, eval_rows=eval_rows,
+    train_data, eval_data = make_datasets(config, global_rows=shape.global_rows, eval_rows=shape.microbatch_rows,
                                           shard_index=shard_index, shard_count=shard_count)
-
     model, tx = Transformer(config), make_optimizer(config)
     abstract, shardings = state_shardings(model, tx, config, mesh)
-    counts = parameter_counts(abstract.params)
-    peak = peak_flops(devices[0].device_kind, config.peak_flops_per_device)
+    return RunSetup(config, devices, mesh, shape, in_sharding, model, tx, abstract, shardings, train_data, eval_data)
+
+
+def _print_header(run: RunSetup, run_dir: Path, peak: float | None, log: Callable[[str], None]) -> None:
+    config, devices = run.config, run.devices
+    counts = parameter_counts(run.abstract_state.params)
     mesh_desc = resolve_mesh_shape(config, len(devices), num_slices_for(config, devices)).describe()
     log(f"maxpar: run {run_dir}")
     log(f"  model {config.model_name or 'custom'}: {counts['total']:,} parameters "
         f"({counts['non_embedding']:,} non-embedding), {config.num_decoder_layers} layers, emb {config.emb_dim}")
     log(f"  mesh {mesh_desc} over {len(devices)} {devices[0].device_kind} device(s) in {jax.process_count()} process(es)")
-    log(f"  batch {shape.global_rows} rows x {config.max_target_length} tokens = {shape.tokens_per_step:,} tokens/step "
-        f"({config.gradient_accumulation_steps} microbatch(es)); {training_flops_per_token(config):.3e} FLOPs/token; "
+    log(f"  batch {run.shape.global_rows} rows x {config.max_target_length} tokens = {run.shape.tokens_per_step:,} "
+        f"tokens/step ({config.gradient_accumulation_steps} microbatch(es)); "
+        f"{training_flops_per_token(config):.3e} FLOPs/token; "
         f"peak {'unknown' if peak is None else f'{peak:.3e}'} FLOP/s per device")
 
-    iterator = iter(train_data)
+
+def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: Path | None = None) -> dict[str, Any]:
+    """Train per `config`; returns the last logged metrics row."""
+    run = setup_run(config, devices)
+    devices = run.devices
+    run_dir = run_dir or run_directory(config)
+    lead = jax.process_index() == 0
+    log = tqdm.write if lead else (lambda *_: None)
+    peak = peak_flops(devices[0].device_kind, config.peak_flops_per_device)
+    _print_header(run, run_dir, peak, log)
+
+    iterator = iter(run.train_data)
     manager = checkpoint.make_manager(run_dir, config) if config.enable_checkpointing else None
-    with sharding_context(mesh, config):
-        latest = manager.latest_step() if manager else None
-        if latest is not None:
-            state = checkpoint.restore(manager, latest, abstract, shardings, iterator)
-            log(f"  resumed from checkpoint at step {latest}")
-        else:
-            state = create_state(model, tx, config, mesh, shardings)
-        start = int(state.step)
+    latest = manager.latest_step() if manager else None
+    if latest is not None:
+        state = checkpoint.restore(manager, latest, run.abstract_state, run.state_shardings, iterator)
+        log(f"  resumed from checkpoint at step {latest}")
+    else:
+        state = create_state(run.model, run.tx, config, run.mesh, run.state_shardings)
+    start = int(state.step)
 
-        batch_struct = {key: jax.ShapeDtypeStruct((shape.global_rows, config.max_target_length), np.int32,
-                                                  sharding=in_sharding)
-                        for key in ("inputs", "targets", "segment_ids", "positions")}
-        compile_start = time.perf_counter()
-        step_fn = jit_train_step(model, tx, config, mesh, shardings).lower(abstract, batch_struct).compile()
-        log(f"  compiled the train step in {time.perf_counter() - compile_start:.1f} s")
-        eval_fn = jit_eval_step(model, config, mesh, shardings.params) if eval_data else None
+    compile_start = time.perf_counter()
+    step_fn = run.compile_train_step()
+    log(f"  compiled the train step in {time.perf_counter() - compile_start:.1f} s")
+    eval_fn = jit_eval_step(run.model, config, run.mesh, run.state_shardings.params) if run.eval_data else None
 
-        writer = MetricsWriter(run_dir, enabled=lead)
-        bar = tqdm(total=config.steps, initial=start, disable=None if lead else True, unit="step", dynamic_ncols=True)
-        row: dict[str, Any] = {}
-        window_start, window_steps = time.perf_counter(), 0
-        for step in range(start + 1, config.steps + 1):
-            state, metrics = step_fn(state, global_batch(next(iterator), in_sharding))
-            window_steps += 1
-            bar.update(1)
-            last = step == config.steps
-            eval_due = eval_fn is not None and config.eval_interval >= 0 and (
-                last or (config.eval_interval > 0 and step % config.eval_interval == 0))
-            if step % config.log_period == 0 or last or eval_due:
-                metrics = jax.device_get(metrics)
-                elapsed = (time.perf_counter() - window_start) / window_steps
-                row = {"step": step, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
-                       "learning_rate": float(metrics["learning_rate"]), "eval_loss": None,
-                       **throughput(config, tokens_per_step=shape.tokens_per_step, step_time_s=elapsed,
-                                    num_devices=len(devices), peak=peak)}
-                if eval_due:
-                    row["eval_loss"] = _evaluate(eval_fn, state.params, eval_data, config.eval_steps, in_sharding)
-                if not math.isfinite(row["loss"]):
-                    raise FloatingPointError(f"loss is {row['loss']} at step {step}; stopping")
-                writer.write(row)
-                bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
-                log(_format_row(row))
-            if manager and (step % config.checkpoint_period == 0 or last):
-                checkpoint.save(manager, step, state, iterator, config)
-            if row.get("step") == step:
-                window_start, window_steps = time.perf_counter(), 0
-        bar.close()
-        writer.close()
-        if manager:
-            manager.wait_until_finished()
-            manager.close()
+    writer = MetricsWriter(run_dir, enabled=lead)
+    bar = tqdm(total=config.steps, initial=start, disable=None if lead else True, unit="step", dynamic_ncols=True)
+    row: dict[str, Any] = {}
+    window_start, window_steps = time.perf_counter(), 0
+    for step in range(start + 1, config.steps + 1):
+        state, metrics = step_fn(state, global_batch(next(iterator), run.in_sharding))
+        window_steps += 1
+        bar.update(1)
+        last = step == config.steps
+        eval_due = eval_fn is not None and config.eval_interval >= 0 and (
+            last or (config.eval_interval > 0 and step % config.eval_interval == 0))
+        if step % config.log_period == 0 or last or eval_due:
+            metrics = jax.device_get(metrics)
+            elapsed = (time.perf_counter() - window_start) / window_steps
+            row = {"step": step, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
+                   "learning_rate": float(metrics["learning_rate"]), "eval_loss": None,
+                   **throughput(config, tokens_per_step=run.shape.tokens_per_step, step_time_s=elapsed,
+                                num_devices=len(devices), peak=peak)}
+            if eval_due:
+                row["eval_loss"] = _evaluate(eval_fn, state.params, run.eval_data, config.eval_steps, run.in_sharding)
+            if not math.isfinite(row["loss"]):
+                raise FloatingPointError(f"loss is {row['loss']} at step {step}; stopping")
+            writer.write(row)
+            bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+            log(_format_row(row))
+        if manager and (step % config.checkpoint_period == 0 or last):
+            checkpoint.save(manager, step, state, iterator, config)
+        if row.get("step") == step:
+            window_start, window_steps = time.perf_counter(), 0
+    bar.close()
+    writer.close()
+    if manager:
+        manager.wait_until_finished()
+        manager.close()
     return row
 
 

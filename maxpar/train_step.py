@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -19,6 +20,7 @@ from maxpar.optimizer import learning_rate_schedule
 from maxpar.sharding import batch_sharding, check_divisible, logical_specs, mesh_shardings, replicated
 
 Batch = dict[str, jax.Array]
+BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions")
 
 
 @flax.struct.dataclass
@@ -30,9 +32,21 @@ class TrainState:
 
 @contextlib.contextmanager
 def sharding_context(mesh: Mesh, config: Config) -> Iterator[None]:
-    """Mesh and logical rules that model tracing needs for its sharding constraints."""
+    """Mesh and logical rules that model tracing needs for its sharding constraints.
+
+    Without them flax turns every activation constraint into a silent no-op.
+    """
     with jax.set_mesh(mesh), nn.logical_axis_rules(list(config.axis_rules)):
         yield
+
+
+def _traced_with_rules(fn: Callable, mesh: Mesh, config: Config) -> Callable:
+    """`fn` that enters the (abstract) mesh and rules while it is traced, whoever calls it."""
+    @functools.wraps(fn)
+    def wrapped(*args):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(list(config.axis_rules)):
+            return fn(*args)
+    return wrapped
 
 
 def init_state(model: nn.Module, tx: optax.GradientTransformation, config: Config, rng: jax.Array) -> TrainState:
@@ -55,9 +69,9 @@ def state_shardings(model: nn.Module, tx: optax.GradientTransformation, config: 
 def create_state(model: nn.Module, tx: optax.GradientTransformation, config: Config, mesh: Mesh,
                  shardings: Any) -> TrainState:
     """Initialize directly into the sharded layout: no device ever holds the full model."""
-    init = jax.jit(lambda rng: nn.unbox(init_state(model, tx, config, rng)), out_shardings=shardings)
-    with sharding_context(mesh, config):
-        return init(jax.random.key(config.seed))
+    init = jax.jit(_traced_with_rules(lambda rng: nn.unbox(init_state(model, tx, config, rng)), mesh, config),
+                   out_shardings=shardings)
+    return init(jax.random.key(config.seed))
 
 
 def loss_sum_and_count(params: Any, model: nn.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:
@@ -117,12 +131,12 @@ def eval_step(params: Any, batch: Batch, *, model: nn.Module) -> dict[str, jax.A
 def jit_train_step(model: nn.Module, tx: optax.GradientTransformation, config: Config, mesh: Mesh,
                    shardings: Any):
     """The train step with explicit in/out shardings; the input state is donated."""
-    return jax.jit(partial(train_step, model=model, tx=tx, config=config),
+    return jax.jit(_traced_with_rules(partial(train_step, model=model, tx=tx, config=config), mesh, config),
                    in_shardings=(shardings, batch_sharding(mesh, config.axis_rules)),
                    out_shardings=(shardings, replicated(mesh)), donate_argnums=0)
 
 
 def jit_eval_step(model: nn.Module, config: Config, mesh: Mesh, param_shardings: Any):
-    return jax.jit(partial(eval_step, model=model),
+    return jax.jit(_traced_with_rules(partial(eval_step, model=model), mesh, config),
                    in_shardings=(param_shardings, batch_sharding(mesh, config.axis_rules)),
                    out_shardings=replicated(mesh))

@@ -64,7 +64,9 @@ class Transformer(nn.Module):
         wdt, dt = jnp.dtype(cfg.weight_dtype), jnp.dtype(cfg.dtype)
         table = self.param("token_embedding", nn.with_logical_partitioning(
             nn.initializers.normal(stddev=1.0), ("vocab", "embed")), (cfg.vocab_size, cfg.emb_dim), wdt)
-        x = constrain(jnp.take(table, tokens, axis=0).astype(dt), RESIDUAL)
+        # Gather the table's embed shards first so the lookup lands batch-sharded, not embed-sharded.
+        lookup_table = nn.with_logical_constraint(table, ("vocab", None))
+        x = constrain(jnp.take(lookup_table, tokens, axis=0).astype(dt), RESIDUAL)
         x = Decoder(cfg, name="decoder")(x, positions, segment_ids)
         x = RMSNorm(cfg, name="final_norm")(x)
         if cfg.logits_via_embedding:
