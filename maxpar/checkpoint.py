@@ -1,52 +1,510 @@
-"""Orbax checkpoints of the full training state, the data iterator and the config.
+"""Orbax checkpoints: full training state, every process's data position, and the config.
 
-Layout: RUN_DIR/checkpoints/STEP/{state, data, config}. `state` holds the
-TrainState arrays (sharding-independent on disk, restored onto whatever mesh
-the restoring run uses); `data` one Grain iterator state per process;
-`config` the resolved config as JSON.
+Layout: RUN_DIR/checkpoints/STEP/ is one Orbax step directory, written under a
+temporary name and renamed when complete (so a save killed half-way is never
+listed), holding the items
+
+    params/     parameters                 } canonical layout, below; any mesh
+    opt_state/  optimizer state (AdamW)    } restores them with its own shardings
+    meta/       JSON: step, layout, global batch rows, process count
+    data/       Grain iterator state, one process_I-of-N.json per process
+    config/     JSON: the resolved config that wrote the checkpoint
+
+Canonical layout: the decoder layers are stacked on a leading axis of length
+num_decoder_layers under `decoder/layers` (the tree `scan_layers=true` uses). An
+unrolled run (`layers_0 .. layers_{L-1}`) stacks them on save and unstacks on
+restore, so the files depend on neither the mesh nor the layer layout; a
+pipelined layout converts the same way (reshape the leading axis into stages).
+
+Why the care on restore: a run is resumed after crashes, preemptions and
+config edits. The newest checkpoint is validated by restoring it; if it cannot
+be read the previous one is used, with a warning, and the unusable one is moved
+aside (never deleted). A checkpoint that is readable but belongs to a
+different model, dataset or batch layout is refused with the differing keys,
+because falling back would not help and silently training on would be wrong.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import re
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import grain.checkpoint
 import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec
 
-from maxpar.config import Config
+from maxpar import distributed
+from maxpar.config import Config, ConfigError
+from maxpar.train_step import TrainState
 
+LAYOUT = "maxpar/stacked-layers/v1"
+ARRAY_ITEMS = ("params", "opt_state")
+STACKED = "layers"
+_UNROLLED = re.compile(r"layers_(\d+)")
+
+# Keys that change the parameter tree or its dtype: every kind of load needs them equal.
+MODEL_KEYS = ("emb_dim", "num_query_heads", "num_kv_heads", "head_dim", "mlp_dim", "num_decoder_layers",
+              "vocab_size", "weight_dtype", "logits_via_embedding")
+# Keys that give the saved data position its meaning: resuming a run needs them equal too.
+DATA_KEYS = ("dataset_type", "dataset_path", "tokenizer_path", "eval_fraction", "seed", "max_target_length")
+
+Warn = Callable[[str], None]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint was required but none could be read; the trainer prints it and exits with status 1."""
+
+
+class IncompatibleCheckpoint(ConfigError):
+    """A readable checkpoint that does not fit this config (model, data or batch layout): never a fallback."""
+
+
+def warn_stderr(message: str) -> None:
+    print(f"maxpar: warning: {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- manager and save
 
 def make_manager(run_dir: Path, config: Config) -> ocp.CheckpointManager:
+    """The run's own manager: async per config, keeps `max_checkpoints_to_keep`, deletes in the background.
+
+    Leftover temporary directories of saves that were killed are removed on start; they never
+    held a complete checkpoint.
+    """
     options = ocp.CheckpointManagerOptions(
         max_to_keep=config.max_checkpoints_to_keep or None,
         enable_async_checkpointing=config.async_checkpointing,
+        enable_background_delete=True,
+        cleanup_tmp_directories=True,
         create=True,
     )
-    handlers = {
-        "state": ocp.StandardCheckpointHandler(),
+    return ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options, item_handlers=_handlers())
+
+
+def _source_manager(directory: Path) -> ocp.CheckpointManager:
+    """A read-only manager over another run's checkpoints (load_*_path): never writes or deletes there."""
+    options = ocp.CheckpointManagerOptions(read_only=True, create=False, enable_async_checkpointing=False)
+    return ocp.CheckpointManager(directory.absolute(), options=options, item_handlers=_handlers())
+
+
+def _handlers() -> dict[str, Any]:
+    return {
+        "params": ocp.StandardCheckpointHandler(),
+        "opt_state": ocp.StandardCheckpointHandler(),
+        "meta": ocp.JsonCheckpointHandler(),
         "data": grain.checkpoint.CheckpointHandler(),
         "config": ocp.JsonCheckpointHandler(),
     }
-    return ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options, item_handlers=handlers)
 
 
-def save(manager: ocp.CheckpointManager, step: int, state: Any, data_iterator: Any, config: Config) -> None:
-    """Start an (async, if configured) save of everything needed to resume at `step`."""
+def checkpoint_meta(step: int, global_rows: int) -> dict[str, Any]:
+    """What a restore must know besides the config: the step, the array layout and the data layout."""
+    return {"step": int(step), "layout": LAYOUT, "global_batch_rows": int(global_rows),
+            "process_count": jax.process_count()}
+
+
+def save(manager: ocp.CheckpointManager, step: int, state: Any, data_iterator: Any, config: Config,
+         global_rows: int) -> None:
+    """Start a save (async if configured) of everything needed to resume after `step`.
+
+    The data iterator state is captured before this returns; arrays are copied off the device
+    before it returns too, so the caller may donate `state` to the next step.
+    """
     manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state),
+        params=ocp.args.StandardSave(to_canonical(state.params)),
+        opt_state=ocp.args.StandardSave(to_canonical(state.opt_state)),
+        meta=ocp.args.JsonSave(checkpoint_meta(step, global_rows)),
         data=grain.checkpoint.CheckpointSave(data_iterator),
         config=ocp.args.JsonSave(config.to_dict()),
     ))
 
 
-def restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any, shardings: Any,
-            data_iterator: Any) -> Any:
-    """Restore `step` onto `shardings` (the current mesh's), and the data iterator in place."""
-    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings)
-    restored = manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target),
-        data=grain.checkpoint.CheckpointRestore(data_iterator),
-    ))
-    return restored["state"]
+# ---------------------------------------------------------------- canonical layer layout
+
+def _layer_index(key: Any) -> int | None:
+    """i for an unrolled layer's key `layers_i`, else None."""
+    match = _UNROLLED.fullmatch(str(key))
+    return int(match[1]) if match else None
+
+
+def _is_unrolled(node: Any) -> bool:
+    return isinstance(node, Mapping) and any(_layer_index(key) is not None for key in node)
+
+
+def _is_stacked(node: Any) -> bool:
+    return isinstance(node, Mapping) and STACKED in node
+
+
+def stack_abstract(leaves: Sequence[jax.ShapeDtypeStruct]) -> jax.ShapeDtypeStruct:
+    """Abstract twin of jnp.stack: a new, unsharded leading axis in front of the layer's sharding."""
+    first = leaves[0]
+    sharding = first.sharding
+    if isinstance(sharding, NamedSharding):
+        sharding = NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
+    return jax.ShapeDtypeStruct((len(leaves), *first.shape), first.dtype, sharding=sharding)
+
+
+def to_canonical(tree: Any, stack: Callable[[Sequence[Any]], Any] = jnp.stack) -> Any:
+    """Unrolled `layers_0 .. layers_{L-1}` entries -> one `layers` entry stacked on a leading axis.
+
+    Applies to every dict in the tree (parameters and the optimizer's per-parameter moments
+    alike); a tree without unrolled layers (scan layout) comes back unchanged.
+    """
+    def convert(node: Any) -> Any:
+        if not _is_unrolled(node):
+            return node
+        names = sorted((key for key in node if _layer_index(key) is not None), key=_layer_index)
+        if [_layer_index(name) for name in names] != list(range(len(names))):
+            raise ValueError(f"unrolled layers are not numbered 0..{len(names) - 1}: {names}")
+        rest = {key: value for key, value in node.items() if key not in names}
+        return {**rest, STACKED: jax.tree.map(lambda *xs: stack(xs), *[node[name] for name in names])}
+    return jax.tree.map(convert, tree, is_leaf=_is_unrolled)
+
+
+def from_canonical(tree: Any, num_layers: int) -> Any:
+    """The inverse of `to_canonical` for an unrolled run: `layers` -> `layers_0 .. layers_{L-1}`."""
+    def convert(node: Any) -> Any:
+        if not _is_stacked(node):
+            return node
+        rest = {key: value for key, value in node.items() if key != STACKED}
+        layers = {f"layers_{i}": jax.tree.map(lambda x, i=i: x[i], node[STACKED]) for i in range(num_layers)}
+        return {**rest, **layers}
+    return jax.tree.map(convert, tree, is_leaf=_is_stacked)
+
+
+# ---------------------------------------------------------------- what a run restores into
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """The restoring run: its config, abstract state and shardings (its mesh), and global batch rows."""
+
+    config: Config
+    abstract_state: Any
+    shardings: Any
+    global_rows: int
+
+    def on_disk(self, item: str) -> Any:
+        """Restore target of `item` in the canonical layout, with this run's shardings."""
+        abstract, shardings = getattr(self.abstract_state, item), getattr(self.shardings, item)
+        tree = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+        return to_canonical(tree, stack=stack_abstract)
+
+    def in_memory(self, item: str, restored: Any) -> Any:
+        """A restored canonical `item` in this run's layer layout and shardings."""
+        if not self.config.scan_layers:
+            restored = from_canonical(restored, self.config.num_decoder_layers)
+        return jax.device_put(restored, getattr(self.shardings, item))
+
+    def state(self, step: int, params: Any, opt_state: Any) -> Any:
+        step_array = jax.device_put(np.asarray(step, np.int32), self.shardings.step)
+        return self.abstract_state.replace(step=step_array, params=params, opt_state=opt_state)
+
+
+def state_from_params(params: Any, tx: optax.GradientTransformation, shardings: Any) -> Any:
+    """A step-0 train state around loaded parameters, with fresh optimizer state (fine-tuning)."""
+    def build(p):
+        return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p))
+    return jax.jit(build, out_shardings=shardings)(params)
+
+
+# ---------------------------------------------------------------- compatibility
+
+def config_differences(saved: Mapping[str, Any], config: Config, keys: Iterable[str]) -> list[tuple[str, Any, Any]]:
+    """(key, checkpoint's value, this config's value) for each of `keys` that differs.
+
+    Keys the checkpoint's config does not have (written before the key existed) are skipped.
+    """
+    now = config.to_dict()
+    return [(key, saved[key], now[key]) for key in keys if key in saved and saved[key] != now[key]]
+
+
+def _format_differences(differences: Sequence[tuple[str, Any, Any]]) -> str:
+    return "\n".join(f"  {key}: {old!r} in the checkpoint, {new!r} now" for key, old, new in differences)
+
+
+def check_config(saved: Mapping[str, Any], config: Config, keys: Sequence[str], where: str, advice: str) -> None:
+    differences = config_differences(saved, config, keys)
+    if differences:
+        raise IncompatibleCheckpoint(f"{where} does not fit this config; these keys differ:\n"
+                                     f"{_format_differences(differences)}\n{advice}")
+
+
+def _path_names(path: tuple[Any, ...]) -> str:
+    """A key path as 'a/0/b', the same for a restore target and Orbax's metadata tree."""
+    names = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                names.append(str(getattr(key, attr)))
+                break
+    return "/".join(names)
+
+
+def _array_table(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+    return {_path_names(path): (tuple(leaf.shape), str(np.dtype(leaf.dtype)))
+            for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def structure_differences(saved: Any, target: Any, limit: int = 8) -> list[str]:
+    """Arrays that are missing, extra, or of another shape/dtype in the checkpoint, as readable lines."""
+    old, new = _array_table(saved), _array_table(target)
+    lines = [f"  {name}: {old.get(name, 'absent')} in the checkpoint, {new.get(name, 'absent')} now"
+             for name in sorted(set(old) | set(new)) if old.get(name) != new.get(name)]
+    return lines[:limit] + ([f"  ... and {len(lines) - limit} more"] if len(lines) > limit else [])
+
+
+# ---------------------------------------------------------------- reading one step
+
+def _step_dir(manager: ocp.CheckpointManager, step: int) -> Path:
+    return Path(manager.directory) / str(step)
+
+
+def _read_json_items(manager: ocp.CheckpointManager, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(meta, config) of `step`: small JSON files, read before any array."""
+    restored = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(),
+                                                            config=ocp.args.JsonRestore()))
+    meta, config = restored["meta"], restored["config"]
+    if not isinstance(meta, dict) or meta.get("step") != step:
+        raise ValueError(f"meta names step {meta.get('step') if isinstance(meta, dict) else meta!r}, not {step}")
+    if meta.get("layout") != LAYOUT:
+        raise IncompatibleCheckpoint(f"checkpoint step {step} in {manager.directory} has array layout "
+                                     f"{meta.get('layout')!r}; this version of maxpar reads {LAYOUT!r}")
+    return meta, config
+
+
+def _check_structure(manager: ocp.CheckpointManager, step: int, target: Target, items: Sequence[str],
+                     where: str) -> None:
+    metadata = manager.item_metadata(step)
+    for item in items:
+        lines = structure_differences(metadata[item], target.on_disk(item))
+        if lines:
+            raise IncompatibleCheckpoint(f"{where}: its {item} arrays differ from this config's:\n" + "\n".join(lines)
+                                         + "\nUse the config that wrote it (its config is in the checkpoint's "
+                                           "config/ item).")
+
+
+def _restore_arrays(manager: ocp.CheckpointManager, step: int, target: Target, items: Sequence[str]) -> dict[str, Any]:
+    """`items` of `step`, read straight into this run's shardings, in this run's layer layout."""
+    args = {item: ocp.args.StandardRestore(target.on_disk(item)) for item in items}
+    restored = manager.restore(step, args=ocp.args.Composite(**args))
+    return {item: target.in_memory(item, restored[item]) for item in items}
+
+
+def _read_data_state(manager: ocp.CheckpointManager, step: int, data_iterator: Any) -> dict[str, Any]:
+    """This process's iterator state at `step`, re-split if another number of processes saved it."""
+    try:
+        return distributed.read_data_state(_step_dir(manager, step) / "data", data_iterator.get_state(),
+                                           jax.process_index(), jax.process_count())
+    except ConfigError as e:  # a missing or unreadable state file: the checkpoint is damaged
+        raise ValueError(f"data iterator state: {e}") from None
+
+
+def _check_batch_layout(meta: Mapping[str, Any], target: Target, where: str) -> None:
+    saved_rows = meta.get("global_batch_rows")
+    if saved_rows != target.global_rows:
+        raise IncompatibleCheckpoint(
+            f"{where} was written with {saved_rows} rows per global batch, this run has {target.global_rows} "
+            f"(per_device_batch_size x devices x gradient_accumulation_steps). The data position is saved per "
+            f"row, so resume with {saved_rows} rows (e.g. per_device_batch_size={_suggest_batch(saved_rows, target)}), "
+            f"or start a new run from this state with load_full_state_path= (its data then starts from the "
+            f"beginning, deliberately).")
+
+
+def _suggest_batch(rows: Any, target: Target) -> str:
+    per_device = target.config.per_device_batch_size * (rows / max(target.global_rows, 1))
+    return f"{per_device:g}"
+
+
+def resume_step(manager: ocp.CheckpointManager, step: int, target: Target, data_iterator: Any) -> Any:
+    """Restore this run's checkpoint `step` (state and data position) or raise.
+
+    Cheap checks first (JSON, compatibility, data files), arrays last; the iterator is only
+    moved once everything else has been read.
+    """
+    where = f"checkpoint step {step} in {manager.directory}"
+    meta, saved_config = _read_json_items(manager, step)
+    check_config(saved_config, target.config, MODEL_KEYS + DATA_KEYS, where,
+                 "Changing only parallelism (mesh degrees, logical_axis_rules), scan_layers, dtype, remat or the "
+                 "optimizer settings is fine. Use the checkpoint's values, or a new run_name for a fresh run "
+                 "(load_parameters_path= / load_full_state_path= start one from this checkpoint).")
+    _check_batch_layout(meta, target, where)
+    data_state = _read_data_state(manager, step, data_iterator)
+    _check_structure(manager, step, target, ARRAY_ITEMS, where)
+    arrays = _restore_arrays(manager, step, target, ARRAY_ITEMS)
+    data_iterator.set_state(data_state)
+    return target.state(step, arrays["params"], arrays["opt_state"])
+
+
+# ---------------------------------------------------------------- choosing a step, with fallback
+
+def describe_error(error: BaseException, limit: int = 300) -> str:
+    """One line: the root cause's type and the start of its first line.
+
+    The root cause says what is wrong ("Requested byte range ... is not valid for value of
+    size ..." for a truncated file); the outer TensorStore error is a page of its spec.
+    """
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    text = text if len(text) <= limit else text[:limit] + " ..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _ok_everywhere(ok: bool) -> bool:
+    """True when every process could read the checkpoint: all processes must restore the same step."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+    return bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))
+
+
+def first_usable(steps: Sequence[int], load: Callable[[int], Any], where: str, warn: Warn
+                 ) -> tuple[int, Any, list[int]] | None:
+    """(step, what `load` returned, unusable newer steps) for the newest step that loads, or None if none exist.
+
+    An unreadable step (truncated or missing file, bad JSON...) earns a warning naming the step
+    and the problem and the next older step is tried; an IncompatibleCheckpoint is raised at once.
+    Raises CheckpointError when steps exist but none loads.
+    """
+    problems: list[tuple[int, str]] = []
+    for step in steps:
+        try:
+            loaded, problem = load(step), None
+        except IncompatibleCheckpoint:
+            raise
+        except Exception as e:  # any read failure means this step cannot be trusted
+            loaded, problem = None, describe_error(e)
+        if not _ok_everywhere(problem is None):
+            problem = problem or "unreadable on another process"
+        if problem is None:
+            return step, loaded, [s for s, _ in problems]
+        older = [s for s in steps if s < step]
+        warn(f"checkpoint step {step} in {where} is unusable ({problem}); "
+             + (f"falling back to step {older[0]}" if older else "no older checkpoint is left"))
+        problems.append((step, problem))
+    if problems:
+        listing = "; ".join(f"step {s}: {p}" for s, p in problems)
+        raise CheckpointError(f"no usable checkpoint in {where} ({listing}). Nothing was deleted or moved. Move the "
+                              f"unreadable checkpoints aside to start over, or start from a readable one with "
+                              f"load_full_state_path= / load_parameters_path=.")
+    return None
+
+
+def set_aside(directory: Path, step: int) -> Path:
+    """Rename an unusable step directory to STEP.unusable[.N] (kept for inspection, out of Orbax's listing)."""
+    source = directory / str(step)
+    for n in range(1000):
+        destination = directory / (f"{step}.unusable" + (f".{n}" if n else ""))
+        if not destination.exists():
+            source.rename(destination)
+            return destination
+    raise CheckpointError(f"cannot set aside {source}: too many earlier .unusable copies")
+
+
+def resume(manager: ocp.CheckpointManager, target: Target, data_iterator: Any, warn: Warn = warn_stderr) -> Any | None:
+    """The run's state from its newest usable checkpoint (data iterator restored in place), or None.
+
+    Unusable newer checkpoints are renamed aside, so that this run can save those steps again and
+    `max_checkpoints_to_keep` never counts them in place of good ones.
+    """
+    steps = sorted(manager.all_steps(), reverse=True)
+    found = first_usable(steps, lambda s: resume_step(manager, s, target, data_iterator), str(manager.directory), warn)
+    if found is None:
+        return None
+    step, state, unusable = found
+    if unusable:
+        if jax.process_index() == 0:
+            for bad in unusable:
+                warn(f"moved unusable checkpoint step {bad} aside to {set_aside(Path(manager.directory), bad)}")
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices("maxpar: unusable checkpoints set aside")
+        manager.reload()
+    return state
+
+
+# ---------------------------------------------------------------- starting a new run from another run
+
+def resolve_source(key: str, value: str) -> tuple[Path, int | None]:
+    """(checkpoints directory, step or None for the newest) of a load_*_path value."""
+    path = Path(value).expanduser()
+    if path.name.isdigit() and path.parent.is_dir():
+        return path.parent, int(path.name)
+    for candidate in (path / "checkpoints", path):
+        if candidate.is_dir() and any(child.name.isdigit() for child in candidate.iterdir()):
+            return candidate, None
+    raise ConfigError(f"{key}={value!r}: no checkpoint there. Give a step directory (RUN/checkpoints/STEP), or a run "
+                      f"directory (RUN) or its checkpoints directory to take the newest usable step.")
+
+
+def _load_from(key: str, value: str, target: Target, items: Sequence[str], warn: Warn) -> tuple[int, dict[str, Any]]:
+    directory, step = resolve_source(key, value)
+    manager = _source_manager(directory)
+    try:
+        if step is not None and step not in manager.all_steps():
+            raise ConfigError(f"{key}={value!r}: step {step} is not a complete checkpoint; complete steps there: "
+                              f"{sorted(manager.all_steps()) or 'none'}")
+        steps = [step] if step is not None else sorted(manager.all_steps(), reverse=True)
+
+        def load(s: int) -> dict[str, Any]:
+            where = f"{key}={value!r} (step {s})"
+            _, saved_config = _read_json_items(manager, s)
+            check_config(saved_config, target.config, MODEL_KEYS, where,
+                         "Loading needs the same model shape; everything else may change.")
+            _check_structure(manager, s, target, items, where)
+            return _restore_arrays(manager, s, target, items)
+
+        found = first_usable(steps, load, str(directory), warn)
+        if found is None:
+            raise ConfigError(f"{key}={value!r}: no complete checkpoint in {directory}")
+        return found[0], found[1]
+    finally:
+        manager.close()
+
+
+def load_full_state(value: str, target: Target, warn: Warn = warn_stderr) -> Any:
+    """Parameters, optimizer state and step of another run's checkpoint; the data starts afresh."""
+    step, arrays = _load_from("load_full_state_path", value, target, ARRAY_ITEMS, warn)
+    return target.state(step, arrays["params"], arrays["opt_state"])
+
+
+def load_parameters(value: str, target: Target, warn: Warn = warn_stderr) -> Any:
+    """Only the parameters of another run's checkpoint (for fine-tuning)."""
+    return _load_from("load_parameters_path", value, target, ("params",), warn)[1]["params"]
+
+
+# ---------------------------------------------------------------- metrics after a restart
+
+def rewind_metrics(path: Path, step: int) -> int:
+    """Drop metrics.jsonl rows after `step`, the step the run (re)starts from; returns how many.
+
+    Rows logged after the restored checkpoint are logged again by the resumed run, so without
+    this the file would hold them twice. A half-written last line (a kill mid-write) goes too.
+    """
+    if not path.exists():
+        return 0
+    lines = path.read_text(encoding="utf-8").splitlines()
+    kept = [line for line in lines if _row_step(line) is not None and _row_step(line) <= step]
+    if len(kept) == len(lines):
+        return 0
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    os.replace(temporary, path)
+    return len(lines) - len(kept)
+
+
+def _row_step(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None

@@ -82,6 +82,11 @@ class Config:
     enable_checkpointing: bool = _key("save checkpoints and resume from the newest one")
     async_checkpointing: bool = _key("write checkpoints in the background while training continues")
     max_checkpoints_to_keep: int = _key("newest checkpoints kept on disk (0 = all)", min=0)
+    load_parameters_path: str = _key("start a new run from another run's parameters only: a checkpoint step dir "
+                                     "RUN/checkpoints/STEP or a run dir (newest step); fresh optimizer, step 0")
+    load_full_state_path: str = _key("start a new run from another run's parameters, optimizer state and step "
+                                     "(same forms as load_parameters_path); the data starts from its beginning")
+    stop_on_nan: bool = _key("stop at the first NaN/Inf loss, before it is checkpointed (false = train on)")
     peak_flops_per_device: float = _key("peak dense FLOP/s of one device for MFU (0 = look up the device kind)", min=0)
     # Data
     dataset_type: str = _key("input pipeline", choices=("synthetic", "text"))
@@ -102,6 +107,17 @@ class Config:
     dcn_tensor_parallelism: int = _key("tensor-parallel degree across slices (-1 = fill)", min=-1)
     dcn_expert_parallelism: int = _key("expert-parallel degree across slices (-1 = fill)", min=-1)
     dcn_stage_parallelism: int = _key("pipeline stages across slices (-1 = fill)", min=-1)
+    # Multi-process jobs (maxpar/distributed.py; '' / -1 = from the environment GKE, XPK or launch.local set)
+    coordinator_address: str = _key("HOST:PORT of process 0's JAX coordinator ('' = from the environment, "
+                                    "'auto' = JAX's own cluster detection)")
+    num_processes: int = _key("processes in the job (-1 = from the environment; 1 = no distributed runtime)",
+                              min=1, allow=(-1,))
+    process_id: int = _key("this process's index in [0, num_processes) (-1 = from the environment)", min=0, allow=(-1,))
+    distributed_init_timeout_s: int = _key("seconds to wait for every process to join the job", min=1)
+    distributed_heartbeat_timeout_s: int = _key("a process silent this long counts as dead and the job stops", min=1)
+    # Planning (python -m maxpar.plan)
+    hardware: str = _key("hardware profile configs/hardware/NAME.yml to plan for ('' = match the local devices)")
+    num_devices: int = _key("devices to plan for (0 = the local device count)", min=0)
 
     # ---- derived values: pure functions of the config ----
     @property
@@ -331,6 +347,9 @@ def validate(config: Config) -> None:
                               + ", ".join(f"{level}_{a}_parallelism" for a in fills))
     if config.dataset_type == "text" and not config.dataset_path:
         raise ConfigError("dataset_type=text needs dataset_path (a glob of text files)")
+    if config.load_parameters_path and config.load_full_state_path:
+        raise ConfigError(f"load_parameters_path={config.load_parameters_path!r} and load_full_state_path="
+                          f"{config.load_full_state_path!r}: set at most one (parameters only, or the full state)")
 
 
 def to_yaml(config: Config) -> str:

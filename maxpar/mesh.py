@@ -67,8 +67,13 @@ def resolve_mesh_shape(config: Config, num_devices: int, num_slices: int = 1) ->
 
 
 def slice_granules(devices: Sequence[jax.Device]) -> tuple[int, bool]:
-    """(number of slices, whether they are processes rather than TPU slices)."""
-    if all(hasattr(d, "slice_index") for d in devices):
+    """(number of slices, whether they are processes rather than TPU slices).
+
+    Multi-process CPU and GPU devices report `slice_index` 0 everywhere, so it only counts on TPU or
+    where it actually tells devices apart; otherwise each process is a slice.
+    """
+    if all(hasattr(d, "slice_index") for d in devices) and (
+            devices[0].platform == "tpu" or len({d.slice_index for d in devices}) > 1):
         return len({d.slice_index for d in devices}), False
     return len({d.process_index for d in devices}), True
 

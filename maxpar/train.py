@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -21,10 +23,10 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from tqdm import tqdm
 
-from maxpar import checkpoint
-from maxpar.config import Config, ConfigError, load_config
+from maxpar import checkpoint, distributed
+from maxpar.config import Config, ConfigError, describe_keys, load_config, to_yaml
 from maxpar.data.pipeline import make_datasets
-from maxpar.mesh import create_mesh, resolve_mesh_shape, num_slices_for
+from maxpar.mesh import create_mesh, mesh_shape_of
 from maxpar.metrics import (MetricsWriter, parameter_counts, peak_flops, throughput,
                             training_flops_per_token)
 from maxpar.model import Transformer
@@ -44,15 +46,16 @@ class BatchShape:
 
 def batch_shape(config: Config, num_devices: int) -> BatchShape:
     """Global batch = per_device_batch_size x devices x gradient_accumulation_steps rows."""
-    micro = config.per_device_batch_size * num_devices
-    if micro != int(micro) or micro < 1:
-        raise ConfigError(f"per_device_batch_size={config.per_device_batch_size} x {num_devices} devices = {micro} "
+    product = config.per_device_batch_size * num_devices
+    micro = round(product)
+    if abs(product - micro) > 1e-6 * max(product, 1.0) or micro < 1:  # tolerate float rounding of e.g. 512/8960
+        raise ConfigError(f"per_device_batch_size={config.per_device_batch_size} x {num_devices} devices = {product} "
                           f"rows per microbatch; it must be a whole number >= 1")
-    rows = int(micro) * config.gradient_accumulation_steps
-    return BatchShape(rows, int(micro), rows * config.max_target_length)
+    rows = micro * config.gradient_accumulation_steps
+    return BatchShape(rows, micro, rows * config.max_target_length)
 
 
-def process_rows(sharding: NamedSharding, batch_shape: tuple[int, int]) -> tuple[int, int]:
+def process_batch_block(sharding: NamedSharding, batch_shape: tuple[int, int]) -> tuple[int, int]:
     """(index, count) of this process's contiguous block of batch rows.
 
     The data pipeline produces block `index` of `count` equal blocks; this
@@ -76,7 +79,7 @@ def global_batch(local: dict[str, np.ndarray], sharding: NamedSharding) -> dict[
 
 
 def run_directory(config: Config) -> Path:
-    name = config.run_name or time.strftime("run_%Y%m%d_%H%M%S")
+    name = config.run_name or distributed.same_on_all_processes(time.strftime("run_%Y%m%d_%H%M%S"))
     return Path(config.base_output_directory) / name
 
 
@@ -119,7 +122,7 @@ def setup_run(config: Config, devices: Sequence[jax.Device] | None = None) -> Ru
     mesh = create_mesh(config, devices)
     shape = batch_shape(config, len(devices))
     in_sharding = batch_sharding(mesh, config.axis_rules)
-    shard_index, shard_count = process_rows(in_sharding, (shape.global_rows, config.max_target_length))
+    shard_index, shard_count = process_batch_block(in_sharding, (shape.global_rows, config.max_target_length))
     train_data, eval_data = make_datasets(config, global_rows=shape.global_rows, eval_rows=shape.microbatch_rows,
                                           shard_index=shard_index, shard_count=shard_count)
     model, tx = Transformer(config), make_optimizer(config)
@@ -130,7 +133,7 @@ def setup_run(config: Config, devices: Sequence[jax.Device] | None = None) -> Ru
 def _print_header(run: RunSetup, run_dir: Path, peak: float | None, log: Callable[[str], None]) -> None:
     config, devices = run.config, run.devices
     counts = parameter_counts(run.abstract_state.params)
-    mesh_desc = resolve_mesh_shape(config, len(devices), num_slices_for(config, devices)).describe()
+    mesh_desc = mesh_shape_of(run.mesh, config).describe()
     log(f"maxpar: run {run_dir}")
     log(f"  model {config.model_name or 'custom'}: {counts['total']:,} parameters "
         f"({counts['non_embedding']:,} non-embedding), {config.num_decoder_layers} layers, emb {config.emb_dim}")
@@ -139,6 +142,100 @@ def _print_header(run: RunSetup, run_dir: Path, peak: float | None, log: Callabl
         f"tokens/step ({config.gradient_accumulation_steps} microbatch(es)); "
         f"{training_flops_per_token(config):.3e} FLOPs/token; "
         f"peak {'unknown' if peak is None else f'{peak:.3e}'} FLOP/s per device")
+
+
+# Exit status after a SIGTERM that stopped the run with a checkpoint written (sysexits' EX_TEMPFAIL:
+# a temporary failure, retry): rerun the same command to resume exactly.
+PREEMPTED_EXIT_STATUS = 75
+
+
+class Preempted(Exception):
+    """SIGTERM stopped the run after `step`; with checkpointing on, that step was saved synchronously."""
+
+    def __init__(self, step: int, saved: bool):
+        outcome = (f"checkpoint step {step} is written; rerun the same command to resume" if saved else
+                   "nothing was saved (enable_checkpointing=false)")
+        super().__init__(f"preempted (SIGTERM) after step {step}: {outcome}")
+        self.step, self.saved = step, saved
+
+
+class PreemptionWatch:
+    """Notices SIGTERM so that the loop stops between steps instead of dying mid-step.
+
+    One process: a SIGTERM handler sets a flag the loop polls. Several processes: they must stop
+    at the same step, which JAX's preemption service (started with the distributed runtime, and
+    notified by SIGTERM itself) agrees on; a Python handler would replace its notifier, so none
+    is installed then. The previous handler is restored on exit.
+    """
+
+    def __init__(self) -> None:
+        self._signalled = False
+        self._previous: Any = None
+        self._installed = False
+
+    def __enter__(self) -> PreemptionWatch:
+        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self._installed:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if self._previous is None else self._previous)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self._signalled = True
+
+    def requested(self, step: int) -> bool:
+        """Whether to stop after `step` (every process calls this at every step)."""
+        if jax.process_count() == 1:
+            return self._signalled
+        from jax.experimental import multihost_utils
+        try:
+            return multihost_utils.reached_preemption_sync_point(step)
+        except RuntimeError:  # this runtime has no preemption service
+            return False
+
+
+def first_nonfinite(losses: Sequence[tuple[int, Any]]) -> tuple[int, float] | None:
+    """(step, loss) of the first NaN/Inf among (step, device scalar) pairs: one transfer for them all."""
+    values = jax.device_get([loss for _, loss in losses])
+    return next(((step, float(value)) for (step, _), value in zip(losses, values) if not math.isfinite(float(value))),
+                None)
+
+
+def _stop_on_nonfinite(losses: Sequence[tuple[int, Any]], manager: Any) -> None:
+    """Raise before a NaN/Inf state is logged as fine or checkpointed; earlier checkpoints stay as they are."""
+    bad = first_nonfinite(losses)
+    if bad is None:
+        return
+    latest = manager.latest_step() if manager else None
+    kept = f"the newest checkpoint, step {latest}, is intact" if latest is not None else "no checkpoint was written"
+    raise FloatingPointError(f"loss is {bad[1]} at step {bad[0]}; stopped before checkpointing it ({kept}). Lower "
+                             f"learning_rate or check the data, then rerun to resume; stop_on_nan=false trains on "
+                             f"regardless")
+
+
+def initial_state(run: RunSetup, manager: Any, iterator: Any, log: Callable[[str], None]) -> Any:
+    """Where training starts: this run's newest usable checkpoint (restoring `iterator` too), else
+    load_full_state_path, else load_parameters_path (fresh optimizer), else a fresh init."""
+    config = run.config
+    target = checkpoint.Target(config, run.abstract_state, run.state_shardings, run.shape.global_rows)
+    warn = checkpoint.warn_stderr if jax.process_index() == 0 else (lambda _: None)
+    state = checkpoint.resume(manager, target, iterator, warn) if manager else None
+    if state is not None:
+        log(f"  resumed from checkpoint at step {int(state.step)}")
+        return state
+    if config.load_full_state_path:
+        state = checkpoint.load_full_state(config.load_full_state_path, target, warn)
+        log(f"  started from the full state at step {int(state.step)} of {config.load_full_state_path}; "
+            f"the data starts from its beginning")
+        return state
+    if config.load_parameters_path:
+        params = checkpoint.load_parameters(config.load_parameters_path, target, warn)
+        log(f"  started from the parameters of {config.load_parameters_path}; fresh optimizer state, step 0")
+        return checkpoint.state_from_params(params, run.tx, run.state_shardings)
+    return create_state(run.model, run.tx, config, run.mesh, run.state_shardings)
 
 
 def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: Path | None = None) -> dict[str, Any]:
@@ -153,53 +250,68 @@ def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: 
 
     iterator = iter(run.train_data)
     manager = checkpoint.make_manager(run_dir, config) if config.enable_checkpointing else None
-    latest = manager.latest_step() if manager else None
-    if latest is not None:
-        state = checkpoint.restore(manager, latest, run.abstract_state, run.state_shardings, iterator)
-        log(f"  resumed from checkpoint at step {latest}")
-    else:
-        state = create_state(run.model, run.tx, config, run.mesh, run.state_shardings)
-    start = int(state.step)
+    try:
+        with PreemptionWatch() as preemption:
+            state = initial_state(run, manager, iterator, log)
+            start = int(state.step)
+            if lead and checkpoint.rewind_metrics(run_dir / "metrics.jsonl", start):
+                log(f"  metrics.jsonl: dropped the rows after step {start}; they are logged again from here")
 
-    compile_start = time.perf_counter()
-    step_fn = run.compile_train_step()
-    log(f"  compiled the train step in {time.perf_counter() - compile_start:.1f} s")
-    eval_fn = jit_eval_step(run.model, config, run.mesh, run.state_shardings.params) if run.eval_data else None
+            compile_start = time.perf_counter()
+            step_fn = run.compile_train_step()
+            log(f"  compiled the train step in {time.perf_counter() - compile_start:.1f} s")
+            eval_fn = jit_eval_step(run.model, config, run.mesh, run.state_shardings.params) if run.eval_data else None
 
-    writer = MetricsWriter(run_dir, enabled=lead)
-    bar = tqdm(total=config.steps, initial=start, disable=None if lead else True, unit="step", dynamic_ncols=True)
-    row: dict[str, Any] = {}
-    window_start, window_steps = time.perf_counter(), 0
-    for step in range(start + 1, config.steps + 1):
-        state, metrics = step_fn(state, global_batch(next(iterator), run.in_sharding))
-        window_steps += 1
-        bar.update(1)
-        last = step == config.steps
-        eval_due = eval_fn is not None and config.eval_interval >= 0 and (
-            last or (config.eval_interval > 0 and step % config.eval_interval == 0))
-        if step % config.log_period == 0 or last or eval_due:
-            metrics = jax.device_get(metrics)
-            elapsed = (time.perf_counter() - window_start) / window_steps
-            row = {"step": step, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
-                   "learning_rate": float(metrics["learning_rate"]), "eval_loss": None,
-                   **throughput(config, tokens_per_step=run.shape.tokens_per_step, step_time_s=elapsed,
-                                num_devices=len(devices), peak=peak)}
-            if eval_due:
-                row["eval_loss"] = _evaluate(eval_fn, state.params, run.eval_data, config.eval_steps, run.in_sharding)
-            if not math.isfinite(row["loss"]):
-                raise FloatingPointError(f"loss is {row['loss']} at step {step}; stopping")
-            writer.write(row)
-            bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
-            log(_format_row(row))
-        if manager and (step % config.checkpoint_period == 0 or last):
-            checkpoint.save(manager, step, state, iterator, config)
-        if row.get("step") == step:
+            writer = MetricsWriter(run_dir, enabled=lead)
+            if lead:
+                (run_dir / "config.yml").write_text(to_yaml(config), encoding="utf-8")
+            bar = tqdm(total=config.steps, initial=start, disable=None if lead else True, unit="step",
+                       dynamic_ncols=True)
+            row: dict[str, Any] = {}
             window_start, window_steps = time.perf_counter(), 0
-    bar.close()
-    writer.close()
-    if manager:
-        manager.wait_until_finished()
-        manager.close()
+            unchecked: list[tuple[int, jax.Array]] = []  # losses not yet checked for NaN/Inf (checked in batches)
+            for step in range(start + 1, config.steps + 1):
+                state, metrics = step_fn(state, global_batch(next(iterator), run.in_sharding))
+                if config.stop_on_nan:
+                    unchecked.append((step, metrics["loss"]))
+                window_steps += 1
+                bar.update(1)
+                last = step == config.steps
+                eval_due = eval_fn is not None and config.eval_interval >= 0 and (
+                    last or (config.eval_interval > 0 and step % config.eval_interval == 0))
+                log_due = step % config.log_period == 0 or last or eval_due
+                save_due = manager is not None and (step % config.checkpoint_period == 0 or last)
+                stop = preemption.requested(step)
+                if unchecked and (log_due or save_due or stop):
+                    _stop_on_nonfinite(unchecked, manager)
+                    unchecked.clear()
+                if log_due:
+                    metrics = jax.device_get(metrics)
+                    elapsed = (time.perf_counter() - window_start) / window_steps
+                    row = {"step": step, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
+                           "learning_rate": float(metrics["learning_rate"]), "eval_loss": None,
+                           **throughput(config, tokens_per_step=run.shape.tokens_per_step, step_time_s=elapsed,
+                                        num_devices=len(devices), peak=peak)}
+                    if eval_due:
+                        row["eval_loss"] = _evaluate(eval_fn, state.params, run.eval_data, config.eval_steps,
+                                                     run.in_sharding)
+                    writer.write(row)
+                    bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+                    log(_format_row(row))
+                if manager and (save_due or stop):
+                    checkpoint.save(manager, step, state, iterator, config, run.shape.global_rows)
+                if stop:
+                    if manager:
+                        manager.wait_until_finished()  # synchronous: the process may be killed soon
+                    raise Preempted(step, saved=manager is not None)
+                if row.get("step") == step:
+                    window_start, window_steps = time.perf_counter(), 0
+            bar.close()
+            writer.close()
+    finally:
+        if manager:
+            manager.wait_until_finished()
+            manager.close()
     return row
 
 
@@ -214,16 +326,40 @@ def _format_row(row: dict[str, Any]) -> str:
     return "  ".join(parts)
 
 
+USAGE = "usage: python -m maxpar.train CONFIG.yml [key=value ...]\nkeys (defaults in configs/base.yml):"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        stream = sys.stdout if argv else sys.stderr
+        print(USAGE, file=stream)
+        for key, kind, doc in describe_keys():
+            print(f"  {key} ({kind}): {doc}", file=stream)
+        return 0 if argv else 2
     try:
         config = load_config(argv)
+        distributed.setup(config)  # before any JAX device use
         train(config)
     except ConfigError as e:
         print(f"maxpar: config error: {e}", file=sys.stderr)
         return 2
     except FloatingPointError as e:
         print(f"maxpar: {e}", file=sys.stderr)
+        return 1
+    except checkpoint.CheckpointError as e:
+        print(f"maxpar: checkpoint error: {e}", file=sys.stderr)
+        return 1
+    except Preempted as e:
+        print(f"maxpar: {e}", file=sys.stderr)
+        return PREEMPTED_EXIT_STATUS
+    except distributed.DistributedError as e:
+        print(f"maxpar: {e}", file=sys.stderr)
+        return 1
+    except jax.errors.JaxRuntimeError as e:
+        if jax.process_count() == 1:
+            raise
+        print(f"maxpar: {distributed.peer_failure_message(e)}", file=sys.stderr)
         return 1
     return 0
 

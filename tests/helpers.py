@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -32,3 +36,57 @@ def write_corpus(directory: Path, num_files: int = 12, seed: int = 0) -> str:
 
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# ---------------------------------------------------------------- training in a subprocess (kill, SIGTERM)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def train_command(*overrides: str) -> list[str]:
+    """`python -m maxpar.train` on the tiny model with `overrides` (later keys win)."""
+    return [sys.executable, "-m", "maxpar.train", str(REPO / "configs" / "base.yml"), *TINY, *overrides]
+
+
+def compilation_cache_env(directory: Path) -> dict[str, str]:
+    """This environment plus a persistent JAX compilation cache: a restarted run reuses the compiled step
+    (the same executable, so the same numbers) instead of compiling it again."""
+    return {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(directory),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+def start_training(command: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start a training process whose output goes to `log_path` (a file, so no pipe can fill up)."""
+    with open(log_path, "w", encoding="utf-8") as log:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    """Steps in metrics.jsonl so far, ignoring a half-written last line."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    steps = []
+    for line in path.read_text().splitlines():
+        try:
+            steps.append(json.loads(line)["step"])
+        except (ValueError, KeyError):
+            pass
+    return steps
+
+
+def wait_until(process: subprocess.Popen, condition, what: str, timeout: float = 240) -> None:
+    """Poll `condition()` every 10 ms until true. Fails if the process ends first or time runs out."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if process.poll() is not None:
+            raise AssertionError(f"training exited with {process.returncode} before {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting until {what}")
+        time.sleep(0.01)
+
+
+def wait_for_step(process: subprocess.Popen, run_dir: Path, step: int, timeout: float = 240) -> int:
+    """Wait until metrics.jsonl logs a step >= `step`; returns the newest logged step."""
+    wait_until(process, lambda: max(logged_steps(run_dir), default=0) >= step, f"step {step} was logged", timeout)
+    return max(logged_steps(run_dir))

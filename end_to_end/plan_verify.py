@@ -1,0 +1,77 @@
+"""Regression: `python -m maxpar.plan --verify` for every parallelism strategy on simulated CPU devices.
+
+    python end_to_end/plan_verify.py [--extended] [key=value ...]
+
+Compiles the real train step of a tiny model for DP(8), FSDP(8), FSDP(4)xTP(2), TP(8) and
+DP(2)xFSDP(2)xTP(2) (with --extended also bf16, remat and gradient-accumulation variants),
+compares the predicted collectives and memory with the compiled program, prints one PASS/FAIL
+line per strategy and exits non-zero if any fails. Extra key=value overrides apply to all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = ["emb_dim=64", "num_query_heads=4", "num_kv_heads=2", "head_dim=16", "mlp_dim=128", "num_decoder_layers=2",
+        "vocab_size=264", "max_target_length=32", "per_device_batch_size=4", "dtype=float32",
+        "weight_dtype=float32", "hardware=tpu-v5p"]
+STRATEGIES = {
+    "DP(8)": ["ici_data_parallelism=-1", "ici_fsdp_parallelism=1"],
+    "FSDP(8)": ["ici_fsdp_parallelism=-1"],
+    "FSDP(4)xTP(2)": ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"],
+    "TP(8)": ["ici_fsdp_parallelism=1", "ici_tensor_parallelism=-1", "num_query_heads=8", "num_kv_heads=8",
+              "per_device_batch_size=1"],
+    "DP(2)xFSDP(2)xTP(2)": ["ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"],
+}
+EXTENDED = {
+    "FSDP(4)xTP(2) bf16": [*STRATEGIES["FSDP(4)xTP(2)"], "dtype=bfloat16"],
+    "FSDP(4)xTP(2) remat=full x2 microbatches": [*STRATEGIES["FSDP(4)xTP(2)"], "remat_policy=full",
+                                                 "gradient_accumulation_steps=2"],
+    "DP(2)xFSDP(2)xTP(2) remat=minimal unscanned": [*STRATEGIES["DP(2)xFSDP(2)xTP(2)"], "remat_policy=minimal",
+                                                    "scan_layers=false"],
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--extended", action="store_true", help="also bf16, remat and accumulation variants")
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides for every strategy")
+    args = parser.parse_args()
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    sys.path.insert(0, str(REPO))
+    from maxpar.config import ConfigError
+    from maxpar.plan.__main__ import run
+
+    cases = {**STRATEGIES, **(EXTENDED if args.extended else {})}
+    failed = []
+    for name, overrides in cases.items():
+        try:
+            result, _, status = run([str(REPO / "configs" / "base.yml"), *TINY, *overrides, *args.overrides,
+                                     "--verify"])
+        except ConfigError as e:
+            print(f"FAIL  {name}: config error: {e}")
+            failed.append(name)
+            continue
+        v = result["verify"]
+        worst = max((abs(b["error"]) for b in v["buckets"] if b["error"] is not None and b["status"] != "negligible"),
+                    default=0.0)
+        summary = ", ".join(f"{b['axis']} {b['collective']} {b['error']:+.1%}" for b in v["buckets"]
+                            if b["error"] is not None and b["status"] != "negligible")
+        state = v["memory"][0]["error"]
+        print(f"{'PASS' if v['passed'] else 'FAIL'}  {name}: worst collective diff {worst:.2%} ({summary}); "
+              f"train state {state:+.1%}")
+        for failure in v["failures"]:
+            print(f"        {failure}")
+        if status:
+            failed.append(name)
+    print(f"{'PASS' if not failed else 'FAIL'}: {len(cases) - len(failed)}/{len(cases)} strategies verified")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

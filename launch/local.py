@@ -1,0 +1,222 @@
+"""Run an N-process maxpar job on this machine, wired like a multi-slice job on GKE.
+
+    python -m launch.local --num_processes 2 --devices_per_process 4 -- \\
+        configs/base.yml dcn_data_parallelism=2 ici_fsdp_parallelism=4
+
+Every process gets its own simulated CPU devices and the environment contract of
+`maxpar/distributed.py` (one host per slice: MEGASCALE_NUM_SLICES = N, MEGASCALE_SLICE_ID = rank, the
+coordinator on 127.0.0.1 at a free port), so the `dcn_*` degrees apply across processes exactly as
+across TPU slices. Output lines are prefixed with `[rank R]`. When any process exits non-zero the
+others are stopped (SIGTERM, then SIGKILL after a grace period) and the launcher exits non-zero; a
+process that hangs is caught by the trainer's `distributed_heartbeat_timeout_s`. All processes share
+one process group that the launcher kills on every way out, and on Linux each one also dies with the
+launcher, so none is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import IO
+
+LOCALHOST = "127.0.0.1"
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchArgs:
+    num_processes: int
+    devices_per_process: int
+    module: str
+    args: tuple[str, ...]
+    timeout_s: float
+    grace_s: float
+
+
+def parse_args(argv: Sequence[str]) -> LaunchArgs:
+    """Command line -> LaunchArgs; argparse reports bad input with exit status 2."""
+    parser = argparse.ArgumentParser(prog="python -m launch.local", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num_processes", type=int, required=True, help="processes to start (= slices)")
+    parser.add_argument("--devices_per_process", type=int, default=1, help="simulated CPU devices per process")
+    parser.add_argument("--module", default="maxpar.train", help="module each process runs with `python -m`")
+    parser.add_argument("--timeout_s", type=float, default=0, help="stop the whole job after this long (0 = never)")
+    parser.add_argument("--grace_s", type=float, default=10,
+                        help="seconds the processes get after SIGTERM (e.g. to save a checkpoint) before SIGKILL")
+    parser.add_argument("args", nargs="*", help="arguments for every process (after --), e.g. CONFIG.yml key=value")
+    parsed = parser.parse_args(argv)
+    for name in ("num_processes", "devices_per_process"):
+        if getattr(parsed, name) < 1:
+            parser.error(f"--{name}={getattr(parsed, name)}: must be >= 1")
+    if parsed.timeout_s < 0 or parsed.grace_s < 0:
+        parser.error("--timeout_s and --grace_s must be >= 0")
+    return LaunchArgs(parsed.num_processes, parsed.devices_per_process, parsed.module, tuple(parsed.args),
+                      parsed.timeout_s, parsed.grace_s)
+
+
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOCALHOST, 0))
+        return sock.getsockname()[1]
+
+
+def rank_env(base: Mapping[str, str], rank: int, num_processes: int, devices_per_process: int,
+             port: int) -> dict[str, str]:
+    """The environment of process `rank`: the base plus the multi-slice contract and its CPU devices."""
+    env = {k: v for k, v in base.items() if k not in _CONTRACT}
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", base.get("XLA_FLAGS", "")).split()
+    env.update({
+        "JAX_COORDINATOR_ADDRESS": f"{LOCALHOST}:{port}",
+        "JAX_COORDINATOR_BIND_ADDRESS": f"{LOCALHOST}:{port}",  # JAX's default listens on every interface
+        "MEGASCALE_NUM_SLICES": str(num_processes),
+        "MEGASCALE_SLICE_ID": str(rank),
+        "XLA_FLAGS": " ".join(flags + [f"--xla_force_host_platform_device_count={devices_per_process}"]),
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONUNBUFFERED": "1",
+    })
+    return env
+
+
+# Variables of the contract that must not leak in from the launcher's own environment.
+_CONTRACT = ("JAX_COORDINATOR_ADDRESS", "JAX_COORDINATOR_BIND_ADDRESS", "MEGASCALE_COORDINATOR_ADDRESS",
+             "JAX_COORDINATOR_PORT", "MEGASCALE_NUM_SLICES", "MEGASCALE_SLICE_ID", "TPU_WORKER_HOSTNAMES",
+             "TPU_WORKER_ID", "JOB_COMPLETION_INDEX")
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGKILL if the launcher dies (Linux), so nothing outlives it."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+def _forward(rank: int, stream: IO[bytes], out: IO[str], lock: threading.Lock) -> None:
+    """Copy one process's output line by line, each line prefixed with its rank."""
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace").rstrip("\r\n")
+        with lock:
+            out.write(f"[rank {rank}] {line}\n")
+            out.flush()
+
+
+def _exit_status(code: int) -> int:
+    """Shell convention: a process killed by signal S counts as 128 + S."""
+    return code if code > 0 else 128 - code
+
+
+class Job:
+    """The N processes of one local job, all in one process group."""
+
+    def __init__(self, args: LaunchArgs, out: IO[str] = sys.stdout, err: IO[str] = sys.stderr):
+        self.args, self.out, self.err = args, out, err
+        self.lock = threading.Lock()
+        self.procs: list[subprocess.Popen] = []
+        self.threads: list[threading.Thread] = []
+
+    def say(self, message: str) -> None:
+        with self.lock:
+            self.err.write(f"launch.local: {message}\n")
+            self.err.flush()
+
+    def start(self) -> None:
+        port = free_port()
+        command = [sys.executable, "-m", self.args.module, *self.args.args]
+        preexec = _die_with_parent if sys.platform.startswith("linux") else None
+        for rank in range(self.args.num_processes):
+            group = 0 if rank == 0 else self.procs[0].pid
+            env = rank_env(os.environ, rank, self.args.num_processes, self.args.devices_per_process, port)
+            self.procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                               stdin=subprocess.DEVNULL, process_group=group, preexec_fn=preexec))
+        # Threads only after every fork: preexec_fn is not safe while other threads run.
+        for rank, proc in enumerate(self.procs):
+            thread = threading.Thread(target=_forward, args=(rank, proc.stdout, self.out, self.lock), daemon=True)
+            thread.start()
+            self.threads.append(thread)
+        pids = ", ".join(f"rank {r} pid {p.pid}" for r, p in enumerate(self.procs))
+        self.say(f"{self.args.num_processes} process(es) x {self.args.devices_per_process} device(s), "
+                 f"coordinator {LOCALHOST}:{port}; {pids}")
+
+    def wait(self) -> int:
+        """Exit status of the job: 0 when all succeed, else the first failure's (124 on timeout)."""
+        deadline = time.monotonic() + self.args.timeout_s if self.args.timeout_s else None
+        while True:
+            codes = [p.poll() for p in self.procs]
+            failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+                self.say(f"rank {rank} {how}; stopping the other processes")
+                return _exit_status(code)
+            if all(code == 0 for code in codes):
+                return 0
+            if deadline is not None and time.monotonic() > deadline:
+                self.say(f"the job did not finish within --timeout_s={self.args.timeout_s:g}; stopping it")
+                return 124
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        """SIGTERM the group, SIGKILL it after the grace period, and reap every process."""
+        if not self.procs:
+            return
+        group = self.procs[0].pid
+        for sig in (signal.SIGTERM, signal.SIGCONT):  # SIGCONT: a stopped (hung) process must see the SIGTERM
+            _signal_group(group, sig)
+        end = time.monotonic() + self.args.grace_s
+        while time.monotonic() < end and any(p.poll() is None for p in self.procs):
+            time.sleep(0.05)
+        _signal_group(group, signal.SIGKILL)
+        for proc in self.procs:
+            proc.wait()
+        for thread in self.threads:
+            thread.join(timeout=5)
+
+
+def _signal_group(group: int, sig: int) -> None:
+    try:
+        os.killpg(group, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class _Interrupted(Exception):
+    """The launcher itself got SIGINT or SIGTERM."""
+
+
+def _raise_interrupted(signum: int, _frame) -> None:
+    raise _Interrupted(signum)
+
+
+def run(args: LaunchArgs) -> int:
+    """Start the job, wait for it, and always leave no process behind."""
+    job = Job(args)
+    previous = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        job.start()
+        return job.wait()
+    except _Interrupted as e:
+        job.say(f"got signal {e.args[0]}; stopping every process")
+        return 128 + int(e.args[0])
+    finally:
+        job.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run(parse_args(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

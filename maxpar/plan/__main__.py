@@ -1,0 +1,150 @@
+"""`python -m maxpar.plan CONFIG [key=value ...] [--json] [--recommend] [--verify] [--dump_hlo DIR] [--top N]`
+
+Predict communication, compute, memory and pipeline bubble of a training
+config on a target (`hardware=NAME num_devices=N [num_slices=S]`), optionally
+search better meshes, and prove the prediction against the compiled step.
+Exit status: 0 ok, 1 --verify found a difference over tolerance, 2 bad config.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+
+import jax
+
+from maxpar.config import Config, ConfigError, load_config
+from maxpar.mesh import num_slices_for, resolve_mesh_shape
+from maxpar.plan import report, verify
+from maxpar.plan.hardware import available, default_num_slices, hardware_for_device_kind, load_hardware
+from maxpar.plan.layout import abstract_model_state
+from maxpar.plan.predict import Target, make_plan
+from maxpar.plan.recommend import recommend
+
+FALLBACK_HARDWARE = "tpu-v5p"  # the seeds' reference chip, used (and said) when nothing else names one
+USAGE = __doc__.strip().splitlines()[0]
+
+
+def parse_flags(argv: Sequence[str]) -> tuple[dict[str, object], list[str]]:
+    """Split --flags from the config file and key=value overrides."""
+    flags: dict[str, object] = {"json": False, "recommend": False, "verify": False, "dump_hlo": None, "top": 5}
+    rest: list[str] = []
+    items = list(argv)
+    while items:
+        item = items.pop(0)
+        if not item.startswith("--"):
+            rest.append(item)
+            continue
+        name, _, value = item[2:].partition("=")
+        if name in ("json", "recommend", "verify") and not value:
+            flags[name] = True
+        elif name in ("dump_hlo", "top"):
+            if not value:
+                if not items:
+                    raise ConfigError(f"--{name} needs a value")
+                value = items.pop(0)
+            if name == "top":
+                if not value.isdigit() or int(value) < 1:
+                    raise ConfigError(f"--top={value!r}: expected a positive integer")
+                flags[name] = int(value)
+            else:
+                flags[name] = value
+        else:
+            raise ConfigError(f"unknown flag {item!r}; {USAGE}")
+    if flags["dump_hlo"] and not flags["verify"]:
+        raise ConfigError("--dump_hlo DIR writes the HLO that --verify compiles; add --verify")
+    return flags, rest
+
+
+def resolve_target(config: Config, local_kind: str | None, local_count: int | None,
+                   local_slices: int | None) -> Target:
+    """Hardware profile, device and slice counts: from the config, else from the local devices."""
+    name, note = config.hardware, ""
+    if not name:
+        name = hardware_for_device_kind(local_kind or "")
+        if name is None:
+            name = FALLBACK_HARDWARE
+            note = (f"hardware='' and no profile matches the local device kind {local_kind!r}: assumed {name}; "
+                    f"set hardware=NAME ({', '.join(available())})")
+        else:
+            note = f"hardware={name} matched from the local devices ({local_kind})"
+    hardware = load_hardware(name)
+    num_devices = config.num_devices or local_count
+    if not num_devices:
+        raise ConfigError("num_devices=0 means the local device count, which is unknown here")
+    if config.num_slices != -1:
+        slices = config.num_slices
+    elif not config.num_devices and local_slices:
+        slices = local_slices
+    else:
+        slices = default_num_slices(hardware, num_devices)
+    if num_devices % slices:
+        raise ConfigError(f"num_devices={num_devices} does not split into num_slices={slices}")
+    if num_devices // slices > hardware.max_devices_per_slice:
+        raise ConfigError(f"{num_devices // slices} devices per slice exceed {hardware.name}'s "
+                          f"max_devices_per_slice={hardware.max_devices_per_slice}; set num_slices")
+    return Target(hardware=hardware, num_devices=num_devices, num_slices=slices, note=note)
+
+
+def run(argv: Sequence[str]) -> tuple[dict[str, object], str, int]:
+    """(JSON result, human text, exit status) of one invocation."""
+    flags, rest = parse_flags(argv)
+    if not rest:
+        raise ConfigError(USAGE)
+    config = load_config(rest)
+    devices = None
+    if flags["verify"] or not config.hardware or not config.num_devices:  # only then look at local devices
+        devices = jax.devices()
+        local = (devices[0].device_kind, len(devices), num_slices_for(config, devices))
+    else:
+        local = (None, None, None)
+    if flags["verify"] and config.num_devices not in (0, len(devices)):
+        raise ConfigError(f"--verify compiles on the local devices: num_devices={config.num_devices} but there are "
+                          f"{len(devices)} (set num_devices=0, or XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+    target = resolve_target(config, *local)
+    state = abstract_model_state(config)
+    try:
+        result = make_plan(config, target, state)
+        text = [report.render_plan(result)]
+    except ConfigError as e:
+        if not flags["recommend"] or flags["verify"]:
+            raise
+        # The configured mesh cannot run this model; the search below may still find one that can.
+        result = {"error": str(e), "hardware": target.hardware.name, "num_devices": target.num_devices}
+        text = [f"maxpar plan: the configured mesh cannot run: {e}"]
+    status = 0
+    if flags["recommend"]:
+        result["recommendations"] = recommend(config, target, state, top=flags["top"])
+        text.append(report.render_recommendations(result["recommendations"]))
+        if "error" in result and not result["recommendations"]["best"]:
+            status = 2
+    if flags["verify"]:
+        verify.check_verifiable(resolve_mesh_shape(config, target.num_devices, target.num_slices))
+        compiled = verify.compile_train_step(config, devices)
+        if flags["dump_hlo"]:
+            path = verify.dump_hlo(compiled.text, str(flags["dump_hlo"]))
+            text.append(f"\ncompiled HLO written to {path}")
+        result["verify"] = verify.compare(result, compiled, config)
+        text.append("\n" + report.render_verify(result["verify"]))
+        status = 0 if result["verify"]["passed"] else 1
+    return report.public(result), "\n".join(text), status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--help" in argv or "-h" in argv:
+        print(__doc__)
+        return 0
+    try:
+        result, text, status = run(argv)
+    except ConfigError as e:
+        print(f"maxpar.plan: config error: {e}", file=sys.stderr)
+        return 2
+    json_mode = "--json" in argv
+    print(json.dumps(result, indent=2) if json_mode else text)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

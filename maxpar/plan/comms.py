@@ -1,0 +1,242 @@
+"""Predicted collectives of one training step, per mesh axis, following the seeds' strategies.
+
+Each rule below is one row of the seeds' tables, applied to every weight of the
+real model through its shardings (a `Layout`), not to a two-matrix caricature:
+
+- FSDP (a weight sharded over an axis that also shards the batch): all-gather
+  the weight before use, in the forward pass and again in the backward pass
+  (for the scanned layers; a top-level weight is gathered once per step), and
+  reduce-scatter its gradient.
+- DP (a batch axis that does not shard the weight): all-reduce the gradient
+  (after the FSDP reduce-scatter, on the smaller shard).
+- TP, Megatron style (a non-batch axis sharding heads / mlp / vocab): per layer,
+  all-reduce the block output in the forward pass and the block input's
+  gradient in the backward pass (all-gather + reduce-scatter of the same bytes
+  when the residual stream is sequence-sharded); the vocab-sharded loss reduces
+  its max / sum / label logit over that axis.
+- The token-embedding lookup: the model gathers the table's embed shards first
+  (an FSDP gather, once per step) so the looked-up rows land batch-sharded; a
+  vocab-sharded table looks up its own rows and all-reduces them.
+- PP (`stage`): activations permuted to the next stage, twice per microbatch
+  each way (sharding-strategies.md: "4BE bytes per stage").
+- Multi-slice: a collective over an axis with a DCN degree is hierarchical:
+  reduce-scatter over ICI, all-reduce across DCN on the shard, all-gather back.
+
+Bytes are what one device sends with bandwidth-optimal ring algorithms
+(`maxpar.plan.hlo.wire_bytes`), the same formula `--verify` applies to the
+compiled program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+
+from maxpar.plan.hlo import wire_bytes
+from maxpar.plan.layout import Layout, Tensor
+from maxpar.plan.model_math import dtype_bytes, layer_split
+
+FORWARD, BACKWARD = "forward", "backward"
+
+
+@dataclasses.dataclass(frozen=True)
+class Comm:
+    """One collective pattern on one mesh-axis group and network, summed over a step."""
+
+    pattern: str
+    axes: tuple[str, ...]        # mesh axes of the replica group
+    network: str                 # ici | dcn
+    collective: str              # all-gather | reduce-scatter | all-reduce | all-to-all | collective-permute
+    phase: str                   # forward | backward: the compute it can overlap with
+    dtype: str
+    operand_bytes: float         # per device per execution
+    group_size: int
+    count: float                 # executions per step
+    scales_with_batch: bool      # activations (True) or weights/gradients (False)
+    cpu_parts: int = 1           # partial sums XLA:CPU reduces one by one (it has no AllReduceReassociate)
+    top_level_gather: bool = False  # a once-per-step gather of a weight used by forward and backward matmuls
+    tensor: str = ""             # the weight it moves, for per-weight patterns
+
+    @property
+    def axis(self) -> str:
+        return "+".join(self.axes)
+
+    @property
+    def bytes_per_device(self) -> float:
+        return wire_bytes(self.collective, self.operand_bytes, self.group_size) * self.count
+
+
+def _levels(layout: Layout, axes: tuple[str, ...]) -> tuple[int, int]:
+    return (math.prod(layout.ici(a) for a in axes), math.prod(layout.dcn(a) for a in axes))
+
+
+def hierarchical(layout: Layout, pattern: str, axes: Iterable[str], collective: str, operand_bytes: float, *,
+                 count: float, phase: str, dtype: str, scales: bool, cpu_parts: int = 1,
+                 top_level_gather: bool = False, tensor: str = "") -> list[Comm]:
+    """One logical collective split into its ICI and DCN parts (XLA's hierarchical collectives)."""
+    axes = layout.live(axes)
+    if not axes or operand_bytes <= 0 or count <= 0:
+        return []
+    ici, dcn = _levels(layout, axes)
+    ici_axes = tuple(a for a in axes if layout.ici(a) > 1)
+    dcn_axes = tuple(a for a in axes if layout.dcn(a) > 1)
+    common = dict(pattern=pattern, collective=collective, phase=phase, dtype=dtype, count=count,
+                  scales_with_batch=scales, cpu_parts=cpu_parts, top_level_gather=top_level_gather,
+                  tensor=tensor)
+    parts: list[tuple[str, tuple[str, ...], float, int]] = []
+    if collective == "all-gather":          # across DCN first (small), then ICI (operand x dcn)
+        parts = [("dcn", dcn_axes, operand_bytes, dcn), ("ici", ici_axes, operand_bytes * dcn, ici)]
+    elif collective in ("reduce-scatter", "all-reduce"):  # ICI first, then DCN on the 1/ici shard
+        parts = [("ici", ici_axes, operand_bytes, ici), ("dcn", dcn_axes, operand_bytes / ici, dcn)]
+    elif collective == "all-to-all":
+        parts = [("ici", ici_axes, operand_bytes / dcn, ici), ("dcn", dcn_axes, operand_bytes, dcn)]
+    elif collective == "collective-permute":
+        parts = [("dcn" if dcn > 1 else "ici", axes, operand_bytes, 2)]
+    return [Comm(axes=group_axes, network=network, operand_bytes=size, group_size=n, **common)
+            for network, group_axes, size, n in parts if n > 1]
+
+
+def _fsdp_axes(layout: Layout, tensor: Tensor) -> tuple[str, ...]:
+    """Axes that shard both this weight and the batch: the weight must be gathered."""
+    return layout.live(a for a in tensor.axes if a in layout.batch_axes)
+
+
+def _tp_axes(layout: Layout, tensor: Tensor | None, logical: str) -> tuple[str, ...]:
+    """Non-batch axes sharding one feature dim of a weight: activations move over them."""
+    if tensor is None:
+        return ()
+    return layout.live(a for a in tensor.dim_axes(logical) if a not in layout.batch_axes)
+
+
+def weight_comms(layout: Layout, microbatches: int) -> list[Comm]:
+    """FSDP all-gathers and the gradient reduce-scatters / all-reduces of every weight."""
+    config = layout.config
+    comms = []
+    for t in layout.params():
+        elements = layout.local_bytes(t) / dtype_bytes(t.dtype)
+        # Matmul weights are cast to `dtype` before use, so gathers and gradient partial sums are in
+        # `dtype`; norm scales are used and differentiated in float32; the token table is gathered
+        # and looked up in its own dtype.
+        dtype = {"norm": "float32", "embedding": t.dtype}.get(t.role, config.dtype)
+        size = elements * dtype_bytes(dtype)
+        name = t.path.replace(".params", "").replace("['", "").replace("']", "/").rstrip("/")
+        gather = _fsdp_axes(layout, t)
+        full = size * math.prod(layout.degree(a) for a in gather)
+        if gather:
+            if t.layered:
+                for phase in (FORWARD, BACKWARD):
+                    comms += hierarchical(layout, f"FSDP weight all-gather ({phase})", gather, "all-gather",
+                                          size, count=microbatches, phase=phase, dtype=dtype, scales=False,
+                                          tensor=name)
+            else:
+                # Outside the layer scan the gathered weight is one array that the forward and the
+                # backward matmul share: one gather per step.
+                comms += hierarchical(layout, "FSDP weight all-gather (once per step)", gather,
+                                      "all-gather", size, count=1, phase=FORWARD, dtype=dtype, scales=False,
+                                      top_level_gather=t.role != "embedding", tensor=name)
+        token_axes = set(layout.batch_axes)
+        if t.role == "norm":  # a norm's input is the residual stream: reduce over every axis splitting its tokens
+            token_axes |= set(layout.residual_axes[1])
+        reduce = layout.live(a for a in token_axes if a not in t.axes)
+        if gather and reduce and t.role == "embedding":
+            # The table's gradient is a scatter-add of the looked-up rows, unreduced on every batch
+            # shard; the partitioner sums it over all batch axes at once and keeps its FSDP slice.
+            comms += hierarchical(layout, "DP+FSDP gradient all-reduce", layout.live(gather + reduce),
+                                  "all-reduce", full, count=microbatches, phase=BACKWARD, dtype=dtype, scales=False,
+                                  tensor=name)
+            continue
+        if gather:
+            comms += hierarchical(layout, "FSDP gradient reduce-scatter", gather, "reduce-scatter", full,
+                                  count=microbatches, phase=BACKWARD, dtype=dtype, scales=False, tensor=name)
+        comms += hierarchical(layout, "DP gradient all-reduce", reduce, "all-reduce", size,
+                              count=microbatches, phase=BACKWARD, dtype=dtype, scales=False, tensor=name)
+    return comms
+
+
+def activation_comms(layout: Layout, tokens: float, microbatches: int) -> list[Comm]:
+    """Tensor-parallel activations per layer and the vocab-parallel loss; tokens = one microbatch's per batch shard."""
+    config = layout.config
+    a = dtype_bytes(config.dtype)
+    layers = config.num_decoder_layers / layer_split(layout)  # a pipeline stage runs its share of the layers
+    residual = tokens * config.emb_dim * a
+    sequence_sharded = layout.live(a for a in layout.residual_axes[1] + layout.residual_axes[2]
+                                   if a not in layout.batch_axes)
+    count = layers * microbatches
+    comms: list[Comm] = []
+
+    def block(label: str, axes: tuple[str, ...], parts: int) -> None:
+        steps = [(FORWARD, "output all-reduce", 1),  # after the out / down projection
+                 (BACKWARD, "input-gradient all-reduce", parts)]  # of the partial sums of q,k,v (or gate, up)
+        if config.remat_policy == "full" and label == "attention":
+            # remat=full re-runs the layer in the backward pass up to the MLP input, which needs the
+            # attention block's output again (the MLP's own output is not needed).
+            steps.append((BACKWARD, "output all-reduce recomputed by remat=full", 1))
+        for phase, what, cpu_parts in steps:
+            if any(x in sequence_sharded for x in axes):  # sequence parallel: all-gather before, reduce-scatter after
+                for collective, size in (("all-gather", residual / math.prod(layout.degree(x) for x in axes)),
+                                         ("reduce-scatter", residual)):
+                    comms.extend(hierarchical(layout, f"TP {label} {collective} ({phase})", axes, collective, size,
+                                              count=count, phase=phase, dtype=config.dtype, scales=True))
+            else:
+                comms.extend(hierarchical(layout, f"TP {label} {what} ({phase})", axes, "all-reduce", residual,
+                                          count=count, phase=phase, dtype=config.dtype, scales=True,
+                                          cpu_parts=cpu_parts))
+
+    query = layout.param("['query']")
+    attention_axes = _tp_axes(layout, query, "heads")
+    if attention_axes:
+        parts = sum(1 for name, dim in (("['query']", "heads"), ("['key']", "kv_heads"), ("['value']", "kv_heads"))
+                    if set(_tp_axes(layout, layout.param(name), dim)) & set(attention_axes))
+        block("attention", attention_axes, parts)
+    mlp_axes = _tp_axes(layout, layout.param("['wi_gate']"), "mlp")
+    if mlp_axes:
+        parts = sum(1 for name in ("['wi_gate']", "['wi_up']")
+                    if set(_tp_axes(layout, layout.param(name), "mlp")) & set(mlp_axes))
+        block("MLP", mlp_axes, parts)
+    projection = layout.param("['output']") or layout.param("['token_embedding']")
+    vocab_axes = _tp_axes(layout, projection, "vocab")
+    if vocab_axes:
+        comms += hierarchical(layout, "TP loss max / sum / label-logit all-reduces (forward)", vocab_axes,
+                              "all-reduce", 3 * tokens * 4, count=microbatches, phase=FORWARD, dtype="float32",
+                              scales=True)
+        comms += hierarchical(layout, "TP output-projection input-gradient all-reduce (backward)", vocab_axes,
+                              "all-reduce", residual, count=microbatches, phase=BACKWARD, dtype=config.dtype,
+                              scales=True)
+    stage_axes = layout.live(("stage",))
+    if stage_axes:
+        # sharding-strategies.md: two collective permutes of the [B, E] stage output per stage and microbatch.
+        for phase in (FORWARD, BACKWARD):
+            comms += hierarchical(layout, f"PP stage-boundary permutes ({phase})", stage_axes, "collective-permute",
+                                  residual, count=2 * microbatches, phase=phase, dtype=config.dtype, scales=True)
+    return comms
+
+
+def lookup_comms(layout: Layout, tokens: float, microbatches: int) -> list[Comm]:
+    """A vocab-sharded token table: each shard looks up the ids it owns, then the rows are summed."""
+    table = layout.param("['token_embedding']")
+    vocab_axes = _tp_axes(layout, table, "vocab")
+    if table is None or not vocab_axes:
+        return []
+    rows = tokens * layout.config.emb_dim * dtype_bytes(table.dtype)
+    return hierarchical(layout, "TP embedding lookup all-reduce (forward)", vocab_axes, "all-reduce", rows,
+                        count=microbatches, phase=FORWARD, dtype=table.dtype, scales=True)
+
+
+def predict_comms(layout: Layout, tokens_per_shard: float, microbatches: int) -> list[Comm]:
+    """Every predicted collective of one step (tokens_per_shard: one microbatch's tokens per batch shard)."""
+    return (weight_comms(layout, microbatches) + activation_comms(layout, tokens_per_shard, microbatches)
+            + lookup_comms(layout, tokens_per_shard, microbatches))
+
+
+def expert_all_to_all_bytes(tokens: float, emb_dim: int, experts_per_token: int, dtype_size: int) -> float:
+    """Operand of one expert-parallel dispatch (or combine) all-to-all: each token's copies for its experts.
+
+    sharding-strategies.md (EP): moving between batch and expert sharding sends
+    the routed activations, tokens x experts_per_token x emb; with compute
+    2 x that x mlp per matmul, the arithmetic intensity is mlp_dim. maxpar's
+    model has no mixture-of-experts layer yet: when it gains one, its
+    `weight_comms`/`activation_comms` rule adds two of these per MoE layer and
+    direction (dispatch, combine) over the `expert` axis.
+    """
+    return tokens * experts_per_token * emb_dim * dtype_size

@@ -1,0 +1,362 @@
+"""Read the collectives of a compiled XLA program from its HLO text.
+
+Why text: `compiled.as_text()` is what XLA actually runs after SPMD
+partitioning, so its collectives are the ground truth that `--verify` holds the
+predictions against. Everything here is pure string -> data parsing; mapping a
+replica group to mesh axes only needs the mesh's axis names and sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import re
+from collections.abc import Mapping
+
+import numpy as np
+
+COLLECTIVE_KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+
+# Bytes per element of each HLO primitive type.
+ELEMENT_BYTES = {
+    "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8,
+    "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16, "token": 0,
+}
+
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<type>.+?)\s+(?P<op>[a-z][\w\-]*)\((?P<args>.*)$")
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[\w.\-]+)\s*\((?P<params>.*)\)\s*->\s*.*\{\s*$")
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_OPERAND = re.compile(r"%([\w.\-]+)")
+_REPLICA_GROUPS = re.compile(
+    r"replica_groups=("
+    r"mesh\[[^\]]*\](?:,\s*device_ids=\([^)]*\)?\))?\s*\{[^}]*\}"  # mesh axes
+    r"|\{(?:\{[0-9,\s]*\},?)*\}"                                    # explicit groups
+    r"|\[\d+,\d+\]<=\[[0-9,]+\](?:T\([0-9,]+\))?)")                  # iota
+_CALLEE = re.compile(r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%([\w.\-]+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+    """One array a collective moves; tuple-shaped (combined) collectives have several."""
+
+    nbytes: int
+    dtype: str
+    op_name: str                        # jax-level provenance of the instruction that produced it
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective instruction of the program and how often one step runs it."""
+
+    name: str
+    kind: str                           # one of COLLECTIVE_KINDS (async -start/-done folded in)
+    dtype: str                          # element type of the operand ('mixed' for tuples of several)
+    operand_bytes: int                  # bytes each device contributes (all operands of a tuple collective)
+    groups: tuple[tuple[int, ...], ...]  # partition ids per replica group (pairs for collective-permute)
+    count: int                          # executions per step: product of enclosing loop trip counts
+    computation: str
+    op_name: str                        # jax-level provenance from the metadata
+    operands: tuple[Operand, ...] = ()
+    unknown_trip_count: bool = False
+
+    @property
+    def group_size(self) -> int:
+        return max((len(g) for g in self.groups), default=1)
+
+
+def element_bytes(dtype: str) -> float:
+    if dtype not in ELEMENT_BYTES:
+        raise ValueError(f"unknown HLO element type {dtype!r}")
+    return ELEMENT_BYTES[dtype]
+
+
+def shape_bytes(type_text: str) -> tuple[int, str]:
+    """(bytes, element type) of an HLO type string; tuples are summed ('mixed' if types differ)."""
+    total, dtypes = 0.0, set()
+    for dtype, dims in _ARRAY.findall(type_text):
+        if dtype not in ELEMENT_BYTES:
+            continue
+        size = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+        total += size * ELEMENT_BYTES[dtype]
+        dtypes.add(dtype)
+    return int(total), (dtypes.pop() if len(dtypes) == 1 else "mixed" if dtypes else "none")
+
+
+def _split_computations(text: str) -> list[tuple[str, bool, list[str]]]:
+    """[(name, is_entry, instruction lines)] in the order printed (callees before callers)."""
+    comps, current = [], None
+    for line in text.splitlines():
+        header = _HEADER.match(line)
+        if header and current is None:
+            current = (header.group("name"), line.startswith("ENTRY"), [])
+            continue
+        if current is not None:
+            if line.startswith("}"):
+                comps.append(current)
+                current = None
+            else:
+                current[2].append(line)
+    return comps
+
+
+def _attr(text: str, key: str) -> str | None:
+    """Value of `key=` in an attribute list, balancing braces/brackets/parens."""
+    start = text.find(f"{key}=")
+    if start < 0:
+        return None
+    i = start + len(key) + 1
+    depth, j = 0, i
+    while j < len(text):
+        ch = text[j]
+        if ch in "{[(":
+            depth += 1
+        elif ch in "}])":
+            if depth == 0:
+                break
+            depth -= 1
+        elif ch == "," and depth == 0:
+            break
+        j += 1
+    return text[i:j].strip()
+
+
+def _trip_count(line: str) -> int | None:
+    m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+    return int(m.group(1)) if m else None
+
+
+def _iota(text: str) -> np.ndarray:
+    """`[a,b]T(1,0)` or `[8]` (optionally after `<=`) -> the flattened device-id array."""
+    m = re.fullmatch(r"\[([0-9,]+)\](?:T\(([0-9,]+)\))?", text.strip())
+    if not m:
+        raise ValueError(f"cannot parse iota tile {text!r}")
+    dims = [int(d) for d in m.group(1).split(",")]
+    array = np.arange(math.prod(dims)).reshape(dims)
+    if m.group(2):
+        array = array.transpose([int(p) for p in m.group(2).split(",")])
+    return array.reshape(-1)
+
+
+def _mesh_groups(text: str) -> list[list[int]]:
+    """XLA's mesh-axes replica groups: `mesh['a'=4,'b'=2], device_ids=(...) {'a'}`."""
+    m = re.match(r"mesh\[(?P<axes>[^\]]*)\]\s*(?:,\s*device_ids=\((?P<ids>[^)]*\)?)\))?\s*\{(?P<group>[^}]*)\}", text)
+    if not m:
+        raise ValueError(f"cannot parse mesh replica groups {text!r}")
+    names, sizes = [], []
+    for part in m.group("axes").split(","):
+        key, _, size = part.partition("=")
+        names.append(key.strip().strip("'"))
+        sizes.append(int(size))
+    total = math.prod(sizes)
+    ids_text = (m.group("ids") or "").strip()
+    if not ids_text:
+        ids = np.arange(total)
+    elif ids_text.startswith("["):
+        ids = _iota(ids_text)
+    else:
+        ids = np.array([int(x) for x in ids_text.split(",")])
+    # Reshape every mesh axis (splitting those referenced by sub-axes) and collect the grouped dims.
+    reshape, grouped = [], []
+    refs: dict[int, list[tuple[int, int] | None]] = {}
+    for ref in filter(None, (r.strip() for r in m.group("group").split(","))):
+        sub = re.fullmatch(r"'([^']+)'(?::\((\d+)\)(\d+))?", ref)
+        if not sub:
+            raise ValueError(f"cannot parse mesh axis reference {ref!r}")
+        index = names.index(sub.group(1))
+        refs.setdefault(index, []).append((int(sub.group(2)), int(sub.group(3))) if sub.group(2) else None)
+    for index, size in enumerate(sizes):
+        if index not in refs:
+            reshape.append(size)
+            continue
+        if refs[index] == [None]:
+            grouped.append(len(reshape))
+            reshape.append(size)
+            continue
+        prefix = 1
+        for pre, sub_size in sorted(refs[index]):
+            if pre != prefix:
+                reshape.append(pre // prefix)
+                prefix = pre
+            grouped.append(len(reshape))
+            reshape.append(sub_size)
+            prefix *= sub_size
+        if prefix != size:
+            reshape.append(size // prefix)
+    order = [d for d in range(len(reshape)) if d not in grouped] + grouped
+    group_size = math.prod(reshape[d] for d in grouped)
+    return ids.reshape(reshape).transpose(order).reshape(-1, group_size).tolist()
+
+
+def parse_replica_groups(text: str | None, num_partitions: int) -> list[list[int]]:
+    """Every replica-group syntax XLA prints: explicit lists, iota `[g,n]<=[...]`, and mesh axes."""
+    if text is None or text in ("{}", ""):
+        return [list(range(num_partitions))]
+    if text.startswith("mesh["):
+        return _mesh_groups(text)
+    if text.startswith("{"):
+        return [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([0-9,\s]*)\}", text[1:-1])]
+    m = re.fullmatch(r"\[(\d+),(\d+)\]<=(.+)", text)
+    if m:
+        return _iota(m.group(3)).reshape(int(m.group(1)), int(m.group(2))).tolist()
+    raise ValueError(f"cannot parse replica_groups={text!r}")
+
+
+def _replica_text(line: str) -> str | None:
+    """The replica_groups value, which for mesh groups contains spaces and a device_ids clause."""
+    m = _REPLICA_GROUPS.search(line)
+    return m.group(1) if m else None
+
+
+def collectives(hlo_text: str, num_partitions: int) -> list[Collective]:
+    """All collectives of a compiled module with their per-step execution counts."""
+    comps = _split_computations(hlo_text)
+    symbols: dict[str, str] = {}
+    provenance: dict[str, str] = {}
+    for _, _, lines in comps:
+        for line in lines:
+            m = _INSTRUCTION.match(line)
+            if m:
+                symbols[m.group("name")] = m.group("type")
+                op_name = re.search(r'op_name="([^"]*)"', line)
+                if op_name:
+                    provenance[m.group("name")] = op_name.group(1)
+    # Multiplier per computation: walk callers (printed after callees) before callees.
+    multiplier: dict[str, int] = {name: 1 for name, entry, _ in comps if entry}
+    unknown: set[str] = set()
+    for name, _, lines in reversed(comps):
+        mult = multiplier.get(name)
+        if mult is None:
+            continue
+        for line in lines:
+            trips = _trip_count(line)
+            for key, callee in _CALLEE.findall(line):
+                factor = 1
+                if key in ("body", "condition"):
+                    factor = trips if trips is not None else 1
+                    if trips is None:
+                        unknown.add(callee)
+                multiplier[callee] = multiplier.get(callee, 0) + mult * factor
+                if name in unknown:
+                    unknown.add(callee)
+            branches = _attr(line, "branch_computations")
+            for callee in _OPERAND.findall(branches or ""):
+                multiplier[callee] = multiplier.get(callee, 0) + mult
+    found = []
+    for name, _, lines in comps:
+        for line in lines:
+            m = _INSTRUCTION.match(line)
+            if not m:
+                continue
+            op = m.group("op")
+            kind = op[:-6] if op.endswith("-start") else op
+            if kind not in COLLECTIVE_KINDS or op.endswith("-done"):
+                continue
+            args = m.group("args")
+            operand_names = _OPERAND.findall(args.split(")")[0])
+            op_name = re.search(r'op_name="([^"]*)"', line)
+            op_name = op_name.group(1) if op_name else ""
+            operands = []
+            for operand in operand_names:
+                size, dtype = shape_bytes(symbols.get(operand, ""))
+                operands.append(Operand(size, dtype, provenance.get(operand, op_name)))
+            operand_bytes = sum(o.nbytes for o in operands)
+            dtypes = {o.dtype for o in operands}
+            if kind == "collective-permute":
+                pairs = re.findall(r"\{(\d+),(\d+)\}", _attr(line, "source_target_pairs") or "")
+                groups = tuple((int(a), int(b)) for a, b in pairs)
+            else:
+                groups = tuple(tuple(g) for g in parse_replica_groups(_replica_text(line), num_partitions))
+            found.append(Collective(
+                name=m.group("name"), kind=kind, dtype=dtypes.pop() if len(dtypes) == 1 else "mixed",
+                operand_bytes=operand_bytes, groups=groups, count=multiplier.get(name, 0), computation=name,
+                op_name=op_name, operands=tuple(operands), unknown_trip_count=name in unknown))
+    return found
+
+
+def axis_partitions(axis_sizes: Mapping[str, int]) -> dict[tuple[str, ...], frozenset[frozenset[int]]]:
+    """For every set of non-trivial mesh axes, the device groups that vary along exactly those axes.
+
+    Partition id i is the i-th device of the mesh in row-major order, which is
+    how jax assigns a jitted computation's devices from its mesh.
+    """
+    names = list(axis_sizes)
+    positions = np.arange(math.prod(axis_sizes.values())).reshape([axis_sizes[a] for a in names])
+    live = [a for a in names if axis_sizes[a] > 1]
+    result = {}
+    for r in range(1, len(live) + 1):
+        for subset in itertools.combinations(live, r):
+            grouped = [names.index(a) for a in subset]
+            rest = [i for i in range(len(names)) if i not in grouped]
+            size = math.prod(axis_sizes[a] for a in subset)
+            rows = positions.transpose(rest + grouped).reshape(-1, size)
+            result[subset] = frozenset(frozenset(row.tolist()) for row in rows)
+    return result
+
+
+def label_groups(collective: Collective, axis_sizes: Mapping[str, int],
+                 partitions: Mapping[tuple[str, ...], frozenset[frozenset[int]]] | None = None) -> str:
+    """The mesh axes a collective runs over, e.g. 'fsdp' or 'data+fsdp'; 'none' if it moves nothing."""
+    names = list(axis_sizes)
+    if collective.kind == "collective-permute":
+        coords = np.stack(np.unravel_index(np.arange(math.prod(axis_sizes.values())),
+                                           [axis_sizes[a] for a in names]), axis=1)
+        moved = {names[i] for s, t in collective.groups if s != t
+                 for i in np.nonzero(coords[s] != coords[t])[0].tolist()}
+        return "+".join(a for a in names if a in moved) or "none"
+    if collective.group_size <= 1:
+        return "none"
+    partitions = partitions if partitions is not None else axis_partitions(axis_sizes)
+    observed = frozenset(frozenset(g) for g in collective.groups)
+    for subset, groups in partitions.items():
+        if groups == observed:
+            return "+".join(subset)
+    return "irregular"
+
+
+def wire_bytes(kind: str, operand_bytes: float, group_size: int, moving_fraction: float = 1.0) -> float:
+    """Bytes one device sends for a collective with bandwidth-optimal (ring) algorithms.
+
+    all-gather: (n-1)/n of the gathered result = (n-1) x operand; reduce-scatter and
+    all-to-all: (n-1)/n of the operand; all-reduce = reduce-scatter + all-gather:
+    2 (n-1)/n of the operand; collective-permute: the operand, for the devices
+    that send to another device (`moving_fraction`).
+    """
+    n = group_size
+    if kind == "collective-permute":
+        return operand_bytes * moving_fraction
+    if n <= 1:
+        return 0.0
+    if kind == "all-gather":
+        return operand_bytes * (n - 1)
+    if kind in ("reduce-scatter", "all-to-all"):
+        return operand_bytes * (n - 1) / n
+    if kind == "all-reduce":
+        return 2 * operand_bytes * (n - 1) / n
+    raise ValueError(f"unknown collective kind {kind!r}")
+
+
+def collective_wire_bytes(collective: Collective) -> float:
+    """Bytes per device per execution of a parsed collective."""
+    fraction = 1.0
+    if collective.kind == "collective-permute" and collective.groups:
+        fraction = sum(1 for s, t in collective.groups if s != t) / len(collective.groups)
+    return wire_bytes(collective.kind, collective.operand_bytes, collective.group_size, fraction)
+
+
+def while_loops(hlo_text: str) -> list[tuple[str, int | None, int]]:
+    """(body computation, known trip count, collectives directly in the body) of every while loop."""
+    comps = _split_computations(hlo_text)
+    def is_collective(line: str) -> bool:
+        m = _INSTRUCTION.match(line)
+        op = m.group("op") if m else ""
+        return (op[:-6] if op.endswith("-start") else op) in COLLECTIVE_KINDS
+    direct = {name: sum(1 for line in lines if is_collective(line)) for name, _, lines in comps}
+    found = []
+    for _, _, lines in comps:
+        for line in lines:
+            body = re.search(r"\bbody=%([\w.\-]+)", line)
+            if body and " while(" in line:
+                found.append((body.group(1), _trip_count(line), direct.get(body.group(1), 0)))
+    return found

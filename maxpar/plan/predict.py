@@ -1,0 +1,350 @@
+"""The plan: compute, communication, memory and pipeline bubble of a config on a target.
+
+Timing model (stated in every report, see ASSUMPTIONS):
+- A step is a forward and a backward phase (per microbatch, summed). Each
+  phase lasts max(matmul time, HBM time, ICI comms, DCN comms): collectives
+  overlap the compute of their own phase (XLA's async collectives), comms on
+  different mesh axes do not overlap each other (the seed's assumption for
+  mixed FSDP + TP), ICI and DCN are independent networks.
+- Matmuls run at the profile's peak (a roofline: predicted MFU is an upper bound).
+- A pipeline stretches the two phases by 1 / (1 - bubble); the optimizer update
+  reads and writes the state once from HBM after the backward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+from typing import Any
+
+from maxpar.config import Config, ConfigError
+from maxpar.mesh import MeshShape, resolve_mesh_shape
+from maxpar.metrics import matmul_params, training_flops_per_token
+from maxpar.plan import rooflines
+from maxpar.plan.comms import BACKWARD, FORWARD, Comm, predict_comms
+from maxpar.plan.hardware import Hardware, ici_axis_shares, slice_shape_exists, torus_shape
+from maxpar.plan.layout import Layout, ModelState, abstract_model_state, build_layout
+from maxpar.plan.model_math import (attention_flops_per_token, dtype_bytes, memory_per_device,
+                                    param_breakdown, tp_degrees)
+from maxpar.train import batch_shape
+
+PHASES = (FORWARD, BACKWARD)
+ASSUMPTIONS = (
+    "matmuls run at the profile's peak dense bf16 FLOP/s (roofline): step time is a lower bound, MFU an upper bound",
+    "each collective overlaps the compute of its own phase (forward or backward); collectives on different mesh "
+    "axes do not overlap each other; ICI and DCN transfer concurrently",
+    "ring (bandwidth-optimal) collectives: all-gather / reduce-scatter send (n-1)/n of the full array per device, "
+    "all-reduce twice that; a mesh axis gets the ICI bandwidth of every torus axis it spans",
+    "maxpar computes the full seq x seq attention score matrix and masks it: the chip does twice the causal "
+    "attention FLOPs that MFU counts",
+    "HBM traffic counts weight reads (3 per matmul per microbatch) and one read/write of the state by the "
+    "optimizer, which runs after the backward pass without overlap",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where the config would run."""
+
+    hardware: Hardware
+    num_devices: int
+    num_slices: int
+    note: str = ""                      # e.g. why this profile was assumed
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """Tokens of one step, fractional when planning a batch the trainer could not shard."""
+
+    global_rows: float
+    microbatch_rows: float
+    tokens: float
+    microbatches: int
+    tokens_per_shard: float             # one microbatch's tokens on one batch shard
+    shardable: bool                     # whether the trainer could build and shard this batch
+    warnings: tuple[str, ...]
+
+
+def plan_batch(config: Config, layout: Layout) -> Batch:
+    """`train.batch_shape` when the trainer accepts the batch, else the fractional planning batch + why."""
+    warnings = []
+    shardable = True
+    try:
+        shape = batch_shape(config, layout.num_devices)
+        rows, micro, tokens = float(shape.global_rows), float(shape.microbatch_rows), float(shape.tokens_per_step)
+    except ConfigError as e:
+        micro = config.per_device_batch_size * layout.num_devices
+        rows = micro * config.gradient_accumulation_steps
+        tokens = rows * config.max_target_length
+        warnings.append(f"planning with a fractional batch; the trainer would refuse it: {e}")
+        shardable = False
+    if micro % layout.batch_degree:
+        shardable = False
+        warnings.append(f"{micro:g} rows per microbatch do not split over the {layout.batch_degree} batch shards "
+                        f"({'x'.join(layout.live(layout.batch_axes)) or 'none'}); the trainer cannot shard this batch "
+                        f"(tokens are treated as evenly split)")
+    return Batch(global_rows=rows, microbatch_rows=micro, tokens=tokens,
+                 microbatches=config.gradient_accumulation_steps,
+                 tokens_per_shard=micro * config.max_target_length / layout.batch_degree, shardable=shardable,
+                 warnings=tuple(warnings))
+
+
+def comm_bandwidth(comm: Comm, hardware: Hardware, shares: dict[str, float]) -> float:
+    """Bytes/s one device gets for this collective's network and mesh axes."""
+    if comm.network == "dcn":
+        return hardware.dcn_bandwidth_per_device
+    return hardware.ici_bandwidth * max(sum(shares.get(a, 0.0) for a in comm.axes), 1e-9)
+
+
+def compute_flops(config: Config, tokens_per_device: float) -> dict[str, float]:
+    """Model FLOPs (what MFU counts) and hardware FLOPs per phase per device (what the chip executes)."""
+    per_token = training_flops_per_token(config)
+    attention = attention_flops_per_token(config)      # causal, counted once (fwd + bwd)
+    model = per_token * tokens_per_device
+    hardware = {FORWARD: model / 3 + attention * tokens_per_device / 3,  # full score matrix: 2x causal
+                BACKWARD: 2 * model / 3 + 2 * attention * tokens_per_device / 3}
+    layer_forward = 2 * (matmul_params(config) - config.emb_dim * config.vocab_size) + 2 * attention / 3
+    if config.remat_policy == "full":
+        hardware[BACKWARD] += layer_forward * tokens_per_device
+    elif config.remat_policy == "minimal":  # attention einsums have batch dims: recomputed
+        hardware[BACKWARD] += 2 * attention / 3 * tokens_per_device
+    return {"model": model, **hardware}
+
+
+def hbm_seconds(layout: Layout, microbatches: int, hardware: Hardware) -> dict[str, float]:
+    """HBM time: weights streamed per matmul (forward 1x, backward 2x), the optimizer's state pass."""
+    config = layout.config
+    weights = 0.0
+    batch = set(layout.batch_axes)
+    for t in layout.params():
+        if t.role in ("norm", "embedding"):
+            continue
+        kept = math.prod(layout.degree(a) for a in t.axes if a not in batch)   # TP / stage shards stay sharded
+        weights += t.size / kept * dtype_bytes(config.dtype)
+    state = sum(layout.local_bytes(t) for t in layout.tensors)
+    grads = sum(layout.local_bytes(t) for t in layout.params())
+    return {FORWARD: weights * microbatches / hardware.hbm_bandwidth,
+            BACKWARD: 2 * weights * microbatches / hardware.hbm_bandwidth,
+            "optimizer": (2 * state + grads) / hardware.hbm_bandwidth}
+
+
+def comm_rows(comms: list[Comm], times: list[float]) -> list[dict[str, Any]]:
+    """One row per collective pattern, mesh axes and network, summed over the weights it moves."""
+    rows: dict[tuple, dict[str, Any]] = {}
+    for c, t in zip(comms, times):
+        key = (c.pattern, c.axis, c.network, c.collective, c.phase, c.dtype)
+        row = rows.setdefault(key, {"pattern": c.pattern, "axis": c.axis, "network": c.network,
+                                    "collective": c.collective, "phase": c.phase, "dtype": c.dtype,
+                                    "count_per_step": c.count, "bytes_per_device": 0.0, "time_s": 0.0,
+                                    "by_weight": {}})
+        row["bytes_per_device"] += c.bytes_per_device
+        row["time_s"] += t
+        if c.tensor:
+            row["by_weight"][c.tensor] = row["by_weight"].get(c.tensor, 0.0) + c.bytes_per_device
+    return sorted(rows.values(), key=lambda r: -r["time_s"])
+
+
+def _axis_table(comms: list[Comm], times: list[float], flops: dict[str, float], tokens_per_device: float,
+                hardware: Hardware, shares: dict[str, float]) -> list[dict[str, Any]]:
+    """Per mesh-axis group and network: bytes, time, intensity vs hardware, critical batch."""
+    groups: dict[tuple[str, str], list[tuple[Comm, float]]] = defaultdict(list)
+    for comm, seconds in zip(comms, times):
+        groups[(comm.axis, comm.network)].append((comm, seconds))
+    rows = []
+    for (axis, network), items in sorted(groups.items()):
+        total_bytes = sum(c.bytes_per_device for c, _ in items)
+        bandwidth = comm_bandwidth(items[0][0], hardware, shares)
+        critical, intensity = 0.0, math.inf
+        for phase in PHASES:
+            in_phase = [(c, s) for c, s in items if c.phase == phase]
+            if not in_phase:
+                continue
+            phase_bytes = sum(c.bytes_per_device for c, _ in in_phase)
+            intensity = min(intensity, flops[phase] / phase_bytes)
+            fixed = sum(s for c, s in in_phase if not c.scales_with_batch)
+            per_token = sum(s for c, s in in_phase if c.scales_with_batch) / tokens_per_device
+            compute_per_token = flops[phase] / hardware.peak_flops / tokens_per_device
+            critical = max(critical, fixed / (compute_per_token - per_token)
+                           if compute_per_token > per_token else math.inf)
+        rows.append({
+            "axis": axis, "network": network, "bytes_per_device": total_bytes, "time_s": sum(s for _, s in items),
+            "bandwidth_bytes_per_s": bandwidth,
+            "ici_axes_spanned": sum(shares.get(a, 0.0) for a in axis.split("+")) if network == "ici" else None,
+            "arithmetic_intensity": intensity, "hardware_intensity": hardware.peak_flops / bandwidth,
+            "critical_batch_tokens_per_device": None if math.isinf(critical) else critical,
+            "compute_bound": intensity > hardware.peak_flops / bandwidth,
+        })
+    return rows
+
+
+def evaluate(config: Config, target: Target, state: ModelState) -> dict[str, Any]:
+    """Everything but the searches (TP limit, recommendations): one config on one target."""
+    hardware = target.hardware
+    mesh = resolve_mesh_shape(config, target.num_devices, target.num_slices)
+    layout = build_layout(config, mesh, state)
+    batch = plan_batch(config, layout)
+    tokens_per_device = batch.tokens / target.num_devices
+    comms = predict_comms(layout, batch.tokens_per_shard, batch.microbatches)
+    shares = ici_axis_shares(hardware, mesh.axis_names, dict(zip(mesh.axis_names, mesh.ici)),
+                             target.num_devices // target.num_slices)
+    times = [c.bytes_per_device / comm_bandwidth(c, hardware, shares) for c in comms]
+    flops = compute_flops(config, tokens_per_device)
+    compute = {p: flops[p] / hardware.peak_flops for p in PHASES}
+    hbm = hbm_seconds(layout, batch.microbatches, hardware)
+    network = {(p, n): sum(t for c, t in zip(comms, times) if c.phase == p and c.network == n)
+               for p in PHASES for n in ("ici", "dcn")}
+    phase_time = {p: max(compute[p], hbm[p], network[(p, "ici")], network[(p, "dcn")]) for p in PHASES}
+    stages = mesh.degree("stage")
+    bubble = rooflines.pipeline_bubble(stages, batch.microbatches)
+    step = sum(phase_time.values()) / (1 - bubble) + hbm["optimizer"]
+    mfu = flops["model"] / (step * hardware.peak_flops)
+    memory = memory_per_device(config, layout, batch.tokens_per_shard)
+    memory["hbm_bytes"] = hardware.hbm_bytes
+    memory["fits"] = memory["total"] <= hardware.hbm_bytes
+    axes = _axis_table(comms, times, flops, tokens_per_device, hardware, shares)
+    totals = {"compute": sum(compute.values()), "memory": sum(hbm[p] for p in PHASES) + hbm["optimizer"],
+              "communication": sum(max(network[(p, "ici")], network[(p, "dcn")]) for p in PHASES)}
+    # The bound is what sets the step time: in each phase the slowest of the three, summed over phases.
+    limiting = {"compute": 0.0, "memory": hbm["optimizer"], "communication": 0.0}
+    for p in PHASES:
+        candidates = {"compute": compute[p], "memory": hbm[p],
+                      "communication": max(network[(p, "ici")], network[(p, "dcn")])}
+        slowest = max(candidates, key=candidates.get)
+        limiting[slowest] += candidates[slowest]
+    bound = max(limiting, key=limiting.get)
+    params = param_breakdown(state, layout)
+    per_token = training_flops_per_token(config)
+    warnings = list(batch.warnings)
+    per_slice = target.num_devices // target.num_slices
+    if not slice_shape_exists(hardware, per_slice):
+        warnings.append(f"no {hardware.name} slice has exactly {per_slice} devices within "
+                        f"{'x'.join(map(str, hardware.max_slice_shape))}; bandwidth assumes a "
+                        f"{'x'.join(map(str, torus_shape(hardware, per_slice)))} torus")
+    if config.dtype != "bfloat16":
+        warnings.append(f"dtype={config.dtype}: timings use the bf16 peak and {config.dtype} byte counts; "
+                        "accelerators train in dtype=bfloat16")
+    if stages > 1:
+        warnings.append("maxpar does not pipeline yet: with stage > 1 its `layers -> stage` rule shards the layer "
+                        "stack and the compiled step gathers it like FSDP; this plan shows a gPipe schedule "
+                        f"streaming the {batch.microbatches} microbatch(es) (gradient_accumulation_steps) through "
+                        f"{stages} stages")
+    return {
+        "model_name": config.model_name or "custom",
+        "hardware": hardware.name, "hardware_note": target.note, "num_devices": target.num_devices,
+        "num_slices": target.num_slices,
+        "mesh": {a: {"ici": i, "dcn": d} for a, i, d in zip(mesh.axis_names, mesh.ici, mesh.dcn)},
+        "mesh_description": mesh.describe(),
+        "torus_axes_per_mesh_axis": {a: s for a, s in shares.items() if s > 0},
+        "params": params,
+        "flops_per_token": per_token,
+        "flops_per_step": per_token * batch.tokens,
+        "global_batch_tokens": batch.tokens,
+        "global_batch_rows": batch.global_rows,
+        "tokens_per_device": tokens_per_device,
+        "microbatches": batch.microbatches,
+        "batch_shardable": batch.shardable,
+        "memory_per_device_bytes": memory,
+        "comms": comm_rows(comms, times),
+        "compute_time_s": sum(compute.values()),
+        "compute_time_by_phase_s": compute,
+        "hbm_time_by_phase_s": hbm,
+        "comm_time_by_phase_s": {f"{p}/{n}": v for (p, n), v in network.items()},
+        "axes": axes,
+        "pipeline_bubble": bubble,
+        "step_time_s": step,
+        "mfu": mfu,
+        "bound": bound,
+        "bound_reason": _reason(bound, totals, axes, tokens_per_device, hardware, memory, batch,
+                                [p for p in PHASES if max(network[(p, "ici")], network[(p, "dcn")]) > compute[p]]),
+        "warnings": warnings,
+        "assumptions": list(ASSUMPTIONS),
+        "_comms": comms,
+        "_layout": layout,
+        "_batch": batch,
+    }
+
+
+def _reason(bound: str, totals: dict[str, float], axes: list[dict[str, Any]], tokens_per_device: float,
+            hardware: Hardware, memory: dict[str, Any], batch: Batch, comm_bound_phases: list[str]) -> str:
+    """One sentence on what limits the step."""
+    worst = max(axes, key=lambda r: r["time_s"]) if axes else None
+    if bound == "communication" and worst is not None:
+        critical = worst["critical_batch_tokens_per_device"]
+        why = (f"the {worst['axis']} axis stays communication-bound at any batch (its degree is too high for the "
+               "matmul widths)" if critical is None else
+               f"{tokens_per_device:,.0f} tokens per device is below the {worst['axis']} axis's critical batch of "
+               f"{critical:,.0f}")
+        text = (f"communication-bound: the {worst['axis']} collectives ({worst['network']}) take "
+                f"{worst['time_s']:.3g} s per step against {totals['compute']:.3g} s of matmuls; {why}")
+    elif bound == "memory":
+        text = (f"HBM-bandwidth-bound: streaming weights and optimizer state takes {totals['memory']:.3g} s per step "
+                f"against {totals['compute']:.3g} s of matmuls; a microbatch of {batch.tokens_per_shard:,.0f} tokens "
+                f"per batch shard is below C / HBM bandwidth = {hardware.hbm_intensity:,.0f}")
+    else:
+        hidden = f"; the busiest axis ({worst['axis']}) needs {worst['time_s']:.3g} s and is hidden" if worst else ""
+        if comm_bound_phases:
+            hidden += f", except in the {' and '.join(comm_bound_phases)} pass, where collectives outlast the matmuls"
+        text = f"compute-bound: matmuls take {totals['compute']:.3g} s per step{hidden}"
+    if not memory["fits"]:
+        text += (f" -- and it does not fit: {memory['total'] / 1e9:,.1f} GB per device needed, "
+                 f"{hardware.hbm_bytes / 1e9:,.1f} GB of HBM")
+    return text
+
+
+def tensor_parallelism_limit(config: Config, target: Target, state: ModelState, mesh: MeshShape) -> int | None:
+    """Largest ICI tensor degree whose collectives stay hidden behind compute (other degrees fixed, FSDP absorbs)."""
+    ici = dict(zip(mesh.axis_names, mesh.ici))
+    product = ici["fsdp"] * ici["tensor"]
+    best = None
+    for degree in sorted(d for d in range(1, product + 1) if product % d == 0):
+        if degree > 1024:
+            break
+        candidate = dataclasses.replace(config, ici_tensor_parallelism=degree, ici_fsdp_parallelism=product // degree,
+                                        **{f"ici_{a}_parallelism": ici[a] for a in ("data", "expert", "stage")})
+        try:
+            result = evaluate(candidate, target, state)
+        except ConfigError:
+            continue
+        row = next((r for r in result["axes"] if r["axis"] == "tensor" and r["network"] == "ici"), None)
+        if row is None or row["compute_bound"]:
+            best = degree
+        else:
+            break
+    return best
+
+
+def rules_of_thumb(config: Config, hardware: Hardware, result: dict[str, Any]) -> dict[str, float]:
+    """The seeds' closed forms at this hardware, model width and batch (see rooflines.py).
+
+    FSDP takes all torus axes but one and TP one (the seed's M_X M_Y = 2 on a 3D torus).
+    """
+    alpha = rooflines.network_intensity(hardware.peak_flops, hardware.ici_bandwidth)
+    n = result["num_devices"] // result["num_slices"]
+    torus_axes = sum(1 for d in torus_shape(hardware, n) if d > 1) if hardware.ici_topology == "torus" else 1
+    fsdp_axes, tensor_axes = max(torus_axes - 1, 1), 1
+    return {
+        "ici_intensity_flops_per_byte": alpha,
+        "torus_axes": torus_axes,
+        "fsdp_critical_batch_per_device": rooflines.fsdp_critical_batch(alpha, max(torus_axes, 1)),
+        "tensor_parallel_limit": rooflines.tensor_parallel_limit(config.mlp_dim, alpha, tensor_axes),
+        "optimal_fsdp_degree": rooflines.optimal_fsdp_degree(
+            result["global_batch_tokens"] / result["num_slices"], config.mlp_dim, n, fsdp_axes, tensor_axes),
+        "mixed_fsdp_tp_critical_batch_per_device": rooflines.mixed_critical_batch(
+            alpha, config.mlp_dim, fsdp_axes, tensor_axes),
+        "dcn_critical_batch_per_slice": rooflines.dcn_critical_batch_per_slice(
+            hardware.peak_flops, n, hardware.dcn_bandwidth_per_host, hardware.devices_per_host),
+        "hbm_critical_batch_per_device": hardware.hbm_intensity,
+        "max_params_pure_dp": rooflines.max_params_pure_dp(hardware.hbm_bytes),
+    }
+
+
+def make_plan(config: Config, target: Target, state: ModelState | None = None) -> dict[str, Any]:
+    """The full plan of one config on one target, as a JSON-ready dict (private `_` keys excepted)."""
+    state = state or abstract_model_state(config)
+    result = evaluate(config, target, state)
+    mesh = resolve_mesh_shape(config, target.num_devices, target.num_slices)
+    result["tensor_parallelism_limit"] = tensor_parallelism_limit(config, target, state, mesh)
+    result["rules_of_thumb"] = rules_of_thumb(config, target.hardware, result)
+    result["tp_degrees"] = tp_degrees(result["_layout"])
+    return result

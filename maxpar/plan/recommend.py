@@ -1,0 +1,80 @@
+"""Search the meshes (and remat policies) that fit the devices and memory; rank by predicted step time.
+
+The search keeps what the user fixed about the run (model, batch, sequence,
+slices, DCN degrees, expert and stage degrees) and varies what is free inside
+a slice: the ICI data / FSDP / tensor degrees and the remat policy. Every
+candidate goes through the same `evaluate` as the plan itself, so a candidate
+that the trainer would reject (a dimension that does not split, a batch that
+does not shard) is never recommended.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from maxpar.config import Config, ConfigError
+from maxpar.mesh import resolve_mesh_shape
+from maxpar.plan.layout import ModelState
+from maxpar.plan.predict import Target, evaluate
+
+REMAT_POLICIES = ("none", "minimal", "full")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_overrides(config: Config, target: Target) -> list[dict[str, Any]]:
+    """Every (ici data, fsdp, tensor, remat) split of a slice, other degrees as configured."""
+    mesh = resolve_mesh_shape(config, target.num_devices, target.num_slices)
+    ici = dict(zip(mesh.axis_names, mesh.ici))
+    free = ici["data"] * ici["fsdp"] * ici["tensor"]
+    found = []
+    for tensor in divisors(free):
+        if tensor > max(config.num_query_heads, 1) * 2:
+            break
+        for data in divisors(free // tensor):
+            for remat in REMAT_POLICIES:
+                found.append({"ici_data_parallelism": data, "ici_fsdp_parallelism": free // tensor // data,
+                              "ici_tensor_parallelism": tensor, "remat_policy": remat})
+    return found
+
+
+def recommend(config: Config, target: Target, state: ModelState, top: int = 5) -> dict[str, Any]:
+    """The `top` fastest feasible candidates, with ready-to-paste overrides."""
+    mesh = resolve_mesh_shape(config, target.num_devices, target.num_slices)
+    fixed = {f"ici_{a}_parallelism": d for a, d in zip(mesh.axis_names, mesh.ici) if a in ("expert", "stage")}
+    fixed.update({f"dcn_{a}_parallelism": d for a, d in zip(mesh.axis_names, mesh.dcn)})
+    feasible, rejected, smallest = [], 0, None
+    candidates = candidate_overrides(config, target)
+    for overrides in candidates:
+        candidate = dataclasses.replace(config, **fixed, **overrides)
+        try:
+            result = evaluate(candidate, target, state)
+        except ConfigError:
+            rejected += 1
+            continue
+        memory = result["memory_per_device_bytes"]
+        if smallest is None or memory["total"] < smallest[0]:
+            smallest = (memory["total"], overrides, result["batch_shardable"])
+        if not memory["fits"] or not result["batch_shardable"]:
+            continue
+        paste = " ".join(f"{k}={v}" for k, v in overrides.items())
+        feasible.append({"overrides": paste, "step_time_s": result["step_time_s"], "mfu": result["mfu"],
+                         "memory_total_bytes": memory["total"], "bound": result["bound"],
+                         "mesh": result["mesh_description"]})
+    feasible.sort(key=lambda r: (r["step_time_s"], r["memory_total_bytes"]))
+    why = ""
+    if not feasible:
+        if smallest is None:
+            why = f"every mesh split of the slice is rejected ({rejected} candidates): the model's dims do not divide"
+        else:
+            total, overrides, shardable = smallest
+            why = (f"nothing fits; the smallest footprint is {total / 1e9:,.1f} GB per device of "
+                   f"{target.hardware.hbm_bytes / 1e9:,.1f} GB ("
+                   + " ".join(f"{k}={v}" for k, v in overrides.items())
+                   + ("" if shardable else "; its batch does not shard either")
+                   + "): use more devices, a smaller per_device_batch_size or max_target_length")
+    return {"hardware": target.hardware.name, "num_devices": target.num_devices, "searched": len(candidates),
+            "rejected_by_shapes": rejected, "feasible": len(feasible), "best": feasible[:top], "why_none": why}

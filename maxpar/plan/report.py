@@ -1,0 +1,170 @@
+"""Human tables and JSON for plans, recommendations and verification results."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+
+def public(result: dict[str, Any]) -> dict[str, Any]:
+    """The JSON-ready part of a result: private `_` keys dropped, infinities as null."""
+    def clean(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items() if not str(k).startswith("_")}
+        if isinstance(value, (list, tuple)):
+            return [clean(v) for v in value]
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        return value
+    return clean(result)
+
+
+def to_json(result: dict[str, Any]) -> str:
+    return json.dumps(public(result), indent=2)
+
+
+def gb(value: float) -> str:
+    return f"{value / 1e9:,.3f}" if value < 1e10 else f"{value / 1e9:,.1f}"
+
+
+def human_bytes(value: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:,.3g} {unit}"
+    return f"{value:,.0f} B"
+
+
+def si(value: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f} {unit}"
+    return f"{value:g}"
+
+
+def seconds(value: float) -> str:
+    if value >= 1:
+        return f"{value:.3g} s"
+    if value >= 1e-3:
+        return f"{value * 1e3:.3g} ms"
+    return f"{value * 1e6:.3g} us"
+
+
+def table(headers: list[str], rows: list[list[str]], indent: str = "  ") -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
+    def line(cells):
+        return indent + "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)
+                                  for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def render_plan(plan: dict[str, Any]) -> str:
+    p = plan["params"]
+    mem = plan["memory_per_device_bytes"]
+    out = [f"maxpar plan: {plan['model_name']} on {plan['num_devices']:,} x {plan['hardware']} "
+           f"({plan['num_slices']} slice{'s' if plan['num_slices'] > 1 else ''}), mesh {plan['mesh_description']}"]
+    if plan["hardware_note"]:
+        out.append(f"  note: {plan['hardware_note']}")
+    out += [
+        f"  params     total {si(p['total'])} (token embedding {si(p['embedding'])}, attention {si(p['attention'])}, "
+        f"mlp {si(p['mlp'])}, output {si(p['output'])}, norms {si(p['norm'])}; active {si(p['active'])})",
+        f"  batch      {plan['global_batch_rows']:,.6g} rows = {plan['global_batch_tokens']:,.0f} tokens per step "
+        f"({plan['tokens_per_device']:,.1f} per device, {plan['microbatches']} microbatch(es))",
+        f"  flops      {plan['flops_per_token']:.4g} per token (training: 6 x matmul params + causal attention "
+        f"counted once), {plan['flops_per_step']:.4g} per step",
+        "",
+        "memory per device",
+        table(["", "bytes"], [[k, human_bytes(mem[k])] for k in ("params", "gradients", "optimizer", "activations",
+                                                                 "gathered_weights", "total")]),
+        f"  {'fits in' if mem['fits'] else 'DOES NOT FIT in'} {human_bytes(mem['hbm_bytes'])} of HBM",
+        "",
+        "communication per step, per device (summed over weights and layers)",
+    ]
+    rows = [[c["pattern"], c["axis"], c["network"], c["collective"], c["dtype"], human_bytes(c["bytes_per_device"]),
+             seconds(c["time_s"])] for c in plan["comms"]]
+    out.append(table(["pattern", "axis", "net", "collective", "dtype", "bytes", "time"], rows) if rows
+               else "  none (single device)")
+    out += ["", "per mesh axis (intensity = FLOPs per byte sent; compute-bound while above the hardware's)"]
+    rows = []
+    for a in plan["axes"]:
+        critical = a["critical_batch_tokens_per_device"]
+        spanned = "-" if a["ici_axes_spanned"] is None else f"{a['ici_axes_spanned']:.2f}"
+        rows.append([a["axis"], a["network"], spanned,
+                     human_bytes(a["bytes_per_device"]), seconds(a["time_s"]), f"{a['arithmetic_intensity']:,.0f}",
+                     f"{a['hardware_intensity']:,.0f}", "never" if critical is None else f"{critical:,.0f}"])
+    if rows:
+        out.append(table(["axis", "net", "torus axes", "bytes", "time", "intensity", "hw intensity",
+                          "critical batch/device"], rows))
+    compute = plan["compute_time_by_phase_s"]
+    hbm = plan["hbm_time_by_phase_s"]
+    comm = plan["comm_time_by_phase_s"]
+    out += [
+        "",
+        "time per step",
+        table(["phase", "matmuls", "HBM", "ICI comms", "DCN comms"],
+              [[ph, seconds(compute[ph]), seconds(hbm[ph]), seconds(comm[f"{ph}/ici"]), seconds(comm[f"{ph}/dcn"])]
+               for ph in ("forward", "backward")]
+              + [["optimizer", "-", seconds(hbm["optimizer"]), "-", "-"]]),
+        f"  compute_time_s {plan['compute_time_s']:.4g}   pipeline_bubble {plan['pipeline_bubble']:.1%}   "
+        f"step_time_s {plan['step_time_s']:.4g}   mfu {plan['mfu']:.1%}",
+        f"  bound: {plan['bound']} -- {plan['bound_reason']}",
+        f"  tensor_parallelism_limit: {plan['tensor_parallelism_limit']} (largest ICI tensor degree the model's dims "
+        "allow whose collectives stay hidden behind compute)",
+        "",
+        "the seeds' rules of thumb for this hardware and model",
+    ]
+    r = plan["rules_of_thumb"]
+    out.append(table(["", "value"], [
+        ["ICI intensity C/W (FLOPs per byte)", f"{r['ici_intensity_flops_per_byte']:,.0f}"],
+        [f"FSDP/DP critical batch per device ({r['torus_axes']} torus axes)",
+         f"{r['fsdp_critical_batch_per_device']:,.0f}"],
+        ["TP limit on one axis (F / alpha)", f"{r['tensor_parallel_limit']:.1f}"],
+        ["optimal FSDP degree sqrt(B/F * Mx/My * N)", f"{r['optimal_fsdp_degree']:,.0f}"],
+        ["mixed FSDP+TP critical batch per device 4 alpha^2/(Mx My F)",
+         f"{r['mixed_fsdp_tp_critical_batch_per_device']:,.0f}"],
+        ["DCN data-parallel critical batch per slice", f"{r['dcn_critical_batch_per_slice']:,.0f}"],
+        ["HBM critical batch per device (C / HBM bandwidth)", f"{r['hbm_critical_batch_per_device']:,.0f}"],
+        ["largest model for pure DP (HBM / 10 bytes)", si(r["max_params_pure_dp"])],
+    ]))
+    if plan["warnings"]:
+        out += ["", "warnings"] + [f"  - {w}" for w in plan["warnings"]]
+    out += ["", "assumptions"] + [f"  - {a}" for a in plan["assumptions"]]
+    return "\n".join(out)
+
+
+def render_recommendations(rec: dict[str, Any]) -> str:
+    out = ["", f"recommended meshes for {rec['num_devices']:,} x {rec['hardware']} "
+               f"({rec['searched']} candidates searched, {rec['feasible']} fit and shard the batch; "
+               "ranked by predicted step time)"]
+    if not rec["best"]:
+        out.append("  none: " + rec["why_none"])
+        return "\n".join(out)
+    rows = [[str(i + 1), seconds(b["step_time_s"]), f"{b['mfu']:.1%}", human_bytes(b["memory_total_bytes"]),
+             b["bound"], b["overrides"]] for i, b in enumerate(rec["best"])]
+    out.append(table(["#", "step", "MFU", "memory/device", "bound", "overrides"], rows))
+    return "\n".join(out)
+
+
+def render_verify(result: dict[str, Any]) -> str:
+    out = [f"maxpar plan --verify: {result['mesh_description']} on {result['num_devices']} "
+           f"{result['platform']} devices ({result['backend_note']})"]
+    out += [f"  {n}" if n.startswith("  ") else f"  note: {n}" for n in result["notes"]]
+    out += ["", f"collectives per step, per device (bytes one device sends; tolerance {result['tolerance']:.0%})"]
+    rows = []
+    for b in result["buckets"]:
+        target = " + ".join(f"{kind} {value:,.0f}" for kind, value in b["predicted_target"].items()) or "-"
+        rows.append([b["axis"], b["collective"], f"{b['predicted_bytes']:,.0f}", f"{b['measured_bytes']:,.0f}",
+                     "-" if b["error"] is None else f"{b['error']:+.1%}", b["status"], target])
+    out.append(table(["axis", "collective", f"predicted ({result['platform']})", "measured", "diff", "status",
+                      "predicted on the target"], rows))
+    out += ["", "loops (a per-layer collective inside a while loop appears once in the HLO text and runs "
+                "trip-count times)"]
+    out += [f"  {loop}" for loop in result["loops"]] or ["  none"]
+    out += ["", "memory per device (compiled.memory_analysis())"]
+    rows = [[m["what"], f"{m['predicted_bytes']:,.0f}", f"{m['measured_bytes']:,.0f}",
+             f"{m['error']:+.1%}", f"{m['tolerance']:.0%}", m["status"]] for m in result["memory"]]
+    out.append(table(["", "predicted", "measured", "diff", "tolerance", "status"], rows))
+    out += ["", f"verify: {'PASS' if result['passed'] else 'FAIL'}"]
+    if result["failures"]:
+        out += [f"  - {f}" for f in result["failures"]]
+    return "\n".join(out)

@@ -1,0 +1,208 @@
+"""`--verify`: compile the real train step on the local devices and hold the plan against it.
+
+The step is built by the trainer's own setup (`maxpar.train.setup_run`: model,
+optimizer, `state_shardings`, `jit_train_step(...).lower(abstract_state,
+batch).compile()`),
+its collectives are read from the compiled HLO text (`maxpar.plan.hlo`) and its
+memory from `compiled.memory_analysis()`.
+
+Where the local backend compiles differently from the target, the prediction
+is converted explicitly and the output says so; nothing is silently adjusted:
+- XLA:CPU has no ReduceScatterCreator pass: a reduce-scatter is an all-reduce
+  of the full operand followed by a slice, so it moves 2x the bytes.
+- XLA:CPU has no AllReduceReassociate pass: the partial input-gradients of q, k
+  and v (gate and up) are all-reduced one by one instead of once summed.
+- XLA:CPU computes bfloat16/float16 in float32, so its collectives carry 4-byte
+  elements where the target moves 2-byte ones.
+Per-layer collectives inside the layer scan appear once in the text; their
+executions are counted with the loops' known trip counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from maxpar.config import Config, ConfigError
+from maxpar.mesh import MeshShape, mesh_shape_of
+from maxpar.plan import hlo
+from maxpar.plan.comms import Comm
+from maxpar.plan.model_math import dtype_bytes, memory_per_device
+from maxpar.train import setup_run
+from maxpar.train_step import BATCH_KEYS
+
+TOLERANCE = 0.10          # on collective bytes per mesh axis and kind, and on the train state
+NEGLIGIBLE = 0.01         # buckets under 1% of the step's measured bytes (scalars: loss, token count, grad norm)
+TEMP_TOLERANCE = 0.35     # XLA's temporaries depend on its buffer assignment and fusion: a coarse estimate
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """The compiled train step and what it was compiled for."""
+
+    text: str
+    memory: Any
+    mesh: Any
+    batch_bytes_per_device: float
+    platform: str
+
+
+def compile_train_step(config: Config, devices: Sequence[jax.Device]) -> Compiled:
+    """The trainer's step, compiled for `devices` by the trainer's own `setup_run(...).compile_train_step()`.
+
+    The input pipeline does not enter the compiled step, so the run is set up with
+    synthetic data (no corpus is read or tokenized).
+    """
+    run = setup_run(dataclasses.replace(config, dataset_type="synthetic"), devices)
+    compiled = run.compile_train_step()
+    spec = run.in_sharding.spec
+    shards = math.prod(run.mesh.shape[a] for a in _axes(spec[0])) if len(spec) else 1
+    per_device = len(BATCH_KEYS) * run.shape.global_rows * config.max_target_length * 4 / shards
+    return Compiled(text=compiled.as_text(), memory=compiled.memory_analysis(), mesh=run.mesh,
+                    batch_bytes_per_device=per_device, platform=devices[0].platform)
+
+
+def _axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def on_backend(comm: Comm, platform: str) -> tuple[str, float, list[str]]:
+    """(collective kind, bytes per device per step, notes) the local backend should show for a prediction."""
+    if platform != "cpu":
+        return comm.collective, comm.bytes_per_device, []
+    kind, size, notes = comm.collective, comm.operand_bytes, []
+    if kind == "reduce-scatter":
+        kind = "all-reduce"
+        notes.append("reduce-scatter -> all-reduce of the full operand + slice (XLA:CPU has no ReduceScatterCreator)")
+    if comm.cpu_parts > 1:
+        size *= comm.cpu_parts
+        notes.append("partial input-gradients of q/k/v (gate/up) all-reduced one by one, not summed first "
+                     "(XLA:CPU has no AllReduceReassociate)")
+    count = comm.count
+    if comm.dtype in ("bfloat16", "float16"):
+        size *= 4 / dtype_bytes(comm.dtype)
+        notes.append(f"{comm.dtype} collectives carried as float32 (XLA:CPU computes {comm.dtype} in float32)")
+        if comm.top_level_gather:
+            count *= 2
+            notes.append("top-level weights gathered twice: XLA:CPU upcasts each bf16 matmul's operands "
+                         "separately, so the forward and backward matmuls do not share one gather")
+    return kind, hlo.wire_bytes(kind, size, comm.group_size) * count, notes
+
+
+def measure(text: str, axis_sizes: dict[str, int]) -> list[dict[str, Any]]:
+    """Every operand of every collective: mesh axes, kind, dtype, bytes per device per step, provenance."""
+    parts = hlo.axis_partitions(axis_sizes)
+    rows = []
+    for c in hlo.collectives(text, math.prod(axis_sizes.values())):
+        label = hlo.label_groups(c, axis_sizes, parts)
+        if label == "none":
+            continue
+        fraction = 1.0
+        if c.kind == "collective-permute" and c.groups:
+            fraction = sum(1 for s, t in c.groups if s != t) / len(c.groups)
+        for operand in c.operands or (hlo.Operand(c.operand_bytes, c.dtype, c.op_name),):
+            rows.append({"axis": label, "collective": c.kind, "dtype": operand.dtype, "count": c.count,
+                         "bytes": hlo.wire_bytes(c.kind, operand.nbytes, c.group_size, fraction) * c.count,
+                         "op_name": operand.op_name,
+                         "unknown_trip_count": c.unknown_trip_count})
+    return rows
+
+
+def compare(plan: dict[str, Any], compiled: Compiled, config: Config) -> dict[str, Any]:
+    """Predicted vs measured collectives and memory; `passed` is False on any difference over tolerance."""
+    comms: list[Comm] = plan["_comms"]
+    axis_sizes = dict(compiled.mesh.shape)
+    measured = measure(compiled.text, axis_sizes)
+    notes: list[str] = []
+    predicted: dict[tuple[str, str], dict[str, Any]] = defaultdict(
+        lambda: {"target": defaultdict(float), "backend": 0.0})
+    backend_notes: set[str] = set()
+    for comm in comms:  # one slice (check_verifiable): every predicted collective is on ICI
+        kind, size, why = on_backend(comm, compiled.platform)
+        backend_notes.update(why)
+        predicted[(comm.axis, kind)]["target"][comm.collective] += comm.bytes_per_device
+        predicted[(comm.axis, kind)]["backend"] += size
+    seen: dict[tuple[str, str], float] = defaultdict(float)
+    for row in measured:
+        seen[(row["axis"], row["collective"])] += row["bytes"]
+    total = sum(seen.values()) or 1.0
+    buckets, failures = [], []
+    for key in sorted(set(predicted) | set(seen)):
+        p, m = predicted[key]["backend"] if key in predicted else 0.0, seen.get(key, 0.0)
+        error = (p - m) / m if m else None
+        if max(p, m) < NEGLIGIBLE * total:
+            status = "negligible"
+        elif m and abs(error) <= TOLERANCE:
+            status = "ok"
+        else:
+            status = "MISMATCH"
+            failures.append(f"{key[1]} over {key[0]}: predicted {p:,.0f} bytes, measured {m:,.0f}")
+        buckets.append({"axis": key[0], "collective": key[1],
+                        "predicted_target": dict(predicted[key]["target"]) if key in predicted else {},
+                        "predicted_bytes": p, "measured_bytes": m, "error": error, "status": status})
+    memory = memory_rows(plan, compiled)
+    failures += [f"memory {m['what']}: predicted {m['predicted_bytes']:,.0f}, measured {m['measured_bytes']:,.0f}"
+                 for m in memory if m["status"] != "ok"]
+    if compiled.platform == "cpu" and backend_notes:
+        notes.append("'predicted (cpu)' is the prediction converted to what XLA:CPU emits; 'predicted on the "
+                     "target' is what a TPU/GPU compile moves. Conversions:")
+        notes += [f"  {n}" for n in sorted(backend_notes)]
+    if any(r["unknown_trip_count"] for r in measured):
+        notes.append("some collectives sit in a loop without a known trip count; they are counted once per entry")
+    return {
+        "mesh_description": mesh_shape_of(compiled.mesh, config).describe(),
+        "num_devices": compiled.mesh.devices.size, "platform": compiled.platform,
+        "backend_note": "compiled for the local devices; byte counts per device per step",
+        "tolerance": TOLERANCE, "notes": notes, "buckets": buckets,
+        "loops": [f"{body}: {'unknown' if trips is None else trips} trips, {n} collective(s) in its body"
+                  for body, trips, n in hlo.while_loops(compiled.text)],
+        "memory": memory, "failures": failures, "passed": not failures,
+    }
+
+
+def memory_rows(plan: dict[str, Any], compiled: Compiled) -> list[dict[str, Any]]:
+    """Train state vs the compiled arguments, and the transient estimate vs XLA's temporaries."""
+    mem = plan["memory_per_device_bytes"]
+    layout = plan["_layout"]
+    if compiled.platform == "cpu" and layout.config.dtype in ("bfloat16", "float16"):
+        # XLA:CPU keeps bf16/f16 activations in float32.
+        config = dataclasses.replace(layout.config, dtype="float32")
+        mem = memory_per_device(config, dataclasses.replace(layout, config=config), plan["_batch"].tokens_per_shard)
+    analysis = compiled.memory
+    state_measured = analysis.argument_size_in_bytes - compiled.batch_bytes_per_device
+    transient = mem["gradients"] + mem["activations"] + mem["gathered_weights"]
+    rows = [("train state (params + optimizer)", mem["params"] + mem["optimizer"], state_measured, TOLERANCE),
+            ("temporaries (gradients + activations + gathered weights)", transient,
+             analysis.temp_size_in_bytes, TEMP_TOLERANCE)]
+    out = []
+    for what, predicted, measured, tolerance in rows:
+        error = (predicted - measured) / measured if measured else 0.0
+        out.append({"what": what, "predicted_bytes": predicted, "measured_bytes": measured, "error": error,
+                    "tolerance": tolerance, "status": "ok" if abs(error) <= tolerance else "MISMATCH"})
+    return out
+
+
+def dump_hlo(text: str, directory: str) -> Path:
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    out = path / "train_step.hlo.txt"
+    out.write_text(text)
+    return out
+
+
+def check_verifiable(mesh: MeshShape) -> None:
+    """Strategies the trainer does not run yet cannot be compared with a compiled step."""
+    if mesh.degree("stage") > 1:
+        raise ConfigError("--verify: pipeline parallelism (stage > 1) is predicted as a gPipe schedule, which "
+                          "maxpar's trainer does not run yet; verify a config with stage = 1")
+    if any(d > 1 for d in mesh.dcn):
+        raise ConfigError("--verify compares the collectives of one slice; this mesh spans "
+                          f"{mesh.describe()} across slices (run it in one process, or num_slices=1)")

@@ -1,0 +1,115 @@
+"""Real processes: kill -9 and SIGTERM mid-run resume bitwise identically; a save killed mid-write is never used."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+
+import jax
+import pytest
+
+from helpers import (REPO, compilation_cache_env, logged_steps, read_metrics, start_training, tiny_config,
+                     train_command, wait_for_step, wait_until, write_corpus)
+from maxpar import checkpoint
+from maxpar.train import PREEMPTED_EXIT_STATUS, setup_run, train
+
+STEPS = 32
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def overrides(corpus) -> list[str]:
+    """Dropout-free tiny run on 8 devices, a checkpoint every 4 steps, every step logged."""
+    return ["dataset_type=text", f"dataset_path={corpus}", "per_device_batch_size=1", f"steps={STEPS}",
+            "checkpoint_period=4", "enable_checkpointing=true", "max_checkpoints_to_keep=2"]
+
+
+def output(log_path) -> str:
+    return log_path.read_text(encoding="utf-8", errors="replace")
+
+
+def test_kill9_then_sigterm_then_finish_matches_the_uninterrupted_run(corpus, tmp_path):
+    reference = tmp_path / "reference"
+    train(tiny_config(*overrides(corpus)), devices=jax.devices(), run_dir=reference)
+
+    command = train_command(*overrides(corpus), f"base_output_directory={tmp_path}", "run_name=run")
+    run_dir = tmp_path / "run"
+    env = compilation_cache_env(tmp_path / "jax_cache")
+
+    # 1. SIGKILL at whatever step it has reached once the first checkpoint is complete: no chance to clean up.
+    first = start_training(command, tmp_path / "first.log", env)
+    wait_for_step(first, run_dir, 6)
+    wait_until(first, (run_dir / "checkpoints" / "4").is_dir, "checkpoint 4 was complete")
+    first.kill()
+    assert first.wait(timeout=60) == -signal.SIGKILL
+    killed_at = max(logged_steps(run_dir))
+    assert killed_at < STEPS, "the run finished before it could be killed"
+
+    # 2. The same command resumes from the newest complete checkpoint; SIGTERM a few steps later.
+    second = start_training(command, tmp_path / "second.log", env)
+    wait_for_step(second, run_dir, killed_at + 3)
+    second.send_signal(signal.SIGTERM)
+    assert second.wait(timeout=120) == PREEMPTED_EXIT_STATUS, output(tmp_path / "second.log")[-3000:]
+    log = output(tmp_path / "second.log")
+    resumed_from = int(re.search(r"resumed from checkpoint at step (\d+)", log)[1])
+    assert 4 <= resumed_from <= killed_at and resumed_from % 4 == 0
+    stopped_at = int(re.search(r"preempted \(SIGTERM\) after step (\d+): checkpoint step \1 is written", log)[1])
+    assert killed_at + 3 <= stopped_at < STEPS
+
+    # 3. The same command again resumes exactly at the preempted step and finishes.
+    third = start_training(command, tmp_path / "third.log", env)
+    assert third.wait(timeout=300) == 0, output(tmp_path / "third.log")[-3000:]
+    assert f"resumed from checkpoint at step {stopped_at}" in output(tmp_path / "third.log")
+
+    # One clean run in metrics.jsonl, bitwise equal to the uninterrupted one.
+    rows, expected = read_metrics(run_dir), read_metrics(reference)
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    assert [row["loss"] for row in rows] == [row["loss"] for row in expected]
+    assert [row["grad_norm"] for row in rows] == [row["grad_norm"] for row in expected]
+
+
+# Saves step 1, starts an async save of step 2 big enough to take a while, and SIGKILLs itself.
+KILLED_SAVE = textwrap.dedent("""
+    import os, signal, sys
+    from pathlib import Path
+    sys.path.insert(0, "tests")
+    from helpers import tiny_config
+    from maxpar import checkpoint
+    from maxpar.train import setup_run
+    from maxpar.train_step import create_state
+    config = tiny_config(*sys.argv[2:])
+    run = setup_run(config)
+    state, iterator = create_state(run.model, run.tx, config, run.mesh, run.state_shardings), iter(run.train_data)
+    manager = checkpoint.make_manager(Path(sys.argv[1]), config)
+    checkpoint.save(manager, 1, state, iterator, config, run.shape.global_rows)
+    manager.wait_until_finished()
+    checkpoint.save(manager, 2, state, iterator, config, run.shape.global_rows)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_save_killed_mid_write_is_never_restored(corpus, tmp_path):
+    # A wide vocabulary makes the step-2 write long enough (~100 MB) to still be going when the kill lands.
+    big = [*overrides(corpus), "vocab_size=65536", "async_checkpointing=true"]
+    done = subprocess.run([sys.executable, "-c", KILLED_SAVE, str(tmp_path), *big], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert "1" in names and "2" not in names
+    assert any(name.startswith("2.orbax-checkpoint-tmp") for name in names), names  # the kill was mid-write
+
+    config = tiny_config(*big)
+    run = setup_run(config)
+    manager = checkpoint.make_manager(tmp_path, config)
+    warnings: list[str] = []
+    target = checkpoint.Target(config, run.abstract_state, run.state_shardings, run.shape.global_rows)
+    state = checkpoint.resume(manager, target, iter(run.train_data), warnings.append)
+    manager.close()
+    assert int(state.step) == 1 and warnings == []
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name[0].isdigit()) == ["1"]

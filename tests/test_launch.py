@@ -1,0 +1,258 @@
+"""Launchers: the local N-process launcher (failures stop the job within a bound, nothing is left behind),
+the `xpk workload create` command and the JobSet manifests.
+
+The failure tests launch this file as each process's module (`python -m tests.test_launch CONFIG ...`,
+see `collective_loop`): it joins the job through `maxpar.distributed` exactly like the trainer, then
+runs cross-process collectives until stopped, so a failure costs seconds rather than a compile.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launch import jobset, local, xpk
+from launch.cluster import parse_tpu_type, torus_topology
+from maxpar.config import ConfigError, load_config
+from maxpar.distributed import distributed_spec
+
+REPO = Path(__file__).resolve().parents[1]
+BASE = "configs/base.yml"
+HEARTBEAT_S = 10
+
+
+def collective_loop(argv: list[str]) -> int:
+    """One process of a job that never ends: join it per the config and environment, then all-gather
+    a counter across the processes every 0.1 s."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    from maxpar import distributed
+
+    distributed.setup(load_config(argv))
+    for tick in range(1, 10**9):
+        multihost_utils.process_allgather(np.int32(tick))
+        print(f"tick {tick}", flush=True)
+        time.sleep(0.1)
+    return 0
+
+
+# ---------------------------------------------------------------- local launcher
+
+def test_launcher_arguments():
+    args = local.parse_args(["--num_processes", "2", "--devices_per_process", "4", "--", BASE, "steps=3"])
+    assert (args.num_processes, args.devices_per_process, args.module, args.args) == (2, 4, "maxpar.train",
+                                                                                        (BASE, "steps=3"))
+    for bad in (["--num_processes", "0"], ["--num_processes", "2", "--devices_per_process", "0"],
+                ["--num_processes", "2", "--timeout_s", "-1"]):
+        with pytest.raises(SystemExit) as info:
+            local.parse_args(bad)
+        assert info.value.code == 2
+
+
+def test_free_port_is_bindable():
+    import socket
+    port = local.free_port()
+    with socket.socket() as sock:
+        sock.bind((local.LOCALHOST, port))
+
+
+class Launched:
+    """The launcher in the background, its output collected line by line."""
+
+    def __init__(self, *launcher_args: str):
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen([sys.executable, "-m", "launch.local", *launcher_args], cwd=REPO,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            for line in list(self.lines):
+                if m := re.search(pattern, line):
+                    return m
+            if self.proc.poll() is not None and not any(re.search(pattern, l) for l in self.lines):
+                break
+            time.sleep(0.1)
+        self.proc.kill()
+        raise AssertionError(f"no line matching {pattern!r}:\n" + "\n".join(self.lines[-40:]))
+
+    def pid(self, rank: int) -> int:
+        return int(self.wait_for(rf"rank {rank} pid (\d+)", 30).group(1))
+
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("how", ["killed", "hung"])
+def test_a_failed_process_stops_the_job_within_the_bound(how):
+    """SIGKILL: the launcher sees the exit and stops the rest. SIGSTOP (a hang): the live process's
+    distributed runtime misses the heartbeats and fails by itself, then the launcher stops the rest."""
+    job = Launched("--num_processes", "2", "--module", "tests.test_launch", "--grace_s", "3", "--timeout_s", "300",
+                   "--", BASE, f"distributed_heartbeat_timeout_s={HEARTBEAT_S}")
+    pids = [job.pid(0), job.pid(1)]
+    job.wait_for(r"^\[rank 0\] tick 3$", 120)
+    start = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+    code = job.proc.wait(timeout=HEARTBEAT_S + 60)
+    elapsed = time.monotonic() - start
+    assert code != 0
+    assert elapsed < HEARTBEAT_S + 3 + 15, elapsed  # heartbeat bound + grace + slack for a loaded machine
+    if how == "killed":
+        assert "launch.local: rank 1 was killed by signal 9; stopping the other processes" in job.output()
+    else:
+        assert re.search(r"launch.local: rank 0 (exited with status|was killed by signal)", job.output())
+        assert "stopped sending heartbeats" in job.output()
+    assert all(_gone(pid) for pid in pids), "a process outlived the launcher"
+    print(f"\n{how}: launcher exited with {code} {elapsed:.1f} s after rank 1 was {how}")
+
+
+def test_launcher_exits_with_the_failing_status():
+    job = Launched("--num_processes", "2", "--", "configs/base.yml", "no_such_key=1")
+    assert job.proc.wait(timeout=120) == 2
+    assert "[rank 0] maxpar: config error: unknown config key 'no_such_key'" in job.output()
+
+
+# ---------------------------------------------------------------- TPU types, XPK and JobSet
+
+def test_tpu_types():
+    assert parse_tpu_type("v5p-128") == jobset.TpuSlice("v5p-128", "tpu-v5p-slice", "4x4x4", 64, 16)
+    assert parse_tpu_type("v5litepod-16").topology == "4x4" and parse_tpu_type("v5litepod-16").hosts == 4
+    assert parse_tpu_type("v6e-256").chips_per_host == 4
+    assert parse_tpu_type("v5p-8").topology == "2x2x1" and parse_tpu_type("v5p-8").hosts == 1
+    assert [torus_topology(c, 3) for c in (8, 16, 32)] == ["2x2x2", "2x2x4", "2x4x4"]
+    for bad in ("v5p-12", "v7-8", "tpu"):
+        with pytest.raises(ConfigError, match="--tpu_type"):
+            parse_tpu_type(bad)
+
+
+CONFIG_ARGS = [BASE, "model_name=llama2-7b", "dcn_data_parallelism=2", "ici_fsdp_parallelism=-1", "steps=1000"]
+
+
+def test_xpk_command_dry_run(capsys):
+    code = xpk.main(["--cluster", "c1", "--workload", "llama-run", "--tpu_type", "v5p-128", "--num_slices", "2",
+                     "--docker_image", "gcr.io/p/maxpar:1", "--priority", "high", "--max_restarts", "3",
+                     "--project", "p", "--zone", "us-east5-a", "--dry-run", "--", *CONFIG_ARGS])
+    assert code == 0
+    argv = shlex.split(capsys.readouterr().out)
+    assert argv[:3] == ["xpk", "workload", "create"]
+    flags = dict(zip(argv[3::2], argv[4::2]))
+    assert flags == {"--cluster": "c1", "--workload": "llama-run", "--tpu-type": "v5p-128", "--num-slices": "2",
+                     "--docker-image": "gcr.io/p/maxpar:1", "--priority": "high", "--max-restarts": "3",
+                     "--command": flags["--command"], "--project": "p", "--zone": "us-east5-a"}
+    command = shlex.split(flags["--command"])
+    assert command[:3] == ["python3", "-m", "maxpar.train"]
+    assert load_config(command[3:]) == load_config(CONFIG_ARGS)
+
+
+def test_xpk_rejects_bad_input_and_needs_xpk(monkeypatch, capsys):
+    common = ["--cluster", "c", "--tpu_type", "v5p-128", "--docker_image", "i", "--num_slices", "2"]
+    assert xpk.main([*common, "--workload", "Bad_Name", "--dry-run", "--", *CONFIG_ARGS]) == 2
+    assert xpk.main([*common, "--workload", "ok", "--priority", "urgent", "--dry-run", "--", *CONFIG_ARGS]) == 2
+    assert xpk.main([*common, "--workload", "ok", "--num_slices", "4", "--dry-run", "--", *CONFIG_ARGS]) == 2
+    err = capsys.readouterr().err
+    assert "--workload='Bad_Name'" in err and "--priority='urgent'" in err
+    assert "dcn degrees (dcn_data_parallelism=2) multiply to 2 but there are 4 slices" in err
+    monkeypatch.setattr(xpk.shutil, "which", lambda name: None)
+    assert xpk.main([*common, "--workload", "ok", "--", *CONFIG_ARGS]) == 1
+    assert "xpk is not installed" in capsys.readouterr().err
+
+
+def _pod_env(container: dict, slice_id: int, worker_id: int, gke_tpu_hosts: int | None) -> dict[str, str]:
+    """The environment Kubernetes (and, on TPU, GKE) gives one pod of the manifest."""
+    env = {}
+    for var in container["env"]:
+        if "value" in var:
+            env[var["name"]] = var["value"]
+        else:
+            assert var["valueFrom"]["fieldRef"]["fieldPath"] == jobset.JOB_INDEX
+            env[var["name"]] = str(slice_id)
+    env["JOB_COMPLETION_INDEX"] = str(worker_id)
+    if gke_tpu_hosts is not None:
+        env["TPU_WORKER_HOSTNAMES"] = ",".join(f"host{i}" for i in range(gke_tpu_hosts))
+        env["TPU_WORKER_ID"] = str(worker_id)
+    return env
+
+
+def _check_jobset(manifest: dict, replicas: int, hosts: int, gke_tpu: bool) -> dict:
+    assert manifest["apiVersion"] == "jobset.x-k8s.io/v1alpha2" and manifest["kind"] == "JobSet"
+    assert re.fullmatch(r"[a-z][-a-z0-9]*", manifest["metadata"]["name"])
+    (rjob,) = manifest["spec"]["replicatedJobs"]
+    assert rjob["replicas"] == replicas
+    job = rjob["template"]["spec"]
+    assert job["parallelism"] == job["completions"] == hosts and job["completionMode"] == "Indexed"
+    pod = job["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"
+    (container,) = pod["containers"]
+    assert container["command"][:3] == ["python3", "-m", "maxpar.train"]
+    assert load_config(container["command"][3:]) == load_config(CONFIG_ARGS)
+    # Every pod joins the same job as a distinct process: ids 0 .. replicas x hosts - 1.
+    config = load_config(container["command"][3:])
+    specs = [distributed_spec(config, _pod_env(container, s, w, hosts if gke_tpu else None))
+             for s in range(replicas) for w in range(hosts)]
+    name = manifest["metadata"]["name"]
+    assert {(sp.coordinator_address, sp.num_processes) for sp in specs} == {(f"{name}-slice-0-0.{name}:8482",
+                                                                            replicas * hosts)}
+    assert sorted(sp.process_id for sp in specs) == list(range(replicas * hosts))
+    return pod
+
+
+def test_tpu_jobset_manifest(tmp_path):
+    out = tmp_path / "jobset.yaml"
+    assert jobset.main(["--name", "llama-run", "--image", "gcr.io/p/maxpar:1", "--tpu_type", "v5p-128",
+                        "--num_slices", "2", "--max_restarts", "4", "--priority_class", "high",
+                        "--output", str(out), "--", *CONFIG_ARGS]) == 0
+    (manifest,) = list(yaml.safe_load_all(out.read_text()))
+    pod = _check_jobset(manifest, replicas=2, hosts=16, gke_tpu=True)
+    assert manifest["spec"]["failurePolicy"]["maxRestarts"] == 4
+    assert manifest["metadata"]["annotations"]["alpha.jobset.sigs.k8s.io/exclusive-topology"] == \
+        "cloud.google.com/gke-nodepool"
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v5p-slice",
+                                   "cloud.google.com/gke-tpu-topology": "4x4x4"}
+    assert pod["containers"][0]["resources"]["limits"] == {"google.com/tpu": 4}
+    assert pod["priorityClassName"] == "high" and pod["hostNetwork"] is True
+
+
+def test_gpu_jobset_manifest(capsys):
+    assert jobset.main(["--name", "gpu-run", "--image", "img", "--gpu_type", "nvidia-h100-80gb",
+                        "--num_nodes", "2", "--gpus_per_node", "8", "--", *CONFIG_ARGS]) == 0
+    manifest = yaml.safe_load(capsys.readouterr().out)
+    pod = _check_jobset(manifest, replicas=2, hosts=1, gke_tpu=False)
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}
+    assert pod["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": 8}
+
+
+def test_jobset_rejects_bad_input(capsys):
+    common = ["--image", "i", "--tpu_type", "v5p-128", "--num_slices", "2"]
+    assert jobset.main(["--name", "x" * 41, *common, "--", *CONFIG_ARGS]) == 2
+    assert jobset.main(["--name", "ok", *common, "--", BASE, "dcn_data_parallelism=3"]) == 2
+    assert jobset.main(["--name", "ok", *common, "--", BASE, "no_such_key=1"]) == 2
+    err = capsys.readouterr().err
+    assert "at most 40 characters" in err and "dcn_data_parallelism=3" in err and "unknown config key" in err
+
+
+if __name__ == "__main__":
+    sys.exit(collective_loop(sys.argv[1:]))

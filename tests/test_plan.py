@@ -1,0 +1,255 @@
+"""maxpar.plan without compiling: hardware profiles, the seeds' worked numbers, plans, recommendations, the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from maxpar.config import ConfigError, load_config
+from maxpar.metrics import peak_flops
+from maxpar.plan import rooflines
+from maxpar.plan.__main__ import main, resolve_target
+from maxpar.plan.comms import expert_all_to_all_bytes
+from maxpar.plan.hardware import (HARDWARE_DIR, available, ici_axis_shares, load_hardware, slice_shape_exists,
+                                  torus_shape)
+from maxpar.plan.layout import abstract_model_state
+from maxpar.plan.predict import Target, evaluate, make_plan
+from maxpar.plan.recommend import recommend
+
+REPO = Path(__file__).resolve().parents[1]
+BASE = str(REPO / "configs" / "base.yml")
+V5P = load_hardware("tpu-v5p")
+
+
+def config(*overrides: str):
+    return load_config([BASE, *overrides])
+
+
+def plan(*overrides: str, hardware: str = "tpu-v5p", devices: int = 4096, slices: int = 1):
+    return make_plan(config(*overrides), Target(load_hardware(hardware), devices, slices))
+
+
+# The seeds' LLaMA-3 70B, bf16, 8k context; per_device_batch_size fractional as in real pod-scale runs.
+LLAMA70 = ("model_name=llama3-70b", "dtype=bfloat16", "weight_dtype=bfloat16", "max_target_length=8192")
+
+
+# ---------------------------------------------------------------- hardware profiles
+
+def test_every_profile_loads_with_sourced_numbers():
+    assert {"tpu-v5e", "tpu-v5p", "tpu-v6e", "h100", "h200"} <= set(available())
+    for name in available():
+        hw = load_hardware(name)
+        # The peak agrees with the table the trainer's MFU uses.
+        assert peak_flops(hw.device_kind) == pytest.approx(hw.peak_flops), name
+        for line in (HARDWARE_DIR / f"{name}.yml").read_text().splitlines():
+            if re.match(r"^[a-z_]+:", line):
+                assert re.search(r"#\s*\S", line), f"{name}: no source comment on {line!r}"
+
+
+def test_bad_profiles_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="available: h100"):
+        load_hardware("tpu-v9")
+    (tmp_path / "broken.yml").write_text("platform: tpu\npeak_flops: -1\n")
+    with pytest.raises(ConfigError, match="missing keys"):
+        load_hardware("broken", tmp_path)
+
+
+def test_torus_layout_gives_each_mesh_axis_its_torus_axes():
+    assert torus_shape(V5P, 8960) == (16, 20, 28) and torus_shape(V5P, 4096) == (16, 16, 16)
+    assert not slice_shape_exists(V5P, 8192)  # 2^13 chips fit no v5p torus within 16x20x28
+    names = ("data", "stage", "fsdp", "expert", "tensor")
+    shares = ici_axis_shares(V5P, names, {"fsdp": 1024, "tensor": 4}, 4096)
+    assert shares["tensor"] == pytest.approx(0.5) and shares["fsdp"] == pytest.approx(2.5)
+    assert sum(shares.values()) == pytest.approx(3)  # the seed: M_X + M_Y ~ 3 on a 3D torus
+    assert ici_axis_shares(load_hardware("h100"), names, {"fsdp": 4, "tensor": 2}, 8)["fsdp"] == 1.0
+
+
+# ---------------------------------------------------------------- the seeds' worked numbers
+
+def test_seed_critical_batches_on_v5p():
+    alpha = rooflines.network_intensity(V5P.peak_flops, V5P.ici_bandwidth)
+    assert alpha == pytest.approx(2550)                                    # "4.59e14 / 1.8e11 = 2550"
+    assert rooflines.fsdp_critical_batch(alpha, 3) == pytest.approx(850)   # "scale down to only BS=850"
+    assert 850 * 4096 == pytest.approx(3.48e6, rel=1e-3)                  # Q3: FSDP alone needs 3.48M on 16^3
+    # Model parallelism: Y < n_axes * F / 2550 -- "~ n_axes * 11" for LLaMA-3 70B, 19-way for F ~ 50k.
+    assert int(rooflines.tensor_parallel_limit(28672, alpha, 1)) == 11
+    assert int(rooflines.tensor_parallel_limit(50_000, alpha, 1)) == 19
+    assert 8 * alpha == pytest.approx(20_400)                              # "required F for 8-way ... 20k"
+    # Mixed FSDP + TP: B/N > 2 * 2550^2 / F.
+    assert rooflines.mixed_critical_batch(alpha, 32768, 2, 1) == pytest.approx(400, rel=0.01)
+    assert rooflines.mixed_critical_batch(alpha, 30_000, 2, 1) == pytest.approx(432, rel=0.01)
+    assert rooflines.mixed_critical_batch(alpha, int(2.7 * 5120), 2, 1) == pytest.approx(940, rel=0.01)
+    # DCN: per-pod batch > C_pod / W_dcn,pod, "3.8e18 / 5e13 = 76,000" (rounded inputs; the exact
+    # v5p numbers, 8960 chips x 4.59e14 over 2240 hosts x 2.5e10, give 73,440).
+    assert rooflines.dcn_critical_batch_per_slice(V5P.peak_flops, 8960, V5P.dcn_bandwidth_per_host, 4) == \
+        pytest.approx(73_440)
+    assert rooflines.dcn_critical_batch_per_slice(4.75e14, 8000, 2.5e10, 4) == pytest.approx(76_000)
+    assert rooflines.max_params_pure_dp(96e9) == pytest.approx(9.6e9)      # "about 9B parameters"
+
+
+def test_seed_optimal_fsdp_split_and_bubbles():
+    # "N = 64, B = 48,000, F = 32,768, gives roughly X ~ 13.9" (M_X / M_Y = 2 on a 4x4x4 torus).
+    assert rooflines.optimal_fsdp_degree(48_000, 32768, 64, 2, 1) == pytest.approx(13.9, rel=0.02)
+    # sharding-strategies.md: gPipe (PP-1)/(M+PP-1); circular (PP-1)/(repeats*M+PP-1).
+    assert rooflines.pipeline_bubble(4, 8) == pytest.approx(3 / 11)
+    assert rooflines.pipeline_bubble(4, 8, repeats=2) == pytest.approx(3 / 19)
+    assert rooflines.pipeline_bubble(1, 8) == 0
+
+
+def test_seed_parameter_count_of_llama2_13b():
+    # Question 1: 3LDF = 8.5e9 (FFW), 4DNHL = 4.2e9 (attention), 2VD = 0.33e9 (vocabulary), 13.1e9 total.
+    p = plan("model_name=llama2-13b", devices=64)["params"]
+    layers, d, f, n, h, v = 40, 5120, 13824, 40, 128, 32000
+    assert p["mlp"] == 3 * layers * d * f == pytest.approx(8.5e9, rel=0.01)
+    assert p["attention"] == 4 * d * n * h * layers == pytest.approx(4.2e9, rel=0.01)
+    assert p["embedding"] + p["output"] == 2 * v * d
+    assert p["total"] == p["mlp"] + p["attention"] + p["embedding"] + p["output"] + p["norm"]
+    assert p["total"] == pytest.approx(13.1e9, rel=0.01) and p["active"] == p["total"]
+
+
+def test_detailed_model_reproduces_the_seed_rules_on_a_seed_like_model():
+    # The seed approximates a transformer by its MLP; with a short context and a small vocabulary the
+    # real model comes close, and the planner's per-collective critical batches land on the seed's.
+    seed_like = (*LLAMA70, "max_target_length=128", "vocab_size=256", "per_device_batch_size=8")
+    fsdp = plan(*seed_like)
+    (row,) = fsdp["axes"]
+    assert row["axis"] == "fsdp" and row["ici_axes_spanned"] == pytest.approx(3)
+    assert row["critical_batch_tokens_per_device"] == pytest.approx(850, rel=0.01)
+    dp = plan(*seed_like, "ici_data_parallelism=-1", "ici_fsdp_parallelism=1")  # backward all-reduce only
+    assert dp["axes"][0]["critical_batch_tokens_per_device"] == pytest.approx(850, rel=0.01)
+    mixed = plan(*seed_like, "ici_tensor_parallelism=8")
+    critical = {r["axis"]: r["critical_batch_tokens_per_device"] for r in mixed["axes"]}
+    # FSDP moves TP-sharded weights: its critical batch drops to alpha / (M_X * Y), M_X = 2.25 axes here.
+    assert critical["fsdp"] == pytest.approx(2550 / (2.25 * 8), rel=0.02)
+    assert critical["tensor"] == 0  # activations: compute-bound at any batch, or never
+
+
+# ---------------------------------------------------------------- plans
+
+def test_plan_reports_every_quantity_at_pod_scale():
+    result = make_plan(config(*LLAMA70, "per_device_batch_size=0.125", "ici_fsdp_parallelism=512",
+                              "ici_tensor_parallelism=8", "remat_policy=full"), Target(V5P, 4096, 1))
+    assert result["global_batch_tokens"] == 512 * 8192 and result["tokens_per_device"] == 1024
+    assert result["flops_per_step"] == pytest.approx(result["flops_per_token"] * 512 * 8192)
+    mem = result["memory_per_device_bytes"]
+    assert set(mem) >= {"params", "gradients", "optimizer", "activations", "total", "fits"}
+    assert mem["total"] == pytest.approx(sum(mem[k] for k in ("params", "gradients", "optimizer", "activations",
+                                                             "gathered_weights")))
+    p = result["params"]  # bf16, fully sharded but for the replicated norm scales
+    assert mem["params"] == pytest.approx((p["total"] - p["norm"]) * 2 / 4096 + p["norm"] * 2)
+    assert mem["optimizer"] == pytest.approx(2 * mem["params"], rel=0.01) and mem["fits"]
+    for c in result["comms"]:
+        assert set(c) >= {"axis", "network", "collective", "bytes_per_device", "time_s"} and c["time_s"] > 0
+    axes = {r["axis"]: r for r in result["axes"]}
+    assert set(axes) == {"fsdp", "tensor"}
+    # TP per layer: the forward all-reduce of [tokens, emb] bf16 (one 8192-token row per batch shard),
+    # 2 (n-1)/n of it per device, 80 layers.
+    tp_fwd = next(c for c in result["comms"] if c["pattern"] == "TP MLP output all-reduce (forward)")
+    assert tp_fwd["bytes_per_device"] == pytest.approx(80 * 2 * (8192 * 8192 * 2) * 7 / 8)
+    assert result["bound"] == "compute" and 0 < result["mfu"] < 1
+    assert result["step_time_s"] >= result["compute_time_s"]
+    assert result["tensor_parallelism_limit"] == 8  # 16-way cannot split LLaMA-3's 8 kv heads
+    assert result["pipeline_bubble"] == 0 and result["bound_reason"].startswith("compute-bound")
+    json.dumps(result["rules_of_thumb"])
+
+
+def test_fractional_batch_that_cannot_shard_is_planned_with_a_warning():
+    # 4M tokens on 8,960 chips: 512 rows cannot split over 8,960 / tensor batch shards.
+    result = plan(*LLAMA70, f"per_device_batch_size={512 / 8960}", "ici_data_parallelism=35",
+                  "ici_fsdp_parallelism=32", "ici_tensor_parallelism=8", devices=8960)
+    assert result["global_batch_tokens"] == pytest.approx(512 * 8192)
+    assert not result["batch_shardable"] and any("do not split" in w for w in result["warnings"])
+
+
+def test_communication_bound_and_memory_verdicts():
+    tiny_batch = plan(*LLAMA70, "per_device_batch_size=0.015625", "ici_fsdp_parallelism=-1", devices=4096)
+    assert tiny_batch["bound"] == "communication" and "fsdp" in tiny_batch["bound_reason"]
+    huge = plan(*LLAMA70, "per_device_batch_size=1", "ici_data_parallelism=-1", "ici_fsdp_parallelism=1",
+                devices=64)
+    assert not huge["memory_per_device_bytes"]["fits"] and "does not fit" in huge["bound_reason"]
+
+
+def test_multislice_data_parallelism_crosses_dcn_hierarchically():
+    result = plan("model_name=llama3-8b", "dtype=bfloat16", "max_target_length=8192", "per_device_batch_size=0.5",
+                  "ici_tensor_parallelism=2", "remat_policy=full", hardware="tpu-v5e", devices=512, slices=2)
+    dcn = [c for c in result["comms"] if c["network"] == "dcn"]
+    assert dcn and {c["axis"] for c in dcn} == {"data"} and {c["collective"] for c in dcn} == {"all-reduce"}
+    # Reduce-scatter over ICI first: DCN carries each weight's 1/(ici shards) slice once, 2 (d-1)/d = 1x.
+    layer_grads = next(c for c in dcn if c["pattern"] == "DP gradient all-reduce")
+    matmul = sum(v for k, v in layer_grads["by_weight"].items() if "norm" not in k)
+    weights = result["params"]["attention"] + result["params"]["mlp"] + result["params"]["output"]
+    assert matmul == pytest.approx(weights * 2 / 256, rel=1e-6)
+
+
+def test_pipeline_is_predicted_with_its_bubble_and_permutes():
+    result = plan(*LLAMA70, "per_device_batch_size=0.5", "ici_stage_parallelism=4", "ici_tensor_parallelism=8",
+                  "gradient_accumulation_steps=8", "ici_fsdp_parallelism=-1", devices=4096)
+    assert result["pipeline_bubble"] == pytest.approx(3 / 11)
+    assert any(c["collective"] == "collective-permute" and c["axis"] == "stage" for c in result["comms"])
+    assert any("does not pipeline yet" in w for w in result["warnings"])
+    assert result["step_time_s"] > sum(result["compute_time_by_phase_s"].values()) / (1 - 3 / 11) * 0.99
+
+
+def test_expert_axis_of_a_dense_model_acts_as_fsdp_and_the_ep_all_to_all_formula():
+    result = plan("model_name=llama3-8b", "dtype=bfloat16", "ici_expert_parallelism=4", "ici_fsdp_parallelism=-1",
+                  devices=64)
+    assert any(c["axis"] == "fsdp+expert" and c["collective"] == "all-gather" for c in result["comms"])
+    # sharding-strategies.md (EP): intensity of an expert matmul vs its all-to-all = mlp dim.
+    tokens, emb, k, mlp = 4096, 4096, 2, 14336
+    flops = 2 * tokens * k * emb * mlp
+    assert flops / expert_all_to_all_bytes(tokens, emb, k, 2) == pytest.approx(mlp)
+
+
+def test_recommend_ranks_feasible_ready_to_paste_meshes():
+    base = config(*LLAMA70, "per_device_batch_size=0.125")
+    target = Target(V5P, 4096, 1)
+    state = abstract_model_state(base)
+    rec = recommend(base, target, state, top=3)
+    assert len(rec["best"]) == 3 and rec["feasible"] >= 3
+    times = [b["step_time_s"] for b in rec["best"]]
+    assert times == sorted(times)
+    for best in rec["best"]:
+        again = evaluate(config(*LLAMA70, "per_device_batch_size=0.125", *best["overrides"].split()), target, state)
+        assert again["step_time_s"] == pytest.approx(best["step_time_s"])
+        assert again["memory_per_device_bytes"]["fits"] and again["batch_shardable"]
+
+
+def test_resolve_target_from_config_or_local_devices():
+    t = resolve_target(config("hardware=h100", "num_devices=64"), None, None, None)
+    assert (t.hardware.name, t.num_devices, t.num_slices) == ("h100", 64, 8)  # 8-GPU NVLink domains
+    t = resolve_target(config(), "cpu", 8, 1)
+    assert t.hardware.name == "tpu-v5p" and "assumed" in t.note
+    assert resolve_target(config(), "TPU v5 lite", 8, 1).hardware.name == "tpu-v5e"
+    with pytest.raises(ConfigError, match="max_devices_per_slice"):
+        resolve_target(config("hardware=tpu-v5e", "num_devices=512", "num_slices=1"), None, None, None)
+
+
+# ---------------------------------------------------------------- command line
+
+def test_cli_json_and_errors(capsys):
+    args = [BASE, "model_name=llama3-8b", "hardware=tpu-v6e", "num_devices=256", "dtype=bfloat16"]
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["hardware"] == "tpu-v6e" and out["params"]["total"] > 8e9 and "_comms" not in out
+    for bad, message in (([*args, "mlp_dimm=3"], "did you mean mlp_dim"), ([*args, "hardware=tpu-v9"], "tpu-v5p"),
+                         ([*args, "--top", "x"], "--top"), ([*args, "--dump_hlo", "/tmp/x"], "--verify"),
+                         ([*args, "--frobnicate"], "unknown flag")):
+        assert main(bad) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_cli_recommends_even_when_the_configured_mesh_cannot_run(capsys):
+    # The issue's example: fsdp=-1 over 8,960 chips cannot split emb 8192, but --recommend finds meshes that do.
+    status = main([BASE, "model_name=llama3-70b", "hardware=tpu-v5p", "num_devices=8960", "per_device_batch_size=0.5",
+                   "--recommend"])
+    out = capsys.readouterr().out
+    assert status == 0 and "cannot run" in out
+    first = re.search(r"^\s+1\s.*?(ici_data_parallelism=\S+ ici_fsdp_parallelism=\S+ ici_tensor_parallelism=\S+ "
+                      r"remat_policy=\S+)", out, re.M)
+    assert first, out
+    assert math.isfinite(make_plan(config("model_name=llama3-70b", "per_device_batch_size=0.5",
+                                          *first.group(1).split()), Target(V5P, 8960, 1))["step_time_s"])

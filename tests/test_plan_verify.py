@@ -1,0 +1,107 @@
+"""`python -m maxpar.plan --verify`: the predicted collectives and memory match the compiled train step.
+
+Each strategy compiles the real train step of a tiny model on the 8 simulated CPU devices and
+compares per mesh axis and collective kind (10% on bytes), with XLA:CPU's lowering differences
+converted explicitly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import pytest
+
+from helpers import TINY
+from maxpar.config import load_config
+from maxpar.plan import verify
+from maxpar.plan.comms import Comm
+from maxpar.plan.__main__ import main, run
+from maxpar.plan.hardware import load_hardware
+from maxpar.plan.predict import Target, make_plan
+
+REPO = Path(__file__).resolve().parents[1]
+BASE = str(REPO / "configs" / "base.yml")
+SMALL = [*TINY, "per_device_batch_size=4", "hardware=tpu-v5p"]
+
+STRATEGIES = {
+    "DP(8)": (["ici_data_parallelism=-1", "ici_fsdp_parallelism=1"], {("data", "all-reduce")}),
+    "FSDP(4)xTP(2)": (["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"],
+                      {("fsdp", "all-gather"), ("fsdp", "all-reduce"), ("tensor", "all-reduce")}),
+    # 8-way TP needs 8 kv heads; one row per device keeps the replicated batch whole.
+    "TP(8)": (["ici_fsdp_parallelism=1", "ici_tensor_parallelism=-1", "num_query_heads=8", "num_kv_heads=8",
+               "per_device_batch_size=1"], {("tensor", "all-reduce")}),
+}
+
+
+def checked(result: dict) -> set[tuple[str, str]]:
+    return {(b["axis"], b["collective"]) for b in result["buckets"] if b["status"] == "ok"}
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_verify_passes(name):
+    overrides, expected = STRATEGIES[name]
+    result, text, status = run([BASE, *SMALL, *overrides, "--verify"])
+    v = result["verify"]
+    assert status == 0 and v["passed"], text
+    assert expected <= checked(v), text
+    assert all(b["status"] != "MISMATCH" for b in v["buckets"])
+    assert any("2 trips" in loop for loop in v["loops"])  # the layer scan, counted twice
+
+
+@pytest.fixture(scope="module")
+def fsdp8():
+    config = load_config([BASE, *SMALL])
+    return config, verify.compile_train_step(config, jax.devices())
+
+
+def test_verify_passes_for_fsdp8_and_names_the_cpu_lowering(fsdp8):
+    config, compiled = fsdp8
+    plan = make_plan(config, Target(load_hardware("tpu-v5p"), 8, 1))
+    result = verify.compare(plan, compiled, config)
+    assert result["passed"], result["failures"]
+    assert {("fsdp", "all-gather"), ("fsdp", "all-reduce")} <= checked(result)
+    # The target reduce-scatters the gradients; XLA:CPU all-reduces them (and says so).
+    grads = next(b for b in result["buckets"] if b["axis"] == "fsdp" and b["collective"] == "all-reduce")
+    assert grads["predicted_target"]["reduce-scatter"] > 0
+    assert any("reduce-scatter -> all-reduce" in n for n in result["notes"])
+    state = result["memory"][0]
+    assert state["what"].startswith("train state") and state["error"] == pytest.approx(0, abs=1e-9)
+
+
+def test_verify_fails_when_the_prediction_is_wrong(fsdp8):
+    config, compiled = fsdp8
+    wrong = make_plan(load_config([BASE, *SMALL, "ici_data_parallelism=-1", "ici_fsdp_parallelism=1"]),
+                      Target(load_hardware("tpu-v5p"), 8, 1))
+    result = verify.compare(wrong, compiled, config)
+    assert not result["passed"]
+    assert any(b["status"] == "MISMATCH" for b in result["buckets"])
+
+
+def test_cli_verify_mixed_with_hlo_dump(tmp_path, capsys):
+    # DP(2) x FSDP(2) x TP(2) through the command line: exit status, the table, the HLO dump.
+    status = main([BASE, *SMALL, "ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2",
+                   "--verify", "--dump_hlo", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert status == 0, out[-3000:]
+    assert "verify: PASS" in out
+    for note in ("reduce-scatter -> all-reduce", "all-reduced one by one"):
+        assert note in out
+    for axis, kind in (("data", "all-reduce"), ("data+fsdp", "all-reduce"), ("fsdp", "all-gather"),
+                       ("fsdp", "all-reduce"), ("tensor", "all-reduce")):
+        assert any(line.split()[:2] == [axis, kind] and " ok " in line for line in out.splitlines()), out
+    assert "all-gather" in (tmp_path / "train_step.hlo.txt").read_text()
+
+
+def test_cpu_conversions_are_explicit():
+    def comm(**kw):
+        base = dict(pattern="p", axes=("fsdp",), network="ici", collective="all-gather", phase="forward",
+                    dtype="float32", operand_bytes=100.0, group_size=4, count=2, scales_with_batch=False)
+        return Comm(**{**base, **kw})
+    assert verify.on_backend(comm(), "tpu") == ("all-gather", 600.0, [])
+    kind, size, notes = verify.on_backend(comm(collective="reduce-scatter", operand_bytes=400.0), "cpu")
+    assert (kind, size) == ("all-reduce", 2 * 2 * 400 * 3 / 4) and "ReduceScatterCreator" in notes[0]
+    kind, size, notes = verify.on_backend(comm(collective="all-reduce", cpu_parts=3), "cpu")
+    assert size == 3 * 2 * 2 * 100 * 3 / 4 and "AllReduceReassociate" in notes[0]
+    kind, size, notes = verify.on_backend(comm(dtype="bfloat16", top_level_gather=True, count=1), "cpu")
+    assert size == 2 * 2 * 100 * 3 and any("float32" in n for n in notes) and any("twice" in n for n in notes)
