@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -113,3 +114,28 @@ class MetricsWriter:
         if self.enabled:
             self._jsonl.close()
             self._tensorboard.close()
+
+
+def rewind_metrics(path: Path, step: int) -> int:
+    """Drop metrics.jsonl rows after `step`, the step the run (re)starts from; returns how many.
+
+    Rows logged after the restored checkpoint are logged again by the resumed run, so without
+    this the file would hold them twice. A half-written last line (a kill mid-write) goes too.
+    """
+    if not path.exists():
+        return 0
+    lines = path.read_text(encoding="utf-8").splitlines()
+    kept = [line for line in lines if _row_step(line) is not None and _row_step(line) <= step]
+    if len(kept) == len(lines):
+        return 0
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    os.replace(temporary, path)
+    return len(lines) - len(kept)
+
+
+def _row_step(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None

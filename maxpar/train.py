@@ -7,10 +7,7 @@ checkpoints. Everything device-dependent starts here, never while parsing config
 from __future__ import annotations
 
 import dataclasses
-import math
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -24,10 +21,11 @@ from jax.sharding import Mesh, NamedSharding
 from tqdm import tqdm
 
 from maxpar import checkpoint, distributed
+from maxpar.guards import PREEMPTED_EXIT_STATUS, Preempted, PreemptionWatch, stop_on_nonfinite
 from maxpar.config import Config, ConfigError, describe_keys, load_config, to_yaml
 from maxpar.data.pipeline import make_datasets
 from maxpar.mesh import create_mesh, mesh_shape_of
-from maxpar.metrics import (MetricsWriter, parameter_counts, peak_flops, throughput,
+from maxpar.metrics import (MetricsWriter, parameter_counts, peak_flops, rewind_metrics, throughput,
                             training_flops_per_token)
 from maxpar.model import Transformer
 from maxpar.optimizer import make_optimizer
@@ -144,78 +142,6 @@ def _print_header(run: RunSetup, run_dir: Path, peak: float | None, log: Callabl
         f"peak {'unknown' if peak is None else f'{peak:.3e}'} FLOP/s per device")
 
 
-# Exit status after a SIGTERM that stopped the run with a checkpoint written (sysexits' EX_TEMPFAIL:
-# a temporary failure, retry): rerun the same command to resume exactly.
-PREEMPTED_EXIT_STATUS = 75
-
-
-class Preempted(Exception):
-    """SIGTERM stopped the run after `step`; with checkpointing on, that step was saved synchronously."""
-
-    def __init__(self, step: int, saved: bool):
-        outcome = (f"checkpoint step {step} is written; rerun the same command to resume" if saved else
-                   "nothing was saved (enable_checkpointing=false)")
-        super().__init__(f"preempted (SIGTERM) after step {step}: {outcome}")
-        self.step, self.saved = step, saved
-
-
-class PreemptionWatch:
-    """Notices SIGTERM so that the loop stops between steps instead of dying mid-step.
-
-    One process: a SIGTERM handler sets a flag the loop polls. Several processes: they must stop
-    at the same step, which JAX's preemption service (started with the distributed runtime, and
-    notified by SIGTERM itself) agrees on; a Python handler would replace its notifier, so none
-    is installed then. The previous handler is restored on exit.
-    """
-
-    def __init__(self) -> None:
-        self._signalled = False
-        self._previous: Any = None
-        self._installed = False
-
-    def __enter__(self) -> PreemptionWatch:
-        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-            self._installed = True
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        if self._installed:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if self._previous is None else self._previous)
-
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        self._signalled = True
-
-    def requested(self, step: int) -> bool:
-        """Whether to stop after `step` (every process calls this at every step)."""
-        if jax.process_count() == 1:
-            return self._signalled
-        from jax.experimental import multihost_utils
-        try:
-            return multihost_utils.reached_preemption_sync_point(step)
-        except RuntimeError:  # this runtime has no preemption service
-            return False
-
-
-def first_nonfinite(losses: Sequence[tuple[int, Any]]) -> tuple[int, float] | None:
-    """(step, loss) of the first NaN/Inf among (step, device scalar) pairs: one transfer for them all."""
-    values = jax.device_get([loss for _, loss in losses])
-    return next(((step, float(value)) for (step, _), value in zip(losses, values) if not math.isfinite(float(value))),
-                None)
-
-
-def _stop_on_nonfinite(losses: Sequence[tuple[int, Any]], manager: Any) -> None:
-    """Raise before a NaN/Inf state is logged as fine or checkpointed; earlier checkpoints stay as they are."""
-    bad = first_nonfinite(losses)
-    if bad is None:
-        return
-    latest = manager.latest_step() if manager else None
-    kept = f"the newest checkpoint, step {latest}, is intact" if latest is not None else "no checkpoint was written"
-    raise FloatingPointError(f"loss is {bad[1]} at step {bad[0]}; stopped before checkpointing it ({kept}). Lower "
-                             f"learning_rate or check the data, then rerun to resume; stop_on_nan=false trains on "
-                             f"regardless")
-
-
 def initial_state(run: RunSetup, manager: Any, iterator: Any, log: Callable[[str], None]) -> Any:
     """Where training starts: this run's newest usable checkpoint (restoring `iterator` too), else
     load_full_state_path, else load_parameters_path (fresh optimizer), else a fresh init."""
@@ -254,7 +180,7 @@ def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: 
         with PreemptionWatch() as preemption:
             state = initial_state(run, manager, iterator, log)
             start = int(state.step)
-            if lead and checkpoint.rewind_metrics(run_dir / "metrics.jsonl", start):
+            if lead and rewind_metrics(run_dir / "metrics.jsonl", start):
                 log(f"  metrics.jsonl: dropped the rows after step {start}; they are logged again from here")
 
             compile_start = time.perf_counter()
@@ -283,7 +209,7 @@ def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: 
                 save_due = manager is not None and (step % config.checkpoint_period == 0 or last)
                 stop = preemption.requested(step)
                 if unchecked and (log_due or save_due or stop):
-                    _stop_on_nonfinite(unchecked, manager)
+                    stop_on_nonfinite(unchecked, manager)
                     unchecked.clear()
                 if log_due:
                     metrics = jax.device_get(metrics)

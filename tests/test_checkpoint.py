@@ -17,7 +17,9 @@ from helpers import TINY, read_metrics, tiny_config, write_corpus
 from maxpar import checkpoint
 from maxpar.config import ConfigError
 from maxpar.data.pipeline import make_datasets
-from maxpar.train import first_nonfinite, initial_state, main, setup_run, train
+from maxpar.guards import first_nonfinite
+from maxpar.metrics import rewind_metrics
+from maxpar.train import initial_state, main, setup_run, train
 
 # Orbax leaves its read coroutines unawaited when a damaged checkpoint fails to restore (on purpose, here).
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -131,10 +133,10 @@ def test_config_differences_name_each_key_with_both_values(corpus):
 def test_rewind_metrics_drops_rows_after_the_restored_step(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3, 4)) + '{"step": 5, "lo')
-    assert checkpoint.rewind_metrics(path, 2) == 3
+    assert rewind_metrics(path, 2) == 3
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
-    assert checkpoint.rewind_metrics(path, 2) == 0
-    assert checkpoint.rewind_metrics(tmp_path / "absent.jsonl", 0) == 0
+    assert rewind_metrics(path, 2) == 0
+    assert rewind_metrics(tmp_path / "absent.jsonl", 0) == 0
 
 
 def test_first_nonfinite_finds_the_first_bad_step():

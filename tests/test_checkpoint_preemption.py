@@ -14,7 +14,8 @@ import pytest
 from helpers import (REPO, compilation_cache_env, logged_steps, read_metrics, start_training, tiny_config,
                      train_command, wait_for_step, wait_until, write_corpus)
 from maxpar import checkpoint
-from maxpar.train import PREEMPTED_EXIT_STATUS, setup_run, train
+from maxpar.guards import PREEMPTED_EXIT_STATUS
+from maxpar.train import setup_run, train
 
 STEPS = 32
 
