@@ -1,37 +1,71 @@
 """Regression: the default config trains on offline real text to a held-out loss below a threshold.
 
-    python end_to_end/convergence.py [--threshold 2.3] [key=value ...]
+    python end_to_end/convergence.py [--threshold 2.3] [--out DIR] [key=value ...]
 
 Runs `python -m maxpar.train configs/base.yml` (plus overrides) in a fresh run directory, prints the
-loss curve and a PASS/FAIL line, and exits non-zero on FAIL.
+loss curve and a PASS/FAIL line, and exits non-zero on FAIL. The loss curve (train and eval loss vs
+step) is also drawn into DIR/loss_curve.png next to a copy of the run's metrics.jsonl; DIR defaults
+to outputs/convergence/ (under the default base_output_directory) and is printed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parent.parent
+
+
+def plot_losses(rows: list[dict], path: Path, threshold: float) -> None:
+    """Train and eval loss vs step as a PNG (matplotlib imported here, so the trainer never needs it)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train loss", linewidth=1)
+    evals = [r for r in rows if r.get("eval_loss") is not None]
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss", markersize=4)
+    ax.axhline(threshold, color="gray", linestyle="--", linewidth=1, label=f"threshold {threshold}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/byte)")
+    ax.set_title("maxpar convergence: configs/base.yml")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threshold", type=float, default=2.3, help="final eval loss must be below this (nats)")
+    parser.add_argument("--out", type=Path, default=REPO / "outputs" / "convergence",
+                        help="where to write loss_curve.png and metrics.jsonl (default: outputs/convergence/)")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as out:
         command = [sys.executable, "-m", "maxpar.train", "configs/base.yml", f"base_output_directory={out}",
                    "run_name=convergence", "enable_checkpointing=false", *args.overrides]
-        if subprocess.run(command, cwd=Path(__file__).resolve().parent.parent).returncode:
+        if subprocess.run(command, cwd=REPO).returncode:
             print("FAIL: training exited with an error")
             return 1
-        rows = [json.loads(line) for line in (Path(out) / "convergence" / "metrics.jsonl").read_text().splitlines()]
+        metrics = Path(out) / "convergence" / "metrics.jsonl"
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        args.out.mkdir(parents=True, exist_ok=True)
+        shutil.copy(metrics, args.out / "metrics.jsonl")
     print("step  train_loss  eval_loss")
     for row in rows:
         eval_loss = "" if row["eval_loss"] is None else f"{row['eval_loss']:.4f}"
         print(f"{row['step']:>4}  {row['loss']:.4f}      {eval_loss}")
+    plot_losses(rows, args.out / "loss_curve.png", args.threshold)
+    print(f"loss curve: {args.out / 'loss_curve.png'} (metrics: {args.out / 'metrics.jsonl'})")
     final = next((r["eval_loss"] for r in reversed(rows) if r["eval_loss"] is not None), None)
     if final is None or final >= args.threshold:
         print(f"FAIL: final eval loss {final} is not below {args.threshold}")

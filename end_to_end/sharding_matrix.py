@@ -1,0 +1,125 @@
+"""Regression: one tiny model trained 5 steps under every sharding strategy on 8 simulated CPU devices
+gives the single-device run's per-step losses.
+
+    python end_to_end/sharding_matrix.py [--steps 5] [--rtol 1e-5] [key=value ...]
+
+Strategies: DP(8), FSDP(8), FSDP-transpose (configs/fsdp_transpose.yml, FSDP(4)xTP(2)), FSDP(4)xTP(2),
+TP(8), TP-sequence (configs/tp_sequence.yml, FSDP(4)xTP(2)) and DP(2)xFSDP(2)xTP(2); the reference is
+1 device with the same global batch (8 rows). The tiny dims are chosen so that 8 divides heads, kv heads,
+mlp and vocab (TP(8) needs that). Prints the strategy x step loss matrix and each row's max relative
+difference from the reference, then a PASS/FAIL line; exits non-zero on FAIL.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+import jax
+import numpy as np
+from helpers import write_corpus
+
+from maxpar.config import load_config
+from maxpar.train import train
+
+# heads = kv heads = 8, mlp 128, vocab 264 = 8 x 33: every TP degree up to 8 divides them.
+TINY = ["emb_dim=64", "num_query_heads=8", "num_kv_heads=8", "head_dim=8", "mlp_dim=128", "num_decoder_layers=2",
+        "vocab_size=264", "max_target_length=32", "dtype=float32", "weight_dtype=float32", "warmup_steps=2",
+        "learning_rate=1e-2", "log_period=1", "eval_interval=-1", "enable_checkpointing=false",
+        "dataset_type=text", "eval_fraction=0"]
+STRATEGIES = {  # name: (config file, overrides); all with per_device_batch_size=1 on 8 devices
+    "DP(8)": ("base.yml", ["ici_data_parallelism=8", "ici_fsdp_parallelism=1"]),
+    "FSDP(8)": ("base.yml", ["ici_fsdp_parallelism=8"]),
+    "FSDP-transpose(4x2)": ("fsdp_transpose.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
+    "FSDP(4)xTP(2)": ("base.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
+    "TP(8)": ("base.yml", ["ici_fsdp_parallelism=1", "ici_tensor_parallelism=8"]),
+    "TP-sequence(4x2)": ("tp_sequence.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
+    "DP(2)xFSDP(2)xTP(2)": ("base.yml", ["ici_data_parallelism=2", "ici_fsdp_parallelism=2",
+                                         "ici_tensor_parallelism=2"]),
+}
+NOT_IMPLEMENTED = {"EP (expert)": "expert parallelism", "PP (stage)": "pipeline parallelism"}
+
+
+def run_losses(config_file: str, overrides: list[str], devices, workdir: Path) -> list[float]:
+    config = load_config([str(REPO / "configs" / config_file), *TINY, *overrides])
+    run_dir = Path(tempfile.mkdtemp(dir=workdir))
+    train(config, devices=devices, run_dir=run_dir)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rtol", type=float, default=1e-5)
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides for every run")
+    args = parser.parse_args()
+    devices = jax.devices()
+    if len(devices) < 8:
+        print(f"FAIL: needs 8 devices, found {len(devices)}")
+        return 1
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        corpus = write_corpus(workdir / "corpus")
+        common = [f"steps={args.steps}", f"dataset_path={corpus}"]
+        reference = run_losses("base.yml", [*common, "per_device_batch_size=8", *args.overrides], devices[:1], workdir)
+        results: dict[str, list[float] | str] = {}
+        for name, (config_file, overrides) in STRATEGIES.items():
+            try:
+                results[name] = run_losses(config_file, [*common, "per_device_batch_size=1", *overrides,
+                                                         *args.overrides], devices[:8], workdir)
+            except Exception as e:  # noqa: BLE001 - one broken strategy must not hide the others
+                results[name] = f"error: {type(e).__name__}: {e}"
+
+    ref = np.array(reference)
+    width = max(len(n) for n in [*STRATEGIES, *NOT_IMPLEMENTED, "1 device (reference)"])
+    print()
+    print(f"{'strategy':<{width}}  " + "  ".join(f"{'step ' + str(s):>10}" for s in range(1, args.steps + 1))
+          + "  max rel diff")
+    print(f"{'1 device (reference)':<{width}}  " + "  ".join(f"{v:>10.6f}" for v in ref))
+    failed = []
+    if len(ref) != args.steps or not ref[-1] < ref[0]:
+        failed.append("reference")
+        print(f"reference run logged {len(ref)} steps / did not lower the loss")
+    for name, losses in results.items():
+        if isinstance(losses, str):
+            print(f"{name:<{width}}  {losses}")
+            failed.append(name)
+            continue
+        got = np.array(losses)
+        if got.shape != ref.shape:
+            print(f"{name:<{width}}  logged {len(got)} steps, expected {len(ref)}")
+            failed.append(name)
+            continue
+        rel = float(np.max(np.abs(got - ref) / np.abs(ref)))
+        ok = rel <= args.rtol
+        print(f"{name:<{width}}  " + "  ".join(f"{v:>10.6f}" for v in got) + f"  {rel:.2e}{'' if ok else '  FAIL'}")
+        if not ok:
+            failed.append(name)
+    for name, what in NOT_IMPLEMENTED.items():
+        print(f"{name:<{width}}  not implemented yet ({what} is an open issue)")
+    elapsed = time.perf_counter() - start
+    if failed:
+        print(f"FAIL: {', '.join(failed)} differ from the 1-device losses by more than rtol {args.rtol} "
+              f"({elapsed:.0f} s)")
+        return 1
+    print(f"PASS: {len(results)} strategies match the 1-device losses within rtol {args.rtol} ({elapsed:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""Golden parameter shardings: every parameter's logical axes and mesh PartitionSpec per preset strategy.
+
+    python -m maxpar.shardings_dump            # print the JSON
+    python -m maxpar.shardings_dump --check    # compare with tests/goldens/shardings.json; exit 1 on a diff
+    python -m maxpar.shardings_dump --update   # rewrite the golden file (an intended change)
+
+The tiny default model on 8 simulated CPU devices (`jax.set_mesh`, which the trainer's tracing uses, needs a
+concrete Mesh, so an AbstractMesh will not do; only shapes are traced, nothing is computed).
+The shardings come from the trainer's own code (`train_step.state_shardings`, `sharding.logical_specs`),
+so a change to the rules, the presets or the model's logical axes shows up as a golden diff.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+if "jax" not in sys.modules:  # run as a command: simulate the 8 devices before JAX initializes
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+
+from maxpar.config import Config, load_config
+from maxpar.mesh import create_mesh, resolve_mesh_shape
+from maxpar.model import Transformer
+from maxpar.optimizer import make_optimizer
+from maxpar.sharding import logical_specs
+from maxpar.train_step import init_state, sharding_context, state_shardings
+
+REPO = Path(__file__).resolve().parent.parent
+GOLDEN = REPO / "tests" / "goldens" / "shardings.json"
+NUM_DEVICES = 8
+# The tiny model of tests/helpers.py (dims only).
+TINY = ["emb_dim=64", "num_query_heads=4", "num_kv_heads=2", "head_dim=16", "mlp_dim=128", "num_decoder_layers=2",
+        "vocab_size=264", "max_target_length=32", "dtype=float32", "weight_dtype=float32"]
+STRATEGIES: dict[str, tuple[str, list[str]]] = {
+    "dp8": ("base.yml", ["ici_data_parallelism=8", "ici_fsdp_parallelism=1"]),
+    "fsdp8": ("base.yml", ["ici_fsdp_parallelism=8"]),
+    "fsdp4_tp2": ("base.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
+    "dp2_fsdp2_tp2": ("base.yml", ["ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"]),
+    "fsdp_transpose": ("fsdp_transpose.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
+    "tp_sequence": ("tp_sequence.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
+}
+
+
+def _spec(spec: Any) -> list[Any]:
+    """A PartitionSpec as JSON: None, an axis name, or a list of axis names per dimension."""
+    return [entry if entry is None or isinstance(entry, str) else list(entry) for entry in spec]
+
+
+def strategy_shardings(config: Config) -> dict[str, Any]:
+    """{mesh: {axis: degree}, params: {path: {shape, logical, mesh}}} for `config` on 8 devices."""
+    devices = jax.devices()
+    if len(devices) < NUM_DEVICES:
+        raise RuntimeError(f"needs {NUM_DEVICES} devices, found {len(devices)}; set "
+                           f"XLA_FLAGS=--xla_force_host_platform_device_count={NUM_DEVICES} before importing jax")
+    shape = resolve_mesh_shape(config, NUM_DEVICES)
+    mesh = create_mesh(config, devices[:NUM_DEVICES])
+    model, tx = Transformer(config), make_optimizer(config)
+    abstract, shardings = state_shardings(model, tx, config, mesh)
+    with sharding_context(mesh, config):
+        boxed = jax.eval_shape(partial(init_state, model, tx, config), jax.random.key(0))
+    logical = logical_specs(boxed.params)
+    leaves = jax.tree_util.tree_leaves_with_path(abstract.params)
+    logical_leaves = jax.tree_util.tree_leaves(logical, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    mesh_leaves = jax.tree_util.tree_leaves(shardings.params)
+    params = {}
+    for (path, leaf), logical_spec, sharding in zip(leaves, logical_leaves, mesh_leaves, strict=True):
+        name = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+        params[name] = {"shape": list(leaf.shape), "logical": _spec(logical_spec), "mesh": _spec(sharding.spec)}
+    return {"mesh": {a: d for a, d in zip(shape.axis_names, shape.shape) if d > 1}, "params": params}
+
+
+def dump() -> dict[str, Any]:
+    return {name: strategy_shardings(load_config([str(REPO / "configs" / file), *TINY, *overrides]))
+            for name, (file, overrides) in STRATEGIES.items()}
+
+
+def to_json(data: dict[str, Any]) -> str:
+    """JSON with one line per parameter, so a golden diff in review reads line by line."""
+    blocks = []
+    for name, entry in data.items():
+        params = ",\n".join(f"   {json.dumps(p)}: {json.dumps(v)}" for p, v in entry["params"].items())
+        blocks.append(f' {json.dumps(name)}: {{\n  "mesh": {json.dumps(entry["mesh"])},\n  "params": {{\n{params}\n  }}\n }}')
+    return "{\n" + ",\n".join(blocks) + "\n}\n"
+
+
+def diff(golden: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Readable differences, one line each (empty when equal)."""
+    lines = []
+    for name in sorted(set(golden) | set(current)):
+        if name not in current:
+            lines.append(f"{name}: strategy missing now (in golden)")
+            continue
+        if name not in golden:
+            lines.append(f"{name}: new strategy (not in golden)")
+            continue
+        g, c = golden[name], current[name]
+        if g["mesh"] != c["mesh"]:
+            lines.append(f"{name}: mesh {g['mesh']} -> {c['mesh']}")
+        for param in sorted(set(g["params"]) | set(c["params"])):
+            gp, cp = g["params"].get(param), c["params"].get(param)
+            if gp is None:
+                lines.append(f"{name}: {param}: new parameter {cp}")
+            elif cp is None:
+                lines.append(f"{name}: {param}: parameter removed (was {gp})")
+            else:
+                for key in ("shape", "logical", "mesh"):
+                    if gp[key] != cp[key]:
+                        lines.append(f"{name}: {param}: {key} {gp[key]} -> {cp[key]}")
+    return lines
+
+
+def check(path: Path = GOLDEN) -> list[str]:
+    if not path.exists():
+        return [f"{path} does not exist"]
+    return diff(json.loads(path.read_text(encoding="utf-8")), dump())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--check", action="store_true", help=f"compare with {GOLDEN.relative_to(REPO)}")
+    group.add_argument("--update", action="store_true", help=f"rewrite {GOLDEN.relative_to(REPO)}")
+    args = parser.parse_args(argv)
+    if args.check:
+        lines = check()
+        for line in lines:
+            print(line)
+        if lines:
+            print(f"FAIL: {len(lines)} sharding difference(s) from {GOLDEN.relative_to(REPO)}; if intended, "
+                  f"regenerate with `python -m maxpar.shardings_dump --update`")
+            return 1
+        print(f"PASS: shardings of {len(STRATEGIES)} strategies match {GOLDEN.relative_to(REPO)}")
+        return 0
+    data = dump()
+    text = to_json(data)
+    assert json.loads(text) == data
+    if args.update:
+        GOLDEN.parent.mkdir(parents=True, exist_ok=True)
+        GOLDEN.write_text(text, encoding="utf-8")
+        print(f"wrote {GOLDEN.relative_to(REPO)}")
+    else:
+        print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
