@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -22,6 +23,7 @@ from omegaconf import OmegaConf
 
 PHYSICAL_AXES = ("data", "fsdp", "tensor", "expert", "stage")
 DTYPES = ("float32", "bfloat16", "float16")
+SYNTHETIC_FIRST_TOKEN = 3  # synthetic data skips ids 0-2, the byte tokenizer's pad, bos and eos
 
 
 class ConfigError(ValueError):
@@ -314,6 +316,9 @@ def _coerce_rules(name: str, value: Any) -> tuple[AxisRule, ...]:
         if unknown:
             raise ConfigError(f"{name}: rule {rule!r} names unknown mesh axis {unknown[0]!r}; "
                               f"mesh axes are {', '.join(PHYSICAL_AXES)}")
+        if len(set(axes)) != len(axes):
+            raise ConfigError(f"{name}: rule {rule!r} names a mesh axis twice; an array dimension can be split "
+                              f"over each mesh axis at most once")
         rules.append((rule[0], tuple(axes)))
     return tuple(rules)
 
@@ -324,6 +329,8 @@ def validate(config: Config) -> None:
     """Ranges, choices and cross-key rules that need no devices."""
     for name, field in FIELDS.items():
         value, meta = getattr(config, name), field.metadata
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{name}={value!r}: must be a finite number")
         if meta["choices"] is not None and value not in meta["choices"]:
             raise ConfigError(f"{name}={value!r}: must be one of {', '.join(map(str, meta['choices']))}")
         if value in meta["allow"]:
@@ -334,6 +341,8 @@ def validate(config: Config) -> None:
             raise ConfigError(f"{name}={value!r}: must be <= {meta['max']}")
     if sorted(config.mesh_axes) != sorted(PHYSICAL_AXES):
         raise ConfigError(f"mesh_axes={list(config.mesh_axes)}: must be a permutation of {', '.join(PHYSICAL_AXES)}")
+    if config.head_dim % 2:
+        raise ConfigError(f"head_dim={config.head_dim}: must be even (RoPE rotates pairs of the head's features)")
     if config.num_query_heads % config.num_kv_heads:
         raise ConfigError(f"num_query_heads={config.num_query_heads} must be a multiple of "
                           f"num_kv_heads={config.num_kv_heads}")
@@ -345,6 +354,9 @@ def validate(config: Config) -> None:
         if len(fills) > 1:
             raise ConfigError(f"at most one {level}_*_parallelism may be -1; got -1 for "
                               + ", ".join(f"{level}_{a}_parallelism" for a in fills))
+    if config.dataset_type == "synthetic" and config.vocab_size <= SYNTHETIC_FIRST_TOKEN:
+        raise ConfigError(f"vocab_size={config.vocab_size}: dataset_type=synthetic draws tokens from "
+                          f"[{SYNTHETIC_FIRST_TOKEN}, vocab_size), so it must be > {SYNTHETIC_FIRST_TOKEN}")
     if config.dataset_type == "text" and not config.dataset_path:
         raise ConfigError("dataset_type=text needs dataset_path (a glob of text files)")
     if config.load_parameters_path and config.load_full_state_path:

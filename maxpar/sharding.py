@@ -45,15 +45,29 @@ def shard_count(sharding: NamedSharding) -> int:
     return math.prod(sharding.mesh.shape[a] for a in axes)
 
 
+def entry_axes(entry: None | str | Sequence[str]) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry: None, an axis name, or a tuple of names."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def dim_axes(sharding: NamedSharding, ndim: int) -> list[tuple[str, ...]]:
+    """The mesh axes that split each of an array's `ndim` dimensions (() where none does)."""
+    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    return [entry_axes(entry) for entry in spec]
+
+
+def dim_degree(sharding: NamedSharding, axes: Sequence[str]) -> int:
+    return math.prod(sharding.mesh.shape[a] for a in axes)
+
+
 def check_divisible(abstract_tree: Any, shardings: Any) -> None:
     """Every sharded dimension must divide evenly; name the offender if not."""
     leaves = jax.tree_util.tree_leaves_with_path(abstract_tree)
     for (path, leaf), sharding in zip(leaves, jax.tree_util.tree_leaves(shardings)):
-        for dim, entry in zip(leaf.shape, sharding.spec):
-            if entry is None:
-                continue
-            axes = (entry,) if isinstance(entry, str) else tuple(entry)
-            degree = math.prod(sharding.mesh.shape[a] for a in axes)
+        for dim, axes in zip(leaf.shape, dim_axes(sharding, leaf.ndim)):
+            degree = dim_degree(sharding, axes)
             if dim % degree:
                 name = jax.tree_util.keystr(path)
                 raise ConfigError(

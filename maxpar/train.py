@@ -29,7 +29,7 @@ from maxpar.metrics import (MetricsWriter, parameter_counts, peak_flops, rewind_
                             training_flops_per_token)
 from maxpar.model import Transformer
 from maxpar.optimizer import make_optimizer
-from maxpar.sharding import batch_sharding
+from maxpar.sharding import batch_sharding, dim_axes, dim_degree
 from maxpar.train_step import BATCH_KEYS, create_state, jit_eval_step, jit_train_step, state_shardings
 
 
@@ -69,6 +69,20 @@ def process_batch_block(sharding: NamedSharding, batch_shape: tuple[int, int]) -
         raise ConfigError("this process's devices do not hold one contiguous block of the batch; put the "
                           "cross-process (DCN) degree on the data or fsdp axis, outermost in mesh_axes")
     return first // len(owned), count
+
+
+def check_batch_layout(config: Config, sharding: NamedSharding, shape: BatchShape) -> None:
+    """A microbatch [rows, length] must split evenly over the mesh axes that shard its rows and its sequence."""
+    rows_axes, length_axes = dim_axes(sharding, 2)
+    rows_degree, length_degree = dim_degree(sharding, rows_axes), dim_degree(sharding, length_axes)
+    if shape.microbatch_rows % rows_degree:
+        raise ConfigError(f"per_device_batch_size={config.per_device_batch_size} gives {shape.microbatch_rows} rows per "
+                          f"microbatch, which the batch-sharding mesh axes {rows_axes} (degree {rows_degree}) cannot "
+                          f"split evenly; use a per_device_batch_size that makes it a multiple of {rows_degree}")
+    if config.max_target_length % length_degree:
+        raise ConfigError(f"max_target_length={config.max_target_length} cannot be split evenly over the "
+                          f"sequence-sharding mesh axes {length_axes} (degree {length_degree}); use a multiple of "
+                          f"{length_degree}")
 
 
 def global_batch(local: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
@@ -120,6 +134,7 @@ def setup_run(config: Config, devices: Sequence[jax.Device] | None = None) -> Ru
     mesh = create_mesh(config, devices)
     shape = batch_shape(config, len(devices))
     in_sharding = batch_sharding(mesh, config.axis_rules)
+    check_batch_layout(config, in_sharding, shape)
     shard_index, shard_count = process_batch_block(in_sharding, (shape.global_rows, config.max_target_length))
     train_data, eval_data = make_datasets(config, global_rows=shape.global_rows, eval_rows=shape.microbatch_rows,
                                           shard_index=shard_index, shard_count=shard_count)

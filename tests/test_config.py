@@ -284,6 +284,19 @@ def test_one_fill_per_level_is_fine():
     assert config.ici_fsdp_parallelism == -1 and config.dcn_data_parallelism == -1
 
 
+@pytest.mark.parametrize("overrides, expected", [
+    (["per_device_batch_size=.nan"], ["per_device_batch_size=nan", "finite"]),
+    (["learning_rate=.inf"], ["learning_rate=inf", "finite"]),
+    (["head_dim=15"], ["head_dim=15", "even"]),
+    (["dataset_type=synthetic", "vocab_size=2"], ["vocab_size=2", "synthetic", "> 3"]),
+    (["logical_axis_rules=[[activation_batch,[fsdp,fsdp]]]"], ["logical_axis_rules", "fsdp", "twice"]),
+])
+def test_values_the_model_or_data_cannot_use(overrides, expected):
+    message = config_error(*overrides)
+    for part in expected:
+        assert part in message, (part, message)
+
+
 def test_query_heads_must_be_multiple_of_kv_heads():
     message = config_error("num_query_heads=6", "num_kv_heads=4")
     assert "num_query_heads=6" in message and "num_kv_heads=4" in message and "multiple" in message
@@ -384,6 +397,12 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     # Valid as a config; only the mesh (8 devices) rejects it.
     (["configs/base.yml", *TINY, "ici_tensor_parallelism=3", "ici_fsdp_parallelism=1", "dataset_type=synthetic",
       "enable_checkpointing=false"], ["ici_tensor_parallelism=3", "8"]),
+    # Valid as a config; 4 rows per microbatch cannot split over fsdp=8.
+    (["configs/base.yml", *TINY, "per_device_batch_size=0.5", "dataset_type=synthetic", "steps=0"],
+     ["per_device_batch_size=0.5", "4 rows", "degree 8"]),
+    # Valid as a config; the sequence-parallel preset cannot split 33 tokens over tensor=2.
+    (["configs/tp_sequence.yml", *TINY, "ici_tensor_parallelism=2", "max_target_length=33",
+      "dataset_type=synthetic", "steps=0"], ["max_target_length=33", "degree 2"]),
 ])
 def test_cli_config_errors_exit_2_without_traceback(args, expected):
     result = _cli(*args)

@@ -25,12 +25,14 @@ BASE = str(REPO / "configs" / "base.yml")
 SMALL = [*TINY, "per_device_batch_size=4", "hardware=tpu-v5p"]
 
 STRATEGIES = {
-    "DP(8)": (["ici_data_parallelism=-1", "ici_fsdp_parallelism=1"], {("data", "all-reduce")}),
-    "FSDP(4)xTP(2)": (["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"],
+    "DP(8)": ("base.yml", ["ici_data_parallelism=-1", "ici_fsdp_parallelism=1"], {("data", "all-reduce")}),
+    "FSDP(4)xTP(2)": ("base.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"],
                       {("fsdp", "all-gather"), ("fsdp", "all-reduce"), ("tensor", "all-reduce")}),
     # 8-way TP needs 8 kv heads; one row per device keeps the replicated batch whole.
-    "TP(8)": (["ici_fsdp_parallelism=1", "ici_tensor_parallelism=-1", "num_query_heads=8", "num_kv_heads=8",
-               "per_device_batch_size=1"], {("tensor", "all-reduce")}),
+    "TP(8)": ("base.yml", ["ici_fsdp_parallelism=1", "ici_tensor_parallelism=-1", "num_query_heads=8",
+                           "num_kv_heads=8", "per_device_batch_size=1"], {("tensor", "all-reduce")}),
+    "FSDP-transpose(4x2)": ("fsdp_transpose.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"],
+                            {("fsdp", "all-gather"), ("fsdp", "all-reduce"), ("tensor", "all-reduce")}),
 }
 
 
@@ -40,8 +42,8 @@ def checked(result: dict) -> set[tuple[str, str]]:
 
 @pytest.mark.parametrize("name", list(STRATEGIES))
 def test_verify_passes(name):
-    overrides, expected = STRATEGIES[name]
-    result, text, status = run([BASE, *SMALL, *overrides, "--verify"])
+    config_file, overrides, expected = STRATEGIES[name]
+    result, text, status = run([str(REPO / "configs" / config_file), *SMALL, *overrides, "--verify"])
     v = result["verify"]
     assert status == 0 and v["passed"], text
     assert expected <= checked(v), text

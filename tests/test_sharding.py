@@ -230,9 +230,9 @@ HAND_SPECS = {
         "['final_norm']['scale']": P(None),
     },
     "fsdp_transpose": {
-        f"{LAYER}['mlp']['wi_gate']": P("stage", None, ("fsdp", "tensor")),
-        f"{LAYER}['mlp']['wi_up']": P("stage", None, ("fsdp", "tensor")),
-        f"{LAYER}['mlp']['wo']": P("stage", ("fsdp", "tensor"), None),
+        f"{LAYER}['mlp']['wi_gate']": P("stage", None, ("tensor", "fsdp")),
+        f"{LAYER}['mlp']['wi_up']": P("stage", None, ("tensor", "fsdp")),
+        f"{LAYER}['mlp']['wo']": P("stage", ("tensor", "fsdp"), None),
         f"{LAYER}['attention']['query']": P("stage", FE, "tensor", None),
         "['token_embedding']": P("tensor", FE),
     },
@@ -350,7 +350,7 @@ def test_tp_sequence_rules_move_length_to_tensor():
     assert normalize(nn.logical_to_mesh_axes(RESIDUAL, list(base)), 3) == (batch, None, None)
     assert normalize(nn.logical_to_mesh_axes(RESIDUAL, list(seq)), 3) == (batch, ("tensor",), None)
     assert normalize(nn.logical_to_mesh_axes(MLP_HIDDEN, list(base)), 3) == (batch, None, ("tensor",))
-    assert normalize(nn.logical_to_mesh_axes(MLP_HIDDEN, list(seq)), 3) == (batch, ("tensor",), None)
+    assert normalize(nn.logical_to_mesh_axes(MLP_HIDDEN, list(seq)), 3) == (batch, None, ("tensor",))
     # Attention stays head-sharded.
     for rules in (base, seq):
         assert normalize(nn.logical_to_mesh_axes(ATTN_Q, list(rules)), 4) == (batch, None, ("tensor",), None)
@@ -384,11 +384,11 @@ def test_tp_sequence_lowered_constraints_split_length():
     batch = frozenset({"data", "fsdp", "expert"})
     none, tensor = frozenset(), frozenset({"tensor"})
     base, seq = _constraints("base.yml"), _constraints("tp_sequence.yml")
-    # Residual stream [4, 16, 64] and MLP hidden [4, 16, 128].
+    # Residual stream [4, 16, 64] splits on sequence; the MLP hidden [4, 16, 128] stays split on mlp (the seed's
+    # tensor-sequence layout: all-gather the FF input over sequence, reduce-scatter its output back).
     assert base[(4, 16, 64)] == {(batch, none, none)}
     assert seq[(4, 16, 64)] == {(batch, tensor, none)}
-    assert base[(4, 16, 128)] == {(batch, none, tensor)}
-    assert seq[(4, 16, 128)] == {(batch, tensor, none)}
+    assert base[(4, 16, 128)] == seq[(4, 16, 128)] == {(batch, none, tensor)}
     # Query heads [4, 16, 4, 16] stay split over tensor on heads in both.
     assert base[(4, 16, 4, 16)] == seq[(4, 16, 4, 16)] == {(batch, none, tensor, none)}
 

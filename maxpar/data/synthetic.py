@@ -7,9 +7,8 @@ import functools
 import grain
 import numpy as np
 
+from maxpar.config import SYNTHETIC_FIRST_TOKEN as _FIRST_TOKEN
 from maxpar.data.text import INFINITE, process_rows, sync_read
-
-_FIRST_TOKEN = 3  # ids below are the specials (pad, bos, eos) of the byte tokenizer
 
 
 def synthetic_batch(

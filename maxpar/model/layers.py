@@ -20,7 +20,9 @@ Array = jax.Array
 RESIDUAL = ("activation_batch", "activation_length", "activation_embed")
 ATTN_Q = ("activation_batch", "activation_attn_length", "activation_heads", "activation_head_dim")
 ATTN_KV = ("activation_batch", "activation_attn_length", "activation_kv_heads", "activation_head_dim")
-MLP_HIDDEN = ("activation_batch", "activation_length", "activation_mlp")
+# The feed-forward hidden layer has its own length name: under TP-sequence the residual stream is split on
+# sequence, but the hidden [batch, length, mlp] stays split on mlp like its weights (all-gather in, reduce-scatter out).
+MLP_HIDDEN = ("activation_batch", "activation_mlp_length", "activation_mlp")
 
 
 def constrain(x: Array, logical_axes: Sequence[str]) -> Array:

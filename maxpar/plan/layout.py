@@ -27,7 +27,7 @@ from maxpar.mesh import MeshShape
 from maxpar.model import Transformer
 from maxpar.model.layers import RESIDUAL
 from maxpar.optimizer import make_optimizer
-from maxpar.sharding import batch_sharding, check_divisible, logical_specs, mesh_shardings
+from maxpar.sharding import batch_sharding, check_divisible, dim_axes, entry_axes, logical_specs, mesh_shardings
 from maxpar.train_step import init_state
 
 ROLES = ("attention", "mlp", "norm", "embedding", "output")
@@ -140,11 +140,6 @@ def _role(path: str) -> str:
     return "other"
 
 
-def _dim_axes(entry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
 
 def build_layout(config: Config, mesh: MeshShape, state: ModelState) -> Layout:
     """Shard the traced state on an abstract mesh of these degrees (ConfigError if it cannot split)."""
@@ -157,7 +152,7 @@ def build_layout(config: Config, mesh: MeshShape, state: ModelState) -> Layout:
     for (path, leaf), sharding, logical in zip(leaves, jax.tree_util.tree_leaves(shardings), spec_leaves):
         name = jax.tree_util.keystr(path)
         group = "params" if name.startswith(".params") else "optimizer" if name.startswith(".opt_state") else "step"
-        mesh_axes = tuple(_dim_axes(sharding.spec[i]) if i < len(sharding.spec) else () for i in range(len(leaf.shape)))
+        mesh_axes = tuple(dim_axes(sharding, len(leaf.shape)))
         logical_names = tuple(logical) + (None,) * (len(leaf.shape) - len(logical))
         tensors.append(Tensor(path=name, group=group, role=_role(name), shape=tuple(leaf.shape),
                               dtype=str(leaf.dtype), logical=logical_names, mesh_axes=mesh_axes,
@@ -165,6 +160,6 @@ def build_layout(config: Config, mesh: MeshShape, state: ModelState) -> Layout:
     spec = batch_sharding(abstract_mesh, config.axis_rules).spec
     residual = nn.logical_to_mesh_axes(RESIDUAL, list(config.axis_rules))
     return Layout(config=config, mesh=mesh, tensors=tuple(tensors),
-                  batch_axes=_dim_axes(spec[0]) if len(spec) > 0 else (),
-                  length_axes=_dim_axes(spec[1]) if len(spec) > 1 else (),
-                  residual_axes=tuple(_dim_axes(residual[i]) if i < len(residual) else () for i in range(3)))
+                  batch_axes=entry_axes(spec[0]) if len(spec) > 0 else (),
+                  length_axes=entry_axes(spec[1]) if len(spec) > 1 else (),
+                  residual_axes=tuple(entry_axes(residual[i]) if i < len(residual) else () for i in range(3)))

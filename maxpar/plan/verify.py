@@ -34,6 +34,7 @@ from maxpar.mesh import MeshShape, mesh_shape_of
 from maxpar.plan import hlo
 from maxpar.plan.comms import Comm
 from maxpar.plan.model_math import dtype_bytes, memory_per_device
+from maxpar.sharding import dim_axes, dim_degree
 from maxpar.train import setup_run
 from maxpar.train_step import BATCH_KEYS
 
@@ -61,17 +62,11 @@ def compile_train_step(config: Config, devices: Sequence[jax.Device]) -> Compile
     """
     run = setup_run(dataclasses.replace(config, dataset_type="synthetic"), devices)
     compiled = run.compile_train_step()
-    spec = run.in_sharding.spec
-    shards = math.prod(run.mesh.shape[a] for a in _axes(spec[0])) if len(spec) else 1
+    shards = dim_degree(run.in_sharding, dim_axes(run.in_sharding, 2)[0])
     per_device = len(BATCH_KEYS) * run.shape.global_rows * config.max_target_length * 4 / shards
     return Compiled(text=compiled.as_text(), memory=compiled.memory_analysis(), mesh=run.mesh,
                     batch_bytes_per_device=per_device, platform=devices[0].platform)
 
-
-def _axes(entry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def on_backend(comm: Comm, platform: str) -> tuple[str, float, list[str]]:
