@@ -35,7 +35,7 @@ def xpk_command(*, cluster: str, workload: str, tpu_type: str, num_slices: int, 
     if max_restarts < 0:
         raise ConfigError(f"--max_restarts={max_restarts}: must be >= 0")
     tpu = parse_tpu_type(tpu_type)
-    command = trainer_command(config_args, tpu.chips * positive("num_slices", num_slices), num_slices)
+    command = trainer_command(config_args, tpu.chips * positive("num_slices", num_slices), num_slices, workload)
     argv = ["xpk", "workload", "create", "--cluster", cluster, "--workload", workload, "--tpu-type", tpu_type,
             "--num-slices", str(num_slices), "--docker-image", docker_image, "--priority", priority,
             "--max-restarts", str(max_restarts), "--command", shlex.join(command)]

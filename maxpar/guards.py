@@ -22,8 +22,8 @@ PREEMPTED_EXIT_STATUS = 75
 class Preempted(Exception):
     """SIGTERM stopped the run after `step`; with checkpointing on, that step was saved synchronously."""
 
-    def __init__(self, step: int, saved: bool):
-        outcome = (f"checkpoint step {step} is written; rerun the same command to resume" if saved else
+    def __init__(self, step: int, saved: bool, rerun: str = "rerun the same command"):
+        outcome = (f"checkpoint step {step} is written; {rerun} to resume" if saved else
                    "nothing was saved (enable_checkpointing=false)")
         super().__init__(f"preempted (SIGTERM) after step {step}: {outcome}")
         self.step, self.saved = step, saved

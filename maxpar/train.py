@@ -147,7 +147,7 @@ def _print_header(run: RunSetup, run_dir: Path, peak: float | None, log: Callabl
     config, devices = run.config, run.devices
     counts = parameter_counts(run.abstract_state.params)
     mesh_desc = mesh_shape_of(run.mesh, config).describe()
-    log(f"maxpar: run {run_dir}")
+    log(f"maxpar: run {run_dir}" + ("" if config.run_name else f" (to resume it later: run_name={run_dir.name})"))
     log(f"  model {config.model_name or 'custom'}: {counts['total']:,} parameters "
         f"({counts['non_embedding']:,} non-embedding), {config.num_decoder_layers} layers, emb {config.emb_dim}")
     log(f"  mesh {mesh_desc} over {len(devices)} {devices[0].device_kind} device(s) in {jax.process_count()} process(es)")
@@ -244,7 +244,9 @@ def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: 
                 if stop:
                     if manager:
                         manager.wait_until_finished()  # synchronous: the process may be killed soon
-                    raise Preempted(step, saved=manager is not None)
+                    raise Preempted(step, saved=manager is not None,
+                                    rerun="rerun the same command" if config.run_name else
+                                    f"rerun with run_name={run_dir.name}")
                 if row.get("step") == step:
                     window_start, window_steps = time.perf_counter(), 0
             bar.close()

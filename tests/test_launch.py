@@ -167,7 +167,14 @@ def test_xpk_command_dry_run(capsys):
                      "--command": flags["--command"], "--project": "p", "--zone": "us-east5-a"}
     command = shlex.split(flags["--command"])
     assert command[:3] == ["python3", "-m", "maxpar.train"]
-    assert load_config(command[3:]) == load_config(CONFIG_ARGS)
+    # No run_name given: the workload's name, so that XPK's restarts resume instead of starting over.
+    assert load_config(command[3:]) == load_config([*CONFIG_ARGS, "run_name=llama-run"])
+
+
+def test_an_explicit_run_name_is_kept():
+    command = xpk.xpk_command(cluster="c", workload="w", tpu_type="v5p-128", num_slices=2, docker_image="i",
+                              config_args=[*CONFIG_ARGS, "run_name=mine"])
+    assert load_config(shlex.split(command[command.index("--command") + 1])[3:]).run_name == "mine"
 
 
 def test_xpk_rejects_bad_input_and_needs_xpk(monkeypatch, capsys):
@@ -210,12 +217,12 @@ def _check_jobset(manifest: dict, replicas: int, hosts: int, gke_tpu: bool) -> d
     assert pod["restartPolicy"] == "Never"
     (container,) = pod["containers"]
     assert container["command"][:3] == ["python3", "-m", "maxpar.train"]
-    assert load_config(container["command"][3:]) == load_config(CONFIG_ARGS)
+    name = manifest["metadata"]["name"]
+    assert load_config(container["command"][3:]) == load_config([*CONFIG_ARGS, f"run_name={name}"])
     # Every pod joins the same job as a distinct process: ids 0 .. replicas x hosts - 1.
     config = load_config(container["command"][3:])
     specs = [distributed_spec(config, _pod_env(container, s, w, hosts if gke_tpu else None))
              for s in range(replicas) for w in range(hosts)]
-    name = manifest["metadata"]["name"]
     assert {(sp.coordinator_address, sp.num_processes) for sp in specs} == {(f"{name}-slice-0-0.{name}:8482",
                                                                             replicas * hosts)}
     assert sorted(sp.process_id for sp in specs) == list(range(replicas * hosts))
