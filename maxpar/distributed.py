@@ -217,7 +217,7 @@ def cross_process_collectives(hlo_text: str, axis_sizes: Mapping[str, int],
     """The collectives of `hlo_text` whose traffic leaves a process, labelled with the mesh axes they run over.
 
     `axis_sizes` is the mesh's shape (axis order) and `process_of[i]` the process of partition id i,
-    the i-th device of the mesh in row-major order (`mesh_processes`). On a hierarchical mesh these
+    the i-th device of the mesh in row-major order (`[d.process_index for d in mesh.devices.flat]`). On a hierarchical mesh these
     are the DCN collectives, so their axes must include the DCN axes and nothing else may cross.
     """
     from maxpar.plan.hlo import axis_partitions, collectives, label_groups
@@ -230,11 +230,6 @@ def cross_process_collectives(hlo_text: str, axis_sizes: Mapping[str, int],
                                                 label_groups(collective, axis_sizes, partitions),
                                                 collective.operand_bytes, collective.count))
     return found
-
-
-def mesh_processes(mesh: jax.sharding.Mesh) -> tuple[dict[str, int], list[int]]:
-    """(axis sizes, process of each partition id) of a mesh, for `cross_process_collectives`."""
-    return dict(mesh.shape), [d.process_index for d in mesh.devices.flat]
 
 
 # ---------------------------------------------------------------- data iterator state across process counts

@@ -214,7 +214,6 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(saved_run, cor
     run_dir = copy_run(saved_run, tmp_path / "run")
     damage(run_dir / "checkpoints" / "4", kind)
     _, state, iterator, warnings = restore(run_dir, run_config(corpus), jax.devices())
-    print(warnings)
     assert int(state.step) == 2
     assert "checkpoint step 4" in warnings[0] and "unusable (" in warnings[0]
     assert "falling back to step 2" in warnings[0]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
@@ -18,14 +17,6 @@ def public(result: dict[str, Any]) -> dict[str, Any]:
             return None
         return value
     return clean(result)
-
-
-def to_json(result: dict[str, Any]) -> str:
-    return json.dumps(public(result), indent=2)
-
-
-def gb(value: float) -> str:
-    return f"{value / 1e9:,.3f}" if value < 1e10 else f"{value / 1e9:,.1f}"
 
 
 def human_bytes(value: float) -> str:
