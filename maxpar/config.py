@@ -117,6 +117,9 @@ class Config:
     process_id: int = _key("this process's index in [0, num_processes) (-1 = from the environment)", min=0, allow=(-1,))
     distributed_init_timeout_s: int = _key("seconds to wait for every process to join the job", min=1)
     distributed_heartbeat_timeout_s: int = _key("a process silent this long counts as dead and the job stops", min=1)
+    step_timeout_s: int = _key("a process whose next training step has not finished this many seconds after the "
+                               "previous one is stuck and stops itself, so the job fails instead of hanging (0 = off)",
+                               min=0)
     # Planning (python -m maxpar.plan)
     hardware: str = _key("hardware profile configs/hardware/NAME.yml to plan for ('' = match the local devices)")
     num_devices: int = _key("devices to plan for (0 = the local device count)", min=0)

@@ -1,13 +1,18 @@
-"""Guards that stop a run safely: preemption (SIGTERM) and non-finite losses.
+"""Guards that stop a run safely: preemption (SIGTERM), non-finite losses, and steps that never finish.
 
-Both stop between steps, so the newest checkpoint is always a complete, good one.
+Preemption and NaN stops happen between steps, so the newest checkpoint is always a complete, good
+one. The step watchdog ends a process that is stuck (so that its peers, waiting on it in a
+collective, fail on the lost heartbeat instead of waiting forever); it never touches checkpoints.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import signal
+import sys
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -84,3 +89,47 @@ def stop_on_nonfinite(losses: Sequence[tuple[int, Any]], manager: Any) -> None:
     raise FloatingPointError(f"loss is {bad[1]} at step {bad[0]}; stopped before checkpointing it ({kept}). Lower "
                              f"learning_rate or check the data, then rerun to resume; stop_on_nan=false trains on "
                              f"regardless")
+
+
+# Exit status of a process the step watchdog ended.
+STUCK_EXIT_STATUS = 3
+
+
+class StepWatchdog:
+    """Ends this process when no training step finishes within `timeout_s` seconds of the previous one.
+
+    A dead or frozen process stops heartbeating and the distributed runtime stops its peers; a
+    process that is alive but stuck (a deadlock in input code, a collective that never completes)
+    keeps heartbeating, and without this its peers would wait in their next collective forever.
+    Armed by the first `progress()` (after compilation, which may take long); `timeout_s=0` turns it off.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self._timeout_s = timeout_s
+        self._last: float | None = None
+        self._step = 0
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> StepWatchdog:
+        if self._timeout_s > 0:
+            self._thread = threading.Thread(target=self._watch, name="maxpar-step-watchdog", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._done.set()
+
+    def progress(self, step: int) -> None:
+        """Step `step` (with its eval and save) finished: the clock starts again."""
+        self._step, self._last = step, time.monotonic()
+
+    def _watch(self) -> None:
+        while not self._done.wait(min(self._timeout_s / 10, 5.0)):
+            last = self._last
+            if last is not None and time.monotonic() - last > self._timeout_s:
+                print(f"maxpar: no training step finished in {self._timeout_s:g} s after step {self._step}; this "
+                      f"process is stuck, so it stops (exit status {STUCK_EXIT_STATUS}) rather than leave the "
+                      f"others waiting. Raise step_timeout_s if steps really take this long; the newest "
+                      f"checkpoint is intact.", file=sys.stderr, flush=True)
+                os._exit(STUCK_EXIT_STATUS)

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from tqdm import tqdm
 
 from maxpar import checkpoint, distributed
-from maxpar.guards import PREEMPTED_EXIT_STATUS, Preempted, PreemptionWatch, stop_on_nonfinite
+from maxpar.guards import PREEMPTED_EXIT_STATUS, Preempted, PreemptionWatch, StepWatchdog, stop_on_nonfinite
 from maxpar.config import Config, ConfigError, describe_keys, load_config, to_yaml
 from maxpar.data.pipeline import make_datasets
 from maxpar.mesh import create_mesh, mesh_shape_of
@@ -192,7 +192,7 @@ def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: 
     iterator = iter(run.train_data)
     manager = checkpoint.make_manager(run_dir, config) if config.enable_checkpointing else None
     try:
-        with PreemptionWatch() as preemption:
+        with PreemptionWatch() as preemption, StepWatchdog(config.step_timeout_s) as watchdog:
             state = initial_state(run, manager, iterator, log)
             start = int(state.step)
             if lead and rewind_metrics(run_dir / "metrics.jsonl", start):
@@ -249,6 +249,7 @@ def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: 
                                     f"rerun with run_name={run_dir.name}")
                 if row.get("step") == step:
                     window_start, window_steps = time.perf_counter(), 0
+                watchdog.progress(step)
             bar.close()
             writer.close()
     finally:

@@ -164,7 +164,7 @@ def test_extending_yaml_beats_model_preset_and_loses_to_command_line(tmp_path):
 
 
 @pytest.mark.parametrize("preset, first_rule", [
-    ("fsdp_transpose.yml", ("mlp", ("fsdp", "tensor"))),
+    ("fsdp_transpose.yml", ("mlp", ("tensor", "fsdp"))),
     ("tp_sequence.yml", ("activation_length", ("tensor",))),
 ])
 def test_strategy_presets_put_their_rule_first(preset, first_rule):
