@@ -264,7 +264,7 @@ def write_outputs(out: Path, table: str, run: str, results: Sequence[dict[str, A
     (out / "bench.md").write_text(table, encoding="utf-8")
     (out / "bench.json").write_text(json.dumps({"run": run, "results": results}, indent=2), encoding="utf-8")
     try:
-        write_chart(results, out / "bench.png", run if len(run) < 160 else run[:157] + "...")
+        write_chart(results, out / "bench.png", run)
     except ImportError:
         print("maxpar bench: bench.png skipped: matplotlib is missing (pip install -e '.[plot]')", file=sys.stderr)
 

@@ -7,6 +7,7 @@ out), `refused` (the config was rejected for this machine, e.g. cuDNN attention 
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -98,9 +99,13 @@ def write_chart(rows: Sequence[Row], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [row["name"] for row in rows]
+    from matplotlib.ticker import MaxNLocator
+
+    names = [row["name"].replace(",", ",\n") for row in rows]  # one lever per line
     measured = [not_measured(row) is None for row in rows]
-    fig, (speed, compile_ax) = plt.subplots(1, 2, figsize=(11, 0.45 * len(rows) + 1.8), dpi=120,
+    title_lines = textwrap.wrap(title, 130)
+    height = 0.3 * sum(name.count("\n") + 1.5 for name in names) + 1.2 + 0.16 * len(title_lines)
+    fig, (speed, compile_ax) = plt.subplots(1, 2, figsize=(11, height), dpi=120,
                                             gridspec_kw={"width_ratios": [3, 1]}, sharey=True)
     positions = range(len(rows))
     speed.barh(positions, [row["tokens_per_s"] if ok else 0 for row, ok in zip(rows, measured)], color="tab:blue")
@@ -114,11 +119,12 @@ def write_chart(rows: Sequence[Row], path: Path, title: str) -> None:
     speed.set_yticks(list(positions), names, fontsize=8)
     speed.invert_yaxis()
     speed.set_xlabel("tokens/s (median step)")
+    speed.xaxis.set_major_locator(MaxNLocator(5))
     compile_ax.set_xlabel("compile s")
     for ax in (speed, compile_ax):
         ax.grid(axis="x", alpha=0.3)
     speed.margins(x=0.25)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    fig.suptitle("\n".join(title_lines), fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.16 * len(title_lines) / height))
     fig.savefig(path)
     plt.close(fig)
