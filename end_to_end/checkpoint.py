@@ -31,6 +31,7 @@ import signal  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
+from verdict import exit_with  # noqa: E402 - end_to_end/verdict.py (this script's folder is sys.path[0])
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
@@ -186,11 +187,11 @@ def main() -> int:
     if failures:
         for failure in failures:
             print(f"  - {failure}")
-        print("FAIL")
+        print(f"FAIL: {len(failures)} check(s) failed (listed above)")
         return 1
     print("PASS: exact resume after kill -9 and SIGTERM; identical state and matching losses on every mesh")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from verdict import exit_with  # end_to_end/verdict.py: this script's folder is sys.path[0]
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -75,4 +76,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

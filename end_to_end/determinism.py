@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from verdict import exit_with  # end_to_end/verdict.py: this script's folder is sys.path[0]
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -65,4 +66,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

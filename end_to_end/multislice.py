@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from verdict import exit_with  # end_to_end/verdict.py: this script's folder is sys.path[0]
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["emb_dim=64", "num_query_heads=4", "num_kv_heads=2", "head_dim=16", "mlp_dim=128", "num_decoder_layers=2",
@@ -162,4 +163,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

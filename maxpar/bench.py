@@ -1,18 +1,24 @@
 """`python -m maxpar.bench`: compile time, step time, tokens/s and peak memory per strategy.
 
-One fixed tiny model and one global batch (8 rows x 256 tokens) for every
-strategy, so that the rows compare parallelism layouts and nothing else. Each
-strategy runs in a fresh subprocess (`--worker NAME`) because the simulated
-CPU device count lives in XLA_FLAGS, which JAX reads once when it starts; the
-worker prints one JSON line and the parent prints the table. The worker uses
-the real trainer pieces (config, mesh, sharded state, jitted step, the data
-pipeline and global-batch assembly of `maxpar.train`), never a copy of them.
-Numbers are printed, never asserted.
+Default (CPU) mode: one fixed small model and one global batch (8 rows x 256
+tokens) for every parallelism strategy on simulated CPU devices, so that the
+rows compare layouts and nothing else. `--gpu` mode: the ~1B Llama of
+`maxpar.bench_gpu` on one GPU, one row per lever setting (remat, batch,
+attention implementation, XLA flags), with MFU.
+
+Each row runs in a fresh subprocess (`--worker NAME`) because XLA_FLAGS (the
+simulated device count, the XLA flag levers) are read once when JAX starts,
+and so that every row starts with empty device memory; the worker prints one
+JSON line and the parent prints the table and writes bench.md, bench.json and
+bench.png into --out. The worker uses the real trainer pieces (config, mesh,
+sharded state, jitted step, the data pipeline and global-batch assembly of
+`maxpar.train`), never a copy of them. Numbers are printed, never asserted.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -26,6 +32,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from maxpar import bench_gpu
+from maxpar.bench_report import CPU_COLUMNS, GPU_COLUMNS, markdown_table, not_measured, write_chart
+
 REPO = Path(__file__).resolve().parent.parent
 BASE_CONFIG = REPO / "configs" / "base.yml"
 RESULT_PREFIX = "BENCH_RESULT "
@@ -37,9 +46,6 @@ MODEL = dict(model_name="", num_decoder_layers=4, emb_dim=256, num_query_heads=4
              mlp_dim=1024, vocab_size=4096, max_target_length=256)
 # No checkpoints, synthetic data, and no mesh default (-1) left for the strategy to fight with.
 RUN = dict(dataset_type="synthetic", enable_checkpointing=False, eval_interval=-1, ici_fsdp_parallelism=1)
-
-# MaxText on a comparable 2-core CPU, same model and 2,048 tokens/step (seconds per step).
-MAXTEXT_REFERENCE_S = {"one": 0.80, "fsdp8": 0.32}
 
 # Strategy names are `one` or `_`-joined degrees such as dp2_fsdp2_tp2.
 AXIS_KEYS = {"dp": "ici_data_parallelism", "fsdp": "ici_fsdp_parallelism", "tp": "ici_tensor_parallelism",
@@ -76,7 +82,7 @@ def config_overrides(name: str, extra: Sequence[str]) -> list[str]:
     return [f"{key}={json.dumps(value)}" for key, value in values.items()] + list(extra)
 
 
-def worker_env(devices: int) -> dict[str, str]:
+def cpu_env(devices: int) -> dict[str, str]:
     """The parent's environment with exactly `devices` simulated CPU devices (other XLA flags kept)."""
     env = dict(os.environ)
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")).split()
@@ -86,7 +92,31 @@ def worker_env(devices: int) -> dict[str, str]:
     return env
 
 
-# ---------------------------------------------------------------- worker (one strategy, one process)
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One row: its name, the complete config overrides, the devices it runs on, its process environment."""
+
+    name: str
+    overrides: tuple[str, ...]
+    devices: int
+    env: dict[str, str]
+
+
+def strategy_case(name: str, extra: Sequence[str]) -> Case:
+    """A CPU row: the benchmark model under one parallelism strategy on simulated devices."""
+    devices = strategy_devices(name)
+    return Case(name, tuple(config_overrides(name, extra)), devices, cpu_env(devices))
+
+
+def setting_case(setting: str, extra: Sequence[str], smoke: bool) -> Case:
+    """A GPU row: the 1B model (or the smoke shape) with one lever setting, on one device."""
+    env = bench_gpu.setting_env(setting, dict(os.environ))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    return Case(setting, tuple(bench_gpu.setting_overrides(setting, smoke) + list(extra)), 1, env)
+
+
+# ---------------------------------------------------------------- worker (one row, one process)
 
 def collective_counts(hlo_text: str) -> dict[str, int]:
     """Collective ops in compiled HLO: the communication the partitioner actually inserted."""
@@ -99,49 +129,71 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_worker(name: str, steps: int, warmup: int, extra: Sequence[str]) -> dict[str, Any]:
-    """Build the real trainer pieces for one strategy, compile, and time `steps` steps after `warmup`."""
+def peak_device_gib(device: Any) -> float | None:
+    """Peak bytes the allocator handed out on `device` (GPU/TPU), in GiB; None where not reported (CPU)."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    peak = (stats or {}).get("peak_bytes_in_use")
+    return None if peak is None else peak / 2**30
+
+
+def is_out_of_memory(error: Exception) -> bool:
+    return "RESOURCE_EXHAUSTED" in str(error) or "out of memory" in str(error).lower()
+
+
+def run_worker(name: str, overrides: Sequence[str], num_devices: int, steps: int, warmup: int) -> dict[str, Any]:
+    """Build the real trainer pieces for one row, compile, and time `steps` steps after `warmup`.
+
+    A config this machine refuses (ConfigError, e.g. cuDNN attention without a GPU) or a row that
+    does not fit in device memory is a result too (`refused` / `out_of_memory`), not a crash.
+    """
     import jax
 
-    from maxpar.config import load_config
+    from maxpar.config import ConfigError, load_config
     from maxpar.mesh import mesh_shape_of
-    from maxpar.metrics import parameter_counts, training_flops_per_token
+    from maxpar.metrics import parameter_counts, peak_flops, throughput
     from maxpar.train import global_batch, setup_run
     from maxpar.train_step import create_state
 
-    overrides = config_overrides(name, extra) + [f"steps={warmup + steps}"]
-    config = load_config([str(BASE_CONFIG), *overrides])
-    devices = jax.devices()
-    if len(devices) != strategy_devices(name):
-        raise RuntimeError(f"{name}: expected {strategy_devices(name)} devices, JAX sees {len(devices)}")
+    devices = jax.devices()[:num_devices]
+    if len(devices) != num_devices:
+        raise RuntimeError(f"{name}: needs {num_devices} devices, JAX sees {len(jax.devices())}")
+    try:
+        config = load_config([str(BASE_CONFIG), *overrides, f"steps={warmup + steps}"])
+        run = setup_run(config, devices)
+        state = create_state(run.model, run.tx, config, run.mesh, run.state_shardings)
+        start = time.perf_counter()
+        compiled = run.compile_train_step()
+        compile_s = time.perf_counter() - start
 
-    run = setup_run(config, devices)
-    mesh, shape, abstract = run.mesh, run.shape, run.abstract_state
-    state = create_state(run.model, run.tx, config, mesh, run.state_shardings)
-    start = time.perf_counter()
-    compiled = run.compile_train_step()
-    compile_s = time.perf_counter() - start
-
-    # Batches are assembled before timing: the step, not the synthetic data, is under test.
-    iterator = iter(run.train_data)
-    times, cpu_times, losses = [], [], []
-    for _ in range(warmup + steps):
-        batch = global_batch(next(iterator), run.in_sharding)
-        jax.block_until_ready(batch)
-        start, cpu_start = time.perf_counter(), time.process_time()
-        state, metrics = compiled(state, batch)
-        jax.block_until_ready((state, metrics))
-        times.append(time.perf_counter() - start)
-        cpu_times.append(time.process_time() - cpu_start)
-        losses.append(float(metrics["loss"]))
+        # Batches are assembled before timing: the step, not the synthetic data, is under test.
+        iterator = iter(run.train_data)
+        times, cpu_times, losses = [], [], []
+        for _ in range(warmup + steps):
+            batch = global_batch(next(iterator), run.in_sharding)
+            jax.block_until_ready(batch)
+            start, cpu_start = time.perf_counter(), time.process_time()
+            state, metrics = compiled(state, batch)
+            jax.block_until_ready((state, metrics))
+            times.append(time.perf_counter() - start)
+            cpu_times.append(time.process_time() - cpu_start)
+            losses.append(float(metrics["loss"]))
+    except ConfigError as e:
+        return {"name": name, "refused": str(e)}
+    except jax.errors.JaxRuntimeError as e:
+        if not is_out_of_memory(e):
+            raise
+        return {"name": name, "out_of_memory": str(e).splitlines()[0][:300]}
 
     step_s = statistics.median(times[warmup:])
+    rates = throughput(config, tokens_per_step=run.shape.tokens_per_step, step_time_s=step_s,
+                       num_devices=len(devices), peak=peak_flops(devices[0].device_kind, config.peak_flops_per_device))
     return {
-        "strategy": name,
-        "mesh": mesh_shape_of(mesh, config).describe(),
+        "name": name,
+        "device_kind": devices[0].device_kind,
+        "mesh": mesh_shape_of(run.mesh, config).describe(),
         "devices": len(devices),
-        "parameters": parameter_counts(abstract.params)["total"],
-        "tokens_per_step": shape.tokens_per_step,
+        "parameters": parameter_counts(run.abstract_state.params)["total"],
+        "tokens_per_step": run.shape.tokens_per_step,
         "compile_s": compile_s,
         "step_s": step_s,
         "step_s_min": min(times[warmup:]),
@@ -149,9 +201,12 @@ def run_worker(name: str, steps: int, warmup: int, extra: Sequence[str]) -> dict
         # CPU seconds per step (all threads): less sensitive than wall time to other load on a shared machine.
         "cpu_s": statistics.median(cpu_times[warmup:]),
         "load_avg_1m": os.getloadavg()[0],
-        "tokens_per_s": shape.tokens_per_step / step_s,
-        "gflops_per_s": shape.tokens_per_step * training_flops_per_token(config) / step_s / 1e9,
+        "tokens_per_s": rates["tokens_per_s"],
+        "tflops_per_device": rates["tflops_per_device"],
+        "gflops_per_s": rates["tflops_per_device"] * len(devices) * 1e3,
+        "mfu": rates["mfu"],
         "peak_rss_mib": peak_rss_mib(),
+        "peak_device_gib": peak_device_gib(devices[0]),
         "first_loss": losses[0],
         "final_loss": losses[-1],
         "collectives": collective_counts(compiled.as_text()),
@@ -160,106 +215,108 @@ def run_worker(name: str, steps: int, warmup: int, extra: Sequence[str]) -> dict
 
 # ---------------------------------------------------------------- parent (spawn workers, print the table)
 
-def spawn(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Run one strategy in a fresh Python with its device count; its JSON line, or an error row."""
-    command = [sys.executable, "-m", "maxpar.bench", "--worker", name, "--steps", str(args.steps),
-               "--warmup", str(args.warmup)] + [f"--set={item}" for item in args.set]
+def spawn(case: Case, args: argparse.Namespace) -> dict[str, Any]:
+    """Run one row in a fresh Python; its JSON line, or an error row."""
+    command = [sys.executable, "-m", "maxpar.bench", "--worker", case.name, "--devices", str(case.devices),
+               "--steps", str(args.steps), "--warmup", str(args.warmup)] + [f"--set={item}" for item in case.overrides]
     start = time.perf_counter()
     try:
-        done = subprocess.run(command, env=worker_env(strategy_devices(name)), cwd=REPO, capture_output=True,
-                              text=True, timeout=args.timeout)
+        done = subprocess.run(command, env=case.env, cwd=REPO, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
-        return {"strategy": name, "error": f"timed out after {args.timeout} s"}
+        return {"name": case.name, "error": f"timed out after {args.timeout} s"}
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     if done.returncode or not lines:
         tail = [line.strip() for line in (done.stderr or done.stdout).strip().splitlines()[-3:]]
-        return {"strategy": name, "error": f"exit {done.returncode}: " + " / ".join(tail)}
+        return {"name": case.name, "error": f"exit {done.returncode}: " + " / ".join(tail)}
     result = json.loads(lines[-1][len(RESULT_PREFIX):])
     result["remat_warnings"] = done.stderr.count(REMAT_WARNING)
     result["wall_s"] = time.perf_counter() - start
     return result
 
 
-def reference_columns(result: dict[str, Any]) -> tuple[str, str]:
-    """(MaxText s/step, ours/MaxText) where a reference exists; ratio < 1 means we are faster."""
-    ref = MAXTEXT_REFERENCE_S.get(result["strategy"])
-    if ref is None or "step_s" not in result:
-        return "", ""
-    return f"{ref:.2f}", f"{result['step_s'] / ref:.2f}"
-
-
-def markdown_table(results: Sequence[dict[str, Any]], header: str) -> str:
-    """The results as a Markdown table (also what the terminal shows)."""
-    columns = ["strategy", "mesh", "compile s", "step s (median)", "CPU s/step", "tokens/s", "peak RSS MiB",
-               "MaxText s/step", "ours/MaxText", "final loss", "collectives"]
-    lines = [header, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for r in results:
-        if "error" in r:
-            error = r["error"].replace("|", "\\|")
-            lines.append(f"| {r['strategy']} | error: {error} |" + " |" * (len(columns) - 2))
-            continue
-        collectives = ", ".join(f"{op} {n}" for op, n in r["collectives"].items()) or "none"
-        if r.get("remat_warnings"):
-            collectives += f"; {r['remat_warnings']} involuntary remat warning(s)"
-        cells = [r["strategy"], r["mesh"], f"{r['compile_s']:.1f}", f"{r['step_s']:.3f}",
-                 f"{r['cpu_s']:.2f}", f"{r['tokens_per_s']:,.0f}", f"{r['peak_rss_mib']:,.0f}", *reference_columns(r),
-                 f"{r['final_loss']:.4f}", collectives]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
 def describe_run(args: argparse.Namespace) -> str:
     """One line naming what was measured, so a saved table stands on its own."""
-    model = ", ".join(f"{k}={v}" for k, v in MODEL.items() if k != "model_name")
     extra = f"; overrides {' '.join(args.set)}" if args.set else ""
     flags = os.environ.get("XLA_FLAGS", "").strip()
-    return (f"maxpar bench: {model}; {GLOBAL_ROWS} rows x {MODEL['max_target_length']} tokens/step; "
-            f"median of {args.steps} steps after {args.warmup} warm-up; {os.cpu_count()} CPU cores, "
-            f"load average {os.getloadavg()[0]:.1f} at start{extra}{'; XLA_FLAGS ' + flags if flags else ''}")
+    flags = f"; XLA_FLAGS {flags}" if flags else ""
+    timing = f"median of {args.steps} steps after {args.warmup} warm-up"
+    if args.gpu:
+        return f"maxpar bench --gpu: {bench_gpu.describe_gpu_run(args.smoke)}; {timing}{extra}{flags}"
+    model = ", ".join(f"{k}={v}" for k, v in MODEL.items() if k != "model_name")
+    return (f"maxpar bench: {model}; {GLOBAL_ROWS} rows x {MODEL['max_target_length']} tokens/step; {timing}; "
+            f"{os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.1f} at start{extra}{flags}")
+
+
+def build_cases(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[Case]:
+    """The rows to run: strategies (CPU mode) or lever settings (--gpu); a bad name is a usage error."""
+    try:
+        if args.gpu:
+            settings = args.setting or list(bench_gpu.DEFAULT_SETTINGS)
+            return [setting_case(s.strip(), args.set, args.smoke) for s in settings]
+        return [strategy_case(n.strip(), args.set) for n in args.strategies.split(",") if n.strip()]
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def write_outputs(out: Path, table: str, run: str, results: Sequence[dict[str, Any]]) -> None:
+    """bench.md, bench.json and (with matplotlib, the `plot` extra) bench.png."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.md").write_text(table, encoding="utf-8")
+    (out / "bench.json").write_text(json.dumps({"run": run, "results": results}, indent=2), encoding="utf-8")
+    try:
+        write_chart(results, out / "bench.png", run)
+    except ImportError:
+        print("maxpar bench: bench.png skipped: matplotlib is missing (pip install -e '.[plot]')", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m maxpar.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
-                        help="comma-separated: one, or _-joined degrees such as fsdp8, dp2_fsdp2_tp2, dp8, fsdp4_tp2")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per strategy")
+                        help="CPU mode, comma-separated: one, or _-joined degrees such as fsdp8, dp2_fsdp2_tp2, dp8, "
+                             "fsdp4_tp2")
+    parser.add_argument("--gpu", action="store_true",
+                        help="GPU mode: the ~1B Llama on one device, one row per lever setting, with MFU")
+    parser.add_argument("--setting", action="append", default=[], metavar="LEVERS",
+                        help="GPU mode row (repeatable; default: the built-in sweep): 'base' or comma-joined "
+                             "key=value levers, e.g. attention=cudnn_flash_causal,remat_policy=full,xla=cublas")
+    parser.add_argument("--smoke", action="store_true",
+                        help="with --gpu: a tiny model, so the whole GPU path runs anywhere in seconds (no figures)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per row")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="extra config override for every strategy (repeatable)")
-    parser.add_argument("--out", type=Path, help="write bench.md and bench.json here")
-    parser.add_argument("--timeout", type=int, default=300, help="seconds allowed per strategy")
-    parser.add_argument("--worker", metavar="STRATEGY", help=argparse.SUPPRESS)
+                        help="extra config override for every row (repeatable)")
+    parser.add_argument("--out", type=Path, help="write bench.md, bench.json and bench.png here "
+                                                 "(default outputs/bench, or outputs/bench_gpu with --gpu)")
+    parser.add_argument("--timeout", type=int, default=600, help="seconds allowed per row")
+    parser.add_argument("--worker", metavar="NAME", help=argparse.SUPPRESS)
+    parser.add_argument("--devices", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
+    if (args.setting or args.smoke) and not args.gpu:
+        parser.error("--setting and --smoke go with --gpu")
 
     if args.worker:
-        result = run_worker(args.worker, args.steps, args.warmup, args.set)
+        result = run_worker(args.worker, args.set, args.devices, args.steps, args.warmup)
         print(RESULT_PREFIX + json.dumps(result), flush=True)
         return 0
 
-    names = [n.strip() for n in args.strategies.split(",") if n.strip()]
-    try:
-        for name in names:
-            strategy_devices(name)
-    except ValueError as e:
-        parser.error(str(e))
+    cases = build_cases(args, parser)
     if os.getloadavg()[0] > (os.cpu_count() or 1):
         print(f"maxpar bench: warning: load average {os.getloadavg()[0]:.1f} exceeds {os.cpu_count()} cores; "
               f"other processes will inflate the step times", file=sys.stderr)
     run = describe_run(args)
     results = []
-    for name in names:
-        print(f"maxpar bench: {name} on {strategy_devices(name)} simulated device(s) ...", file=sys.stderr, flush=True)
-        results.append(spawn(name, args))
-    table = markdown_table(results, run)
+    for case in cases:
+        print(f"maxpar bench: {case.name} on {case.devices} device(s) ...", file=sys.stderr, flush=True)
+        results.append(spawn(case, args))
+    table = markdown_table(results, run, GPU_COLUMNS if args.gpu else CPU_COLUMNS)
     print(table)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "bench.md").write_text(table, encoding="utf-8")
-        (args.out / "bench.json").write_text(json.dumps({"run": run, "results": results}, indent=2),
-                                             encoding="utf-8")
-    return 1 if any("error" in r for r in results) else 0
+    out = args.out or REPO / "outputs" / ("bench_gpu" if args.gpu else "bench")
+    write_outputs(out, table, run, results)
+    print(f"maxpar bench: wrote {out}/bench.md, bench.json, bench.png")
+    # Refused and out-of-memory rows are findings; a crash or a timeout is a failure.
+    return 1 if any("error" in r for r in results) or all(not_measured(r) for r in results) else 0
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ from omegaconf import OmegaConf
 PHYSICAL_AXES = ("data", "fsdp", "tensor", "expert", "stage")
 DTYPES = ("float32", "bfloat16", "float16")
 SYNTHETIC_FIRST_TOKEN = 3  # synthetic data skips ids 0-2, the byte tokenizer's pad, bos and eos
+ATTENTION = ("dot_product", "xla", "cudnn_flash", "cudnn_flash_causal")
+CUDNN_ATTENTION = ("cudnn_flash", "cudnn_flash_causal")
 
 
 class ConfigError(ValueError):
@@ -74,6 +76,9 @@ class Config:
     dtype: str = _key("activation/compute dtype", choices=DTYPES)
     weight_dtype: str = _key("parameter and optimizer-state dtype", choices=DTYPES)
     remat_policy: str = _key("activation rematerialization per layer", choices=("none", "minimal", "full"))
+    attention: str = _key("attention core: dot_product (einsums), xla (jax.nn.dot_product_attention), cudnn_flash "
+                          "(cuDNN flash, GPU, packed documents as a bias), cudnn_flash_causal (causal only: "
+                          "one document per row)", choices=ATTENTION)
     scan_layers: bool = _key("nn.scan over layers (stacked `layers` axis); faster compile")
     # Logging, eval, checkpoints
     log_period: int = _key("log metrics every N steps", min=1)
@@ -362,9 +367,30 @@ def validate(config: Config) -> None:
                           f"[{SYNTHETIC_FIRST_TOKEN}, vocab_size), so it must be > {SYNTHETIC_FIRST_TOKEN}")
     if config.dataset_type == "text" and not config.dataset_path:
         raise ConfigError("dataset_type=text needs dataset_path (a glob of text files)")
+    _validate_attention(config)
     if config.load_parameters_path and config.load_full_state_path:
         raise ConfigError(f"load_parameters_path={config.load_parameters_path!r} and load_full_state_path="
                           f"{config.load_full_state_path!r}: set at most one (parameters only, or the full state)")
+
+
+def _validate_attention(config: Config) -> None:
+    """What cuDNN flash attention supports, as far as the config alone can tell (devices: at setup)."""
+    name = f"attention={config.attention}"
+    if config.attention not in CUDNN_ATTENTION:
+        return
+    if config.dtype not in ("bfloat16", "float16"):
+        raise ConfigError(f"{name} with dtype={config.dtype}: cuDNN flash attention computes in bfloat16 or "
+                          f"float16 only; set dtype=bfloat16 or use attention=dot_product / xla")
+    if config.head_dim % 8 or config.head_dim > 256:
+        raise ConfigError(f"{name} with head_dim={config.head_dim}: cuDNN flash attention needs head_dim a "
+                          f"multiple of 8 and <= 256 (<= 128 before Hopper)")
+    if config.attention == "cudnn_flash" and config.max_target_length % 2:
+        raise ConfigError(f"{name} with max_target_length={config.max_target_length}: cuDNN trains attention "
+                          f"with a bias (the packed-document mask) only for even sequence lengths")
+    if config.attention == "cudnn_flash_causal" and config.dataset_type != "synthetic":
+        raise ConfigError(f"{name} with dataset_type={config.dataset_type}: this mask is causal only and would let "
+                          f"a token attend to the previous documents packed into its row; use "
+                          f"attention=cudnn_flash (packed-document mask) or dataset_type=synthetic (one document per row)")
 
 
 def to_yaml(config: Config) -> str:

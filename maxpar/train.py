@@ -28,6 +28,7 @@ from maxpar.mesh import create_mesh, mesh_shape_of
 from maxpar.metrics import (MetricsWriter, parameter_counts, peak_flops, rewind_metrics, throughput,
                             training_flops_per_token)
 from maxpar.model import Transformer
+from maxpar.model.attention import check_attention_backend
 from maxpar.optimizer import make_optimizer
 from maxpar.sharding import batch_sharding, dim_axes, dim_degree
 from maxpar.train_step import BATCH_KEYS, create_state, jit_eval_step, jit_train_step, state_shardings
@@ -132,6 +133,7 @@ def setup_run(config: Config, devices: Sequence[jax.Device] | None = None) -> Ru
     """Mesh, batch layout, data, model, optimizer and state shardings for `config`."""
     devices = list(jax.devices() if devices is None else devices)
     mesh = create_mesh(config, devices)
+    check_attention_backend(config, mesh)
     shape = batch_shape(config, len(devices))
     in_sharding = batch_sharding(mesh, config.axis_rules)
     check_batch_layout(config, in_sharding, shape)

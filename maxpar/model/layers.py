@@ -13,13 +13,12 @@ import jax
 import jax.numpy as jnp
 
 from maxpar.config import Config
+from maxpar.model.attention import ATTN_KV, ATTN_Q, attend
 
 Array = jax.Array
 
-# Logical axes of activations.
+# Logical axes of activations (attention's ATTN_Q and ATTN_KV live beside its kernels).
 RESIDUAL = ("activation_batch", "activation_length", "activation_embed")
-ATTN_Q = ("activation_batch", "activation_attn_length", "activation_heads", "activation_head_dim")
-ATTN_KV = ("activation_batch", "activation_attn_length", "activation_kv_heads", "activation_head_dim")
 # The feed-forward hidden layer has its own length name: under TP-sequence the residual stream is split on
 # sequence, but the hidden [batch, length, mlp] stays split on mlp like its weights (all-gather in, reduce-scatter out).
 MLP_HIDDEN = ("activation_batch", "activation_mlp_length", "activation_mlp")
@@ -63,16 +62,8 @@ def apply_rope(x: Array, positions: Array, theta: float) -> Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def attention_mask(segment_ids: Array) -> Array:
-    """[B, 1, 1, Lq, Lk]: causal, and only within the same packed document."""
-    length = segment_ids.shape[1]
-    causal = jnp.arange(length)[:, None] >= jnp.arange(length)[None, :]
-    same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return (causal[None] & same_doc)[:, None, None]
-
-
 class Attention(nn.Module):
-    """Causal grouped-query attention with RoPE; softmax in float32."""
+    """Causal grouped-query attention with RoPE; softmax in float32; the core per `config.attention`."""
 
     config: Config
 
@@ -92,13 +83,9 @@ class Attention(nn.Module):
         q = apply_rope(q, positions, cfg.rope_theta) * jnp.asarray(d ** -0.5, dt)
         k = apply_rope(k, positions, cfg.rope_theta)
 
-        b, length = x.shape[:2]
-        q = q.reshape(b, length, kv, cfg.query_groups, d)
-        scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
-        scores = jnp.where(attention_mask(segment_ids), scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, length, h, d)
-        out = constrain(out, ATTN_Q)
+        # Init only needs shapes: the portable core keeps it (and the planner's abstract init) off the GPU.
+        choice = "dot_product" if self.is_initializing() else cfg.attention
+        out = constrain(attend(q, k, v, segment_ids, choice), ATTN_Q)
         return constrain(jnp.einsum("blhd,hde->ble", out, wo.astype(dt)), RESIDUAL)
 
 

@@ -1,0 +1,117 @@
+"""The attention core (scores, mask, softmax, weighted values), one implementation per `attention` choice.
+
+`Attention` (layers.py) projects and rotates q, k, v and hands them here; every
+choice computes the same function: causal attention that never crosses a packed
+document boundary (segment ids), GQA, softmax in float32, q pre-scaled.
+
+- dot_product: explicit einsums; XLA materializes the [B, heads, L, L] scores.
+- xla: `jax.nn.dot_product_attention(implementation="xla")`, the same math behind
+  JAX's fused-attention interface; it runs on any backend, so the CPU tests check
+  on it the call (layout, GQA, causal flag, segment mask) that the cuDNN choices share.
+- cudnn_flash: cuDNN flash attention (GPU, bf16/fp16). The kernel applies the causal
+  mask itself and skips the tiles above the diagonal. The public API has no segment
+  ids, so the packed-document mask goes in as the boolean `mask`, which cuDNN adds as
+  a dense [B, 1, L, L] bias: exact for packed rows, at the cost of that bias's memory
+  traffic (and its gradient, which the JAX wrapper always computes).
+- cudnn_flash_causal: the same kernel with the causal mask only, no bias. Exact only
+  when every row is one document (`validate` refuses it for dataset_type=text).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from maxpar.config import CUDNN_ATTENTION, Config, ConfigError
+from maxpar.sharding import entry_axes
+
+Array = jax.Array
+
+# Logical axes of q and of k/v ([batch, length, heads, head_dim]).
+ATTN_Q = ("activation_batch", "activation_attn_length", "activation_heads", "activation_head_dim")
+ATTN_KV = ("activation_batch", "activation_attn_length", "activation_kv_heads", "activation_head_dim")
+
+
+def document_mask(segment_ids: Array) -> Array:
+    """[B, 1, Lq, Lk]: True where query and key belong to the same packed document."""
+    return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+
+
+def causal_document_mask(segment_ids: Array) -> Array:
+    """[B, 1, Lq, Lk]: causal, and only within the same packed document."""
+    length = segment_ids.shape[1]
+    causal = jnp.arange(length)[:, None] >= jnp.arange(length)[None, :]
+    return causal[None, None] & document_mask(segment_ids)
+
+
+def einsum_attention(q: Array, k: Array, v: Array, segment_ids: Array) -> Array:
+    """q [B, L, H, D] (pre-scaled), k/v [B, L, KV, D] -> [B, L, H, D]; the scores are explicit."""
+    b, length, heads, d = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, length, kv, heads // kv, d)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(causal_document_mask(segment_ids)[:, :, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, length, heads, d)
+
+
+def fused_attention(q: Array, k: Array, v: Array, segment_ids: Array, implementation: str,
+                    documents: bool) -> Array:
+    """`jax.nn.dot_product_attention` with the causal flag; the document mask only if `documents`."""
+    mask = document_mask(segment_ids) if documents else None
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=1.0, is_causal=True,
+                                        implementation=implementation)
+
+
+def attend(q: Array, k: Array, v: Array, segment_ids: Array, choice: str) -> Array:
+    """The attention core named by `choice` (a value of `config.attention`)."""
+    if choice == "dot_product":
+        return einsum_attention(q, k, v, segment_ids)
+    if choice == "xla":
+        return fused_attention(q, k, v, segment_ids, "xla", documents=True)
+    if choice in CUDNN_ATTENTION:
+        return fused_attention(q, k, v, segment_ids, "cudnn", documents=choice == "cudnn_flash")
+    raise ValueError(f"unknown attention implementation {choice!r}")
+
+
+def check_attention_backend(config: Config, mesh: Mesh) -> None:
+    """Device-dependent checks of `attention` (at setup, before anything is traced).
+
+    cuDNN flash attention needs NVIDIA GPUs (head_dim <= 128 before Hopper, <= 256 from
+    Hopper on) and refuses q/k/v sharded along the sequence or head_dim.
+    """
+    if config.attention not in CUDNN_ATTENTION:
+        return
+    devices = mesh.devices.flat
+    platforms = sorted({d.platform for d in devices})
+    if platforms != ["gpu"]:
+        raise ConfigError(f"attention={config.attention}: cuDNN flash attention needs GPU devices, these are "
+                          f"{', '.join(platforms)}; use attention=dot_product or attention=xla here")
+    capability = getattr(mesh.devices.flat[0], "compute_capability", "")
+    major = int(str(capability).split(".")[0]) if capability else 0
+    if major and major < 9 and config.head_dim > 128:
+        raise ConfigError(f"attention={config.attention} with head_dim={config.head_dim}: cuDNN flash attention "
+                          f"supports head_dim <= 128 on compute capability {capability} (256 from Hopper, 9.0)")
+    problems = cudnn_sharding_problems(config, dict(zip(mesh.axis_names, mesh.devices.shape)))
+    if problems:
+        name, axes = problems[0]
+        raise ConfigError(f"attention={config.attention}: cuDNN flash attention cannot shard {name} (here over "
+                          f"{', '.join(axes)}); change logical_axis_rules or the mesh, or use attention=dot_product")
+
+
+def cudnn_sharding_problems(config: Config, axis_sizes: Mapping[str, int]) -> list[tuple[str, list[str]]]:
+    """(logical axis, mesh axes of size > 1) for each q/k/v length or head_dim dimension the rules shard."""
+    problems = []
+    for logical in (ATTN_Q, ATTN_KV):
+        spec = tuple(nn.logical_to_mesh_axes(logical, list(config.axis_rules)))
+        spec += (None,) * (len(logical) - len(spec))
+        for dim in (1, 3):  # length, head_dim
+            entry = spec[dim]
+            axes = [a for a in entry_axes(entry) if axis_sizes.get(a, 1) > 1]
+            if axes and (logical[dim], axes) not in problems:
+                problems.append((logical[dim], axes))
+    return problems

@@ -1,0 +1,83 @@
+"""The `attention` choices: same logits as the einsum core on CPU; cuDNN refused where it cannot run."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import tiny_config
+from maxpar.config import ConfigError
+from maxpar.model import Transformer
+from maxpar.model.attention import cudnn_sharding_problems
+from maxpar.train import setup_run
+
+LENGTH = 32
+
+
+def packed_batch() -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Two rows: three packed documents plus padding (segment 0), and one document filling the row."""
+    tokens = (jnp.arange(2 * LENGTH).reshape(2, LENGTH) * 7) % 250 + 3
+    segments = jnp.array([[1] * 10 + [2] * 15 + [3] * 5 + [0] * 2, [1] * LENGTH], jnp.int32)
+    positions = jnp.array([list(range(10)) + list(range(15)) + list(range(5)) + [0, 0], list(range(LENGTH))],
+                          jnp.int32)
+    return tokens, positions, segments
+
+
+def random_params(config, tokens, positions, segments):
+    """Parameters of the model's shapes drawn with NumPy (compiling the real init costs seconds)."""
+    shapes = jax.eval_shape(Transformer(config).init, jax.random.key(0), tokens, positions, segments)
+    rng = np.random.default_rng(0)
+    return jax.tree.map(lambda s: jnp.asarray(rng.normal(0.0, 0.3, s.shape), s.dtype), shapes)
+
+
+def logits(config, params, tokens, positions, segments) -> np.ndarray:
+    return np.asarray(jax.jit(Transformer(config).apply)(params, tokens, positions, segments))
+
+
+def test_xla_attention_logits_equal_the_einsum_core_with_packed_documents():
+    reference = tiny_config()  # float32, GQA (4 query heads share 2 kv heads)
+    tokens, positions, segments = packed_batch()
+    params = random_params(reference, tokens, positions, segments)
+    expected = logits(reference, params, tokens, positions, segments)
+    got = logits(tiny_config("attention=xla"), params, tokens, positions, segments)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    # The document mask is really applied: ignoring it changes the logits of the packed row.
+    unpacked = logits(tiny_config("attention=xla"), params, tokens, positions, jnp.ones_like(segments))
+    assert np.abs(unpacked[0, 10:30] - expected[0, 10:30]).max() > 1e-2
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["attention=cudnn_flash"], "dtype=float32"),
+    (["attention=cudnn_flash_causal", "dtype=bfloat16"], "dataset_type=text"),
+    (["attention=cudnn_flash", "dtype=bfloat16", "head_dim=12"], "head_dim=12"),
+    (["attention=cudnn_flash", "dtype=bfloat16", "max_target_length=33"], "max_target_length=33"),
+    (["attention=flash"], "dot_product"),
+])
+def test_unsupported_cudnn_combinations_are_config_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        tiny_config(*overrides)
+
+
+def test_cudnn_attention_is_refused_at_setup_without_a_gpu():
+    config = tiny_config("attention=cudnn_flash_causal", "dtype=bfloat16", "dataset_type=synthetic")
+    with pytest.raises(ConfigError, match="attention=cudnn_flash_causal: cuDNN flash attention needs GPU devices"):
+        setup_run(config, jax.devices()[:1])
+
+
+def test_cudnn_config_initializes_abstractly_on_cpu():
+    """Init only needs shapes, so the planner can trace a cuDNN config on a machine without a GPU."""
+    config = tiny_config("attention=cudnn_flash", "dtype=bfloat16")
+    tokens, positions, segments = packed_batch()
+    shapes = jax.eval_shape(Transformer(config).init, jax.random.key(0), tokens, positions, segments)
+    assert shapes["params"]["token_embedding"].value.shape == (config.vocab_size, config.emb_dim)
+
+
+def test_cudnn_refuses_sequence_or_head_dim_sharding():
+    sequence = tiny_config("attention=cudnn_flash", "dtype=bfloat16", "ici_tensor_parallelism=2",
+                           "extra_logical_axis_rules=[[activation_attn_length, [tensor]]]")
+    assert cudnn_sharding_problems(sequence, {"fsdp": 4, "tensor": 2}) == [("activation_attn_length", ["tensor"])]
+    assert cudnn_sharding_problems(sequence, {"fsdp": 8, "tensor": 1}) == []  # a size-1 axis shards nothing
+    heads = tiny_config("attention=cudnn_flash", "dtype=bfloat16", "ici_tensor_parallelism=2")
+    assert cudnn_sharding_problems(heads, {"fsdp": 4, "tensor": 2}) == []  # heads over tensor is fine
