@@ -118,6 +118,9 @@ class Config:
     # Planning (python -m maxpar.plan)
     hardware: str = _key("hardware profile configs/hardware/NAME.yml to plan for ('' = match the local devices)")
     num_devices: int = _key("devices to plan for (0 = the local device count)", min=0)
+    # Attention window (Mistral; python -m maxpar.convert sets it from a Hugging Face config.json)
+    sliding_window: int = _key("attend only to this many most recent tokens, the current one included (0 = all)",
+                               min=0)
 
     # ---- derived values: pure functions of the config ----
     @property

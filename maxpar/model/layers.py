@@ -61,10 +61,15 @@ def apply_rope(x: Array, positions: Array, theta: float) -> Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def attention_mask(segment_ids: Array) -> Array:
-    """[B, 1, 1, Lq, Lk]: causal, and only within the same packed document."""
+def attention_mask(segment_ids: Array, window: int = 0) -> Array:
+    """[B, 1, 1, Lq, Lk]: causal, and only within the same packed document.
+
+    With a `window` (Mistral's sliding window), a query sees only the `window` most recent
+    positions, its own included: key index > query index - window, as in Hugging Face.
+    """
     length = segment_ids.shape[1]
-    causal = jnp.arange(length)[:, None] >= jnp.arange(length)[None, :]
+    offset = jnp.arange(length)[:, None] - jnp.arange(length)[None, :]
+    causal = (offset >= 0) & (offset < window) if window else offset >= 0
     same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
     return (causal[None] & same_doc)[:, None, None]
 
@@ -93,7 +98,7 @@ class Attention(nn.Module):
         b, length = x.shape[:2]
         q = q.reshape(b, length, kv, cfg.query_groups, d)
         scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
-        scores = jnp.where(attention_mask(segment_ids), scores, jnp.finfo(jnp.float32).min)
+        scores = jnp.where(attention_mask(segment_ids, cfg.sliding_window), scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(dt)
         out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, length, h, d)
         out = constrain(out, ATTN_Q)
