@@ -206,7 +206,7 @@ def test_round_trip_gives_the_original_tensors(name, hf_dirs, converted, tmp_pat
     back = tmp_path / "back"
     dtype = ["--dtype", "bfloat16"] if MODELS[name][3] == torch.bfloat16 else []
     assert main(["to_hf", "--checkpoint", str(converted[name]), "--out", str(back), "--max_shard_size_mb", "0.03",
-                 *dtype]) == 0
+                 "--hf_template", str(hf_dirs[name]), *dtype]) == 0
     assert (back / "model.safetensors.index.json").is_file()  # sharded output, as transformers writes it
     original, ours = read_all(hf_dirs[name]), read_all(back)
     assert sorted(ours) == sorted(original)
@@ -214,7 +214,8 @@ def test_round_trip_gives_the_original_tensors(name, hf_dirs, converted, tmp_pat
         assert ours[tensor_name].dtype == value.dtype, tensor_name
         assert np.array_equal(ours[tensor_name], value), tensor_name
     original_config = json.loads((hf_dirs[name] / "config.json").read_text())
-    assert json.loads((back / "config.json").read_text())["architectures"] == original_config["architectures"]
+    config = json.loads((back / "config.json").read_text())
+    assert {key: config.get(key) for key in original_config} == original_config  # token ids, max positions kept
     tokens = tokens_for(3, rows=2)
     np.testing.assert_array_equal(hf_logits(back, tokens), hf_logits(hf_dirs[name], tokens))
 
@@ -359,6 +360,14 @@ def test_full_state_of_a_converted_checkpoint_is_refused(converted):
     abstract, shardings = state_shardings(model, tx, config, create_mesh(config, jax.devices()))
     with pytest.raises(checkpoint.IncompatibleCheckpoint, match="holds no opt_state .* load_parameters_path="):
         checkpoint.load_full_state(str(converted["llama"]), checkpoint.Target(config, abstract, shardings, 8))
+
+
+def test_template_of_another_model_exits_2(capsys, hf_dirs, converted, tmp_path):
+    status = main(["to_hf", "--checkpoint", str(converted["llama"]), "--out", str(tmp_path / "hf"),
+                   "--hf_template", str(hf_dirs["mistral"] / "config.json")])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert "emb_dim: 48 in the template, 64 in the checkpoint" in err and "sliding_window: 4 in the template" in err
 
 
 def test_existing_output_is_not_overwritten(capsys, hf_dirs, converted):

@@ -40,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--dtype", choices=DTYPES, help="tensor dtype (default: the checkpoint's weight_dtype)")
     to_hf.add_argument("--max_shard_size_mb", type=float, default=DEFAULT_MAX_SHARD_BYTES / 2**20,
                        help="largest safetensors file before a new shard starts (MiB)")
+    to_hf.add_argument("--hf_template", type=Path,
+                       help="config.json (or its directory) of the original model: its token ids, "
+                            "max_position_embeddings and architecture are kept; its model keys must match")
     to_hf.add_argument("--config", type=Path, default=BASE_CONFIG, help="maxpar base config (configs/base.yml)")
     return parser
 
@@ -55,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"  python -m maxpar.train configs/base.yml {' '.join(overrides)}")
         else:
             convert_to_hf(args.checkpoint, args.out, args.config, architecture=args.architecture, dtype=args.dtype,
-                          max_shard_bytes=int(args.max_shard_size_mb * 2**20))
+                          max_shard_bytes=int(args.max_shard_size_mb * 2**20), template_path=args.hf_template)
     except ConfigError as e:
         print(f"maxpar.convert: error: {e}", file=sys.stderr)
         return 2

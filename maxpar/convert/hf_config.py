@@ -27,14 +27,14 @@ class ConversionError(ConfigError):
     """Input that cannot be converted faithfully (the CLI prints it and exits with status 2)."""
 
 
-def read_hf_config(directory: Path) -> dict[str, Any]:
-    """config.json of a local Hugging Face checkpoint directory."""
+def read_hf_config(directory: Path, name: str = "config.json") -> dict[str, Any]:
+    """config.json (or `name`) of a local Hugging Face checkpoint directory."""
     if not directory.is_dir():
-        raise ConversionError(f"--hf_path {directory}: no such directory (a local Hugging Face checkpoint: "
+        raise ConversionError(f"{directory}: no such directory (a local Hugging Face checkpoint: "
                               f"config.json and *.safetensors)")
-    path = directory / "config.json"
+    path = directory / name
     if not path.is_file():
-        raise ConversionError(f"--hf_path {directory}: no config.json there; a Hugging Face checkpoint directory "
+        raise ConversionError(f"{directory}: no {name} there; a Hugging Face checkpoint directory "
                               f"holds config.json and model.safetensors (or shards with model.safetensors.index.json)")
     try:
         hf = json.loads(path.read_text(encoding="utf-8"))
@@ -157,8 +157,19 @@ def _yaml(value: Any) -> str:
     return str(value)  # floats keep a '.' or an exponent, which YAML reads as floats
 
 
-def hf_config(config: Config, architecture: Architecture, dtype: str) -> dict[str, Any]:
-    """config.json for `config`'s model under `architecture`, with tensors of `dtype`."""
+def hf_config(config: Config, architecture: Architecture, dtype: str,
+              template: dict[str, Any] | None = None) -> dict[str, Any]:
+    """config.json for `config`'s model under `architecture`, with tensors of `dtype`.
+
+    `template` (e.g. the original model's config.json) supplies what maxpar does not model: token
+    ids, max_position_embeddings and the like. Its model keys must be this model's.
+    """
+    if template is not None:
+        conflicts = [(key, value, getattr(config, key)) for key, value in model_keys(template, architecture).items()
+                     if getattr(config, key) != value]
+        if conflicts:
+            raise ConversionError("the template config.json describes another model:\n" + "\n".join(
+                f"  {key}: {theirs!r} in the template, {ours!r} in the checkpoint" for key, theirs, ours in conflicts))
     hf: dict[str, Any] = {"architectures": [architecture.name], "model_type": architecture.model_type}
     for spec in architecture.keys:
         if spec.hf_key:
@@ -169,6 +180,7 @@ def hf_config(config: Config, architecture: Architecture, dtype: str) -> dict[st
     hf.update(architecture.hf_constants)
     hf["rope_theta"] = config.rope_theta  # transformers < 5 reads this, >= 5 rope_parameters
     hf["rope_parameters"] = {"rope_type": "default", "rope_theta": config.rope_theta}
-    hf["max_position_embeddings"] = config.max_target_length
     hf["torch_dtype"] = hf["dtype"] = dtype
-    return hf
+    result = {**(template or {}), **hf}
+    result.setdefault("max_position_embeddings", config.max_target_length)  # without a template: what it trained on
+    return result

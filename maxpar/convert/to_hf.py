@@ -19,7 +19,7 @@ import tensorstore as ts
 from maxpar import checkpoint
 from maxpar.config import Config, config_from_dict, load_config
 from maxpar.convert.architectures import ARCHITECTURES, Architecture, TensorRule, tensor_rules
-from maxpar.convert.hf_config import ConversionError, hf_config
+from maxpar.convert.hf_config import ConversionError, architecture_of, hf_config, read_hf_config
 from maxpar.convert.layout import hf_tensor
 from maxpar.convert.safetensors_io import write_safetensors
 
@@ -74,11 +74,23 @@ def hf_order(rules: dict[str, TensorRule], shapes: dict[str, tuple[int, ...]]
 
 def convert_to_hf(checkpoint_path: str, out: Path, base_config: Path, architecture: str | None = None,
                   dtype: str | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                  log: Callable[[str], None] = print) -> Path:
-    """Write OUT/config.json and OUT/*.safetensors from the checkpoint at `checkpoint_path`."""
+                  template_path: Path | None = None, log: Callable[[str], None] = print) -> Path:
+    """Write OUT/config.json and OUT/*.safetensors from the checkpoint at `checkpoint_path`.
+
+    `template_path`: a config.json, or a directory holding one, whose other keys (token ids,
+    max_position_embeddings...) the output keeps; it also names the architecture unless `architecture` does.
+    """
     step, saved, metadata = checkpoint.parameters_metadata("--checkpoint", checkpoint_path)
     config = saved_config(saved, base_config)
-    arch = ARCHITECTURES[architecture] if architecture else default_architecture(config)
+    template = None
+    if template_path is not None:
+        is_dir = template_path.is_dir()
+        template = read_hf_config(template_path if is_dir else template_path.parent,
+                                  "config.json" if is_dir else template_path.name)
+    if architecture:
+        arch = ARCHITECTURES[architecture]
+    else:
+        arch = architecture_of(template, str(template_path)) if template else default_architecture(config)
     dtype = dtype or config.weight_dtype
     arrays = _leaf_paths(metadata.tree)
     try:
@@ -100,7 +112,7 @@ def convert_to_hf(checkpoint_path: str, out: Path, base_config: Path, architectu
         return hf_tensor(rules[path], np.asarray(entry)).astype(target)
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(hf_config(config, arch, dtype), indent=2) + "\n", encoding="utf-8")
+    (out / "config.json").write_text(json.dumps(hf_config(config, arch, dtype, template), indent=2) + "\n", encoding="utf-8")
     files = write_safetensors(out, sizes, produce, max_shard_bytes)
     log(f"maxpar.convert: step {step} of {checkpoint_path} -> {arch.name} in {out} ({len(entries)} tensors, "
         f"{dtype}, {len(files)} safetensors file(s))")
