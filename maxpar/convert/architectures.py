@@ -10,6 +10,7 @@ names carry `{expert}` as well as `{layer}` (stacked=("layer", "expert")).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -53,13 +54,14 @@ class TensorRule:
             return own
         return math.prod(own[self.inputs:]), math.prod(own[:self.inputs])
 
+    def hf_name_at(self, index: Sequence[int]) -> str:
+        """The HF name of the tensor at stacked index `index` (e.g. (layer,))."""
+        return self.hf_name.format(**dict(zip(self.stacked, index)))
+
     def hf_names(self, leaf_shape: Sequence[int]) -> list[tuple[tuple[int, ...], str]]:
         """(stacked index, HF name) of every HF tensor of the leaf, outer axes first."""
-        ranges = [range(n) for n in leaf_shape[:len(self.stacked)]]
-        indices = [()]
-        for r in ranges:
-            indices = [(*index, i) for index in indices for i in r]
-        return [(index, self.hf_name.format(**dict(zip(self.stacked, index)))) for index in indices]
+        indices = itertools.product(*(range(n) for n in leaf_shape[:len(self.stacked)]))
+        return [(index, self.hf_name_at(index)) for index in indices]
 
 
 # ---------------------------------------------------------------- Llama family (dense, GQA)

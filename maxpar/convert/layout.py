@@ -53,7 +53,7 @@ def maxpar_block(rule: TensorRule, leaf_shape: Sequence[int], index: Sequence[sl
     own_shape = leaf_shape[len(rule.stacked):]
     blocks = []
     for combo in itertools.product(*stacked):
-        name = rule.hf_name.format(**dict(zip(rule.stacked, combo)))
+        name = rule.hf_name_at(combo)
         if rule.inputs is None:
             blocks.append(read(name, tuple(slice(r.start, r.stop) for r in own)))
         else:
