@@ -284,6 +284,9 @@ def _check_structure(manager: ocp.CheckpointManager, step: int, target: Target, 
                      where: str) -> None:
     metadata = manager.item_metadata(step)
     for item in items:
+        if item not in metadata.keys():
+            raise IncompatibleCheckpoint(f"{where} holds no {item} (a parameters-only checkpoint, as maxpar.convert "
+                                         f"writes); start a run from it with load_parameters_path=")
         lines = structure_differences(metadata[item], target.on_disk(item))
         if lines:
             raise IncompatibleCheckpoint(f"{where}: its {item} arrays differ from this config's:\n" + "\n".join(lines)
@@ -479,3 +482,40 @@ def load_full_state(value: str, target: Target, warn: Warn = warn_stderr) -> Any
 def load_parameters(value: str, target: Target, warn: Warn = warn_stderr) -> Any:
     """Only the parameters of another run's checkpoint (for fine-tuning)."""
     return _load_from("load_parameters_path", value, target, ("params",), warn)[1]["params"]
+
+
+# ---------------------------------------------------------------- parameters-only checkpoints (maxpar.convert)
+
+def save_parameters(run_dir: Path, params: Any, config: Config, step: int = 0) -> Path:
+    """Write `params` (canonical layout) as RUN_DIR/checkpoints/STEP: the params, meta and config items that
+    load_parameters_path= reads, and no optimizer or data state (so it starts runs, never resumes them)."""
+    manager = make_manager(run_dir, config)
+    try:
+        manager.save(step, args=ocp.args.Composite(
+            params=ocp.args.StandardSave(params),
+            meta=ocp.args.JsonSave(checkpoint_meta(step, 0)),
+            config=ocp.args.JsonSave(config.to_dict()),
+        ))
+        manager.wait_until_finished()
+        return _step_dir(manager, step)
+    finally:
+        manager.close()
+
+
+def parameters_metadata(key: str, value: str) -> tuple[int, dict[str, Any], Any]:
+    """(step, saved config, Orbax metadata tree of the params item) of a checkpoint named as load_parameters_path=
+    names one (a run directory means its newest step), read without touching any array."""
+    directory, step = resolve_source(key, value)
+    manager = _source_manager(directory)
+    try:
+        steps = sorted(manager.all_steps())
+        if step is None and not steps:
+            raise ConfigError(f"{key}={value!r}: no complete checkpoint in {directory}")
+        step = steps[-1] if step is None else step
+        if step not in steps:
+            raise ConfigError(f"{key}={value!r}: step {step} is not a complete checkpoint; complete steps there: "
+                              f"{steps or 'none'}")
+        _, config = _read_json_items(manager, step)
+        return step, config, manager.item_metadata(step)["params"]
+    finally:
+        manager.close()

@@ -79,6 +79,8 @@ class Config:
     attention: str = _key("attention core: dot_product (einsums), xla (jax.nn.dot_product_attention), cudnn_flash "
                           "(cuDNN flash, GPU, packed documents as a bias), cudnn_flash_causal (causal only: "
                           "one document per row)", choices=ATTENTION)
+    sliding_window: int = _key("attend only to this many most recent tokens, the current one included "
+                               "(0 = all; Mistral; maxpar.convert sets it from config.json)", min=0)
     scan_layers: bool = _key("nn.scan over layers (stacked `layers` axis); faster compile")
     # Logging, eval, checkpoints
     log_period: int = _key("log metrics every N steps", min=1)

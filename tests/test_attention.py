@@ -36,6 +36,18 @@ def logits(config, params, tokens, positions, segments) -> np.ndarray:
     return np.asarray(jax.jit(Transformer(config).apply)(params, tokens, positions, segments))
 
 
+def test_sliding_window_is_the_same_in_both_cores():
+    """The einsum mask and jax.nn.dot_product_attention's local window agree, and the window matters."""
+    tokens, positions, segments = packed_batch()
+    params = random_params(tiny_config(), tokens, positions, segments)
+    windowed = logits(tiny_config("sliding_window=4"), params, tokens, positions, segments)
+    got = logits(tiny_config("sliding_window=4", "attention=xla"), params, tokens, positions, segments)
+    np.testing.assert_allclose(got, windowed, rtol=1e-5, atol=1e-5)
+    full = logits(tiny_config(), params, tokens, positions, segments)
+    np.testing.assert_allclose(windowed[1, :4], full[1, :4], rtol=1e-5, atol=1e-5)  # within the window: no change
+    assert np.abs(windowed[1, 8:] - full[1, 8:]).max() > 1e-2
+
+
 def test_xla_attention_logits_equal_the_einsum_core_with_packed_documents():
     reference = tiny_config()  # float32, GQA (4 query heads share 2 kv heads)
     tokens, positions, segments = packed_batch()

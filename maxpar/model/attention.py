@@ -2,7 +2,8 @@
 
 `Attention` (layers.py) projects and rotates q, k, v and hands them here; every
 choice computes the same function: causal attention that never crosses a packed
-document boundary (segment ids), GQA, softmax in float32, q pre-scaled.
+document boundary (segment ids), optionally within a sliding window of the most
+recent `sliding_window` positions (Mistral), GQA, softmax in float32, q pre-scaled.
 
 - dot_product: explicit einsums; XLA materializes the [B, heads, L, L] scores.
 - xla: `jax.nn.dot_product_attention(implementation="xla")`, the same math behind
@@ -41,40 +42,47 @@ def document_mask(segment_ids: Array) -> Array:
     return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
 
 
-def causal_document_mask(segment_ids: Array) -> Array:
-    """[B, 1, Lq, Lk]: causal, and only within the same packed document."""
+def causal_document_mask(segment_ids: Array, window: int = 0) -> Array:
+    """[B, 1, Lq, Lk]: causal, and only within the same packed document.
+
+    With a `window` (Mistral's sliding window) a query sees only the `window` most recent
+    positions, its own included: key index > query index - window, as in Hugging Face.
+    """
     length = segment_ids.shape[1]
-    causal = jnp.arange(length)[:, None] >= jnp.arange(length)[None, :]
+    offset = jnp.arange(length)[:, None] - jnp.arange(length)[None, :]
+    causal = (offset >= 0) & (offset < window) if window else offset >= 0
     return causal[None, None] & document_mask(segment_ids)
 
 
-def einsum_attention(q: Array, k: Array, v: Array, segment_ids: Array) -> Array:
+def einsum_attention(q: Array, k: Array, v: Array, segment_ids: Array, window: int = 0) -> Array:
     """q [B, L, H, D] (pre-scaled), k/v [B, L, KV, D] -> [B, L, H, D]; the scores are explicit."""
     b, length, heads, d = q.shape
     kv = k.shape[2]
     q = q.reshape(b, length, kv, heads // kv, d)
     scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
-    scores = jnp.where(causal_document_mask(segment_ids)[:, :, None], scores, jnp.finfo(jnp.float32).min)
+    scores = jnp.where(causal_document_mask(segment_ids, window)[:, :, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, length, heads, d)
 
 
 def fused_attention(q: Array, k: Array, v: Array, segment_ids: Array, implementation: str,
-                    documents: bool) -> Array:
-    """`jax.nn.dot_product_attention` with the causal flag; the document mask only if `documents`."""
+                    documents: bool, window: int = 0) -> Array:
+    """`jax.nn.dot_product_attention` with the causal flag (and a left window of `window` - 1 earlier
+    positions when set); the document mask only if `documents`."""
     mask = document_mask(segment_ids) if documents else None
     return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=1.0, is_causal=True,
+                                        local_window_size=(window - 1, 0) if window else None,
                                         implementation=implementation)
 
 
-def attend(q: Array, k: Array, v: Array, segment_ids: Array, choice: str) -> Array:
-    """The attention core named by `choice` (a value of `config.attention`)."""
+def attend(q: Array, k: Array, v: Array, segment_ids: Array, choice: str, window: int = 0) -> Array:
+    """The attention core named by `choice` (a value of `config.attention`); `window` 0 = no sliding window."""
     if choice == "dot_product":
-        return einsum_attention(q, k, v, segment_ids)
+        return einsum_attention(q, k, v, segment_ids, window)
     if choice == "xla":
-        return fused_attention(q, k, v, segment_ids, "xla", documents=True)
+        return fused_attention(q, k, v, segment_ids, "xla", documents=True, window=window)
     if choice in CUDNN_ATTENTION:
-        return fused_attention(q, k, v, segment_ids, "cudnn", documents=choice == "cudnn_flash")
+        return fused_attention(q, k, v, segment_ids, "cudnn", documents=choice == "cudnn_flash", window=window)
     raise ValueError(f"unknown attention implementation {choice!r}")
 
 

@@ -1,0 +1,69 @@
+"""`python -m maxpar.convert from_hf|to_hf ...`: Hugging Face checkpoints <-> maxpar checkpoints.
+
+Bad input (no config.json, an unsupported architecture or feature, a model_name or key=value that
+disagrees with config.json, tensors that do not match it) is one message and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from maxpar.config import DTYPES, ConfigError
+from maxpar.convert.architectures import ARCHITECTURES
+from maxpar.convert.from_hf import convert_from_hf
+from maxpar.convert.hf_config import training_overrides
+from maxpar.convert.to_hf import DEFAULT_MAX_SHARD_BYTES, convert_to_hf
+
+BASE_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "base.yml"
+OVERRIDES_FILE = "overrides.txt"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m maxpar.convert",
+                                     description="Convert Llama/Mistral checkpoints between Hugging Face and maxpar.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    from_hf = commands.add_parser("from_hf", help="Hugging Face directory -> maxpar checkpoint (load_parameters_path=)")
+    from_hf.add_argument("--hf_path", type=Path, required=True, help="local directory: config.json + *.safetensors")
+    from_hf.add_argument("--out", type=Path, required=True, help="new directory; the checkpoint is OUT/checkpoints/0")
+    from_hf.add_argument("--config", type=Path, default=BASE_CONFIG, help="maxpar base config (configs/base.yml)")
+    from_hf.add_argument("overrides", nargs="*", metavar="key=value",
+                         help="maxpar config overrides: model_name= (checked against config.json), weight_dtype=, "
+                              "mesh degrees for the conversion's sharding")
+    to_hf = commands.add_parser("to_hf", help="maxpar checkpoint -> Hugging Face directory (from_pretrained)")
+    to_hf.add_argument("--checkpoint", required=True, help="RUN/checkpoints/STEP, or a run directory (newest step)")
+    to_hf.add_argument("--out", type=Path, required=True, help="directory for config.json and *.safetensors")
+    to_hf.add_argument("--architecture", choices=sorted(ARCHITECTURES),
+                       help="default: MistralForCausalLM if the model has a sliding window, else LlamaForCausalLM")
+    to_hf.add_argument("--dtype", choices=DTYPES, help="tensor dtype (default: the checkpoint's weight_dtype)")
+    to_hf.add_argument("--max_shard_size_mb", type=float, default=DEFAULT_MAX_SHARD_BYTES / 2**20,
+                       help="largest safetensors file before a new shard starts (MiB)")
+    to_hf.add_argument("--hf_template", type=Path,
+                       help="config.json (or its directory) of the original model: its token ids, "
+                            "max_position_embeddings and architecture are kept; its model keys must match")
+    to_hf.add_argument("--config", type=Path, default=BASE_CONFIG, help="maxpar base config (configs/base.yml)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+    try:
+        if args.command == "from_hf":
+            config = convert_from_hf(args.hf_path, args.out, args.overrides, args.config)
+            overrides = [f"load_parameters_path={args.out.absolute()}", *training_overrides(config, args.config)]
+            (args.out / OVERRIDES_FILE).write_text("\n".join(overrides) + "\n", encoding="utf-8")
+            print(f"train from it with (also in {args.out / OVERRIDES_FILE}):\n"
+                  f"  python -m maxpar.train configs/base.yml {' '.join(overrides)}")
+        else:
+            convert_to_hf(args.checkpoint, args.out, args.config, architecture=args.architecture, dtype=args.dtype,
+                          max_shard_bytes=int(args.max_shard_size_mb * 2**20), template_path=args.hf_template)
+    except ConfigError as e:
+        print(f"maxpar.convert: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""What each supported Hugging Face architecture is in maxpar terms: two tables per architecture.
+
+`ConfigKey`s say which maxpar config key comes from which config.json key; `TensorRule`s say
+which maxpar parameter (canonical layout: layers stacked on a leading axis) is made of which
+Hugging Face tensors, and how. Supporting another architecture of the same family means adding
+rows here: e.g. Mixtral adds its expert-count keys and rules for `decoder/layers/moe/*` whose HF
+names carry `{expert}` as well as `{layer}` (stacked=("layer", "expert")).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+REQUIRED = object()  # ConfigKey default: config.json must have the key
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigKey:
+    """maxpar key `key` <- config.json `hf_key` (`default` when absent or null; a callable default sees the
+    whole config.json). `hf_key=None`: the architecture fixes the value (`default`) and config.json has no say."""
+
+    key: str
+    hf_key: str | None
+    default: Any = REQUIRED
+    from_hf: Callable[[Any], Any] = lambda value: value
+    to_hf: Callable[[Any], Any] = lambda value: value
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRule:
+    """One maxpar parameter and the Hugging Face tensors it is made of.
+
+    `stacked` names the leading maxpar axes that enumerate HF tensors (their indices fill the
+    `{layer}`/`{expert}` fields of `hf_name`). The rest of the maxpar shape is one HF tensor:
+    `inputs=None` is the same array; `inputs=n` is an `nn.Linear` weight [out, in] whose input is
+    the first n remaining maxpar dims and whose output is the others (flattened, row-major), so
+    q_proj [heads*head_dim, embed] is maxpar's query [embed, heads, head_dim].
+    """
+
+    path: str
+    hf_name: str
+    stacked: tuple[str, ...] = ()
+    inputs: int | None = None
+
+    def hf_shape(self, leaf_shape: Sequence[int]) -> tuple[int, ...]:
+        """Shape of one HF tensor of a maxpar leaf of `leaf_shape`."""
+        own = tuple(leaf_shape[len(self.stacked):])
+        if self.inputs is None:
+            return own
+        return math.prod(own[self.inputs:]), math.prod(own[:self.inputs])
+
+    def hf_name_at(self, index: Sequence[int]) -> str:
+        """The HF name of the tensor at stacked index `index` (e.g. (layer,))."""
+        return self.hf_name.format(**dict(zip(self.stacked, index)))
+
+    def hf_names(self, leaf_shape: Sequence[int]) -> list[tuple[tuple[int, ...], str]]:
+        """(stacked index, HF name) of every HF tensor of the leaf, outer axes first."""
+        indices = itertools.product(*(range(n) for n in leaf_shape[:len(self.stacked)]))
+        return [(index, self.hf_name_at(index)) for index in indices]
+
+
+# ---------------------------------------------------------------- Llama family (dense, GQA)
+
+LLAMA_KEYS = (
+    ConfigKey("emb_dim", "hidden_size"),
+    ConfigKey("num_query_heads", "num_attention_heads"),
+    ConfigKey("num_kv_heads", "num_key_value_heads", default=lambda hf: hf["num_attention_heads"]),
+    ConfigKey("head_dim", "head_dim", default=lambda hf: hf["hidden_size"] // hf["num_attention_heads"]),
+    ConfigKey("mlp_dim", "intermediate_size"),
+    ConfigKey("num_decoder_layers", "num_hidden_layers"),
+    ConfigKey("vocab_size", "vocab_size"),
+    ConfigKey("normalization_layer_epsilon", "rms_norm_eps", default=1e-6, from_hf=float),
+    ConfigKey("logits_via_embedding", "tie_word_embeddings", default=False, from_hf=bool),
+)
+NO_WINDOW = ConfigKey("sliding_window", None, default=0)  # Llama attends to the whole causal context
+MISTRAL_WINDOW = ConfigKey("sliding_window", "sliding_window", default=0, from_hf=int,
+                           to_hf=lambda window: window or None)
+# rope_theta is read by hf_config.rope_theta (it moved into `rope_parameters` in transformers 5).
+
+LLAMA_TENSORS = (
+    TensorRule("token_embedding", "model.embed_tokens.weight"),
+    TensorRule("decoder/layers/pre_attention_norm/scale", "model.layers.{layer}.input_layernorm.weight", ("layer",)),
+    TensorRule("decoder/layers/attention/query", "model.layers.{layer}.self_attn.q_proj.weight", ("layer",), 1),
+    TensorRule("decoder/layers/attention/key", "model.layers.{layer}.self_attn.k_proj.weight", ("layer",), 1),
+    TensorRule("decoder/layers/attention/value", "model.layers.{layer}.self_attn.v_proj.weight", ("layer",), 1),
+    TensorRule("decoder/layers/attention/out", "model.layers.{layer}.self_attn.o_proj.weight", ("layer",), 2),
+    TensorRule("decoder/layers/pre_mlp_norm/scale", "model.layers.{layer}.post_attention_layernorm.weight",
+               ("layer",)),
+    TensorRule("decoder/layers/mlp/wi_gate", "model.layers.{layer}.mlp.gate_proj.weight", ("layer",), 1),
+    TensorRule("decoder/layers/mlp/wi_up", "model.layers.{layer}.mlp.up_proj.weight", ("layer",), 1),
+    TensorRule("decoder/layers/mlp/wo", "model.layers.{layer}.mlp.down_proj.weight", ("layer",), 1),
+    TensorRule("final_norm/scale", "model.norm.weight"),
+    TensorRule("output", "lm_head.weight", (), 1),
+)
+
+# HF tensors that carry no parameters (buffers some older exports saved).
+LLAMA_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    """A supported `architectures[0]` of config.json."""
+
+    name: str
+    model_type: str
+    keys: tuple[ConfigKey, ...]
+    tensors: tuple[TensorRule, ...]
+    ignored: re.Pattern[str] = LLAMA_IGNORED
+    # Extra config.json entries to_hf writes (besides the keys above and rope).
+    hf_constants: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+ARCHITECTURES = {arch.name: arch for arch in (
+    Architecture("LlamaForCausalLM", "llama", LLAMA_KEYS + (NO_WINDOW,), LLAMA_TENSORS,
+                 hf_constants={"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}),
+    Architecture("MistralForCausalLM", "mistral", LLAMA_KEYS + (MISTRAL_WINDOW,), LLAMA_TENSORS,
+                 hf_constants={"hidden_act": "silu"}),
+)}
+
+
+def tensor_rules(architecture: Architecture, paths: Sequence[str]) -> dict[str, TensorRule]:
+    """The rule of each maxpar parameter path (a tied model has no `output`, so its rule drops out).
+
+    Raises ValueError when a parameter has no rule: this architecture's table is incomplete.
+    """
+    by_path = {rule.path: rule for rule in architecture.tensors}
+    missing = [path for path in paths if path not in by_path]
+    if missing:
+        raise ValueError(f"{architecture.name}: no Hugging Face tensor for maxpar parameters {missing}")
+    return {path: by_path[path] for path in paths}

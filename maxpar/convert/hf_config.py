@@ -1,0 +1,186 @@
+"""config.json <-> maxpar config.
+
+The model keys come from config.json, never from a guess: a `model_name=` preset or a `key=value`
+that disagrees with it is an error naming each key and both values, and a feature maxpar does not
+implement (RoPE scaling, biases, another activation...) is refused rather than converted into a
+model whose logits would silently differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from maxpar.checkpoint import MODEL_KEYS
+from maxpar.config import Config, ConfigError, load_config, parse_overrides, validate
+from maxpar.convert.architectures import ARCHITECTURES, REQUIRED, Architecture
+
+DEFAULT_ROPE_THETA = 10000.0  # transformers' default when config.json names none
+# Keys that make the function the checkpoint computes: training must use the converted values.
+FUNCTION_KEYS = ("rope_theta", "normalization_layer_epsilon", "sliding_window")
+
+
+class ConversionError(ConfigError):
+    """Input that cannot be converted faithfully (the CLI prints it and exits with status 2)."""
+
+
+def read_hf_config(directory: Path, name: str = "config.json") -> dict[str, Any]:
+    """config.json (or `name`) of a local Hugging Face checkpoint directory."""
+    if not directory.is_dir():
+        raise ConversionError(f"{directory}: no such directory (a local Hugging Face checkpoint: "
+                              f"config.json and *.safetensors)")
+    path = directory / name
+    if not path.is_file():
+        raise ConversionError(f"{directory}: no {name} there; a Hugging Face checkpoint directory "
+                              f"holds config.json and model.safetensors (or shards with model.safetensors.index.json)")
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConversionError(f"{path}: cannot read it as JSON: {e}") from None
+    if not isinstance(hf, dict):
+        raise ConversionError(f"{path}: expected a JSON object")
+    return hf
+
+
+def architecture_of(hf: dict[str, Any], source: str = "config.json") -> Architecture:
+    """The supported architecture config.json names (its `architectures`, else its `model_type`)."""
+    names = hf.get("architectures") or []
+    by_type = [arch for arch in ARCHITECTURES.values() if arch.model_type == hf.get("model_type")]
+    if len(names) == 1 and names[0] in ARCHITECTURES:
+        return ARCHITECTURES[names[0]]
+    if not names and len(by_type) == 1:
+        return by_type[0]
+    named = names or hf.get("model_type")
+    raise ConversionError(f"{source}: unsupported architecture {named!r}; maxpar converts "
+                          f"{', '.join(ARCHITECTURES)}")
+
+
+def _rope(hf: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE settings, wherever this transformers version put them (`rope_parameters` since 5.0)."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    return rope if isinstance(rope, dict) else {}
+
+
+def rope_theta(hf: dict[str, Any]) -> float:
+    theta = _rope(hf).get("rope_theta", hf.get("rope_theta"))
+    return float(DEFAULT_ROPE_THETA if theta is None else theta)
+
+
+def unsupported(hf: dict[str, Any]) -> list[str]:
+    """What config.json asks for that maxpar's model does not compute, one line each."""
+    problems = []
+    rope_type = _rope(hf).get("rope_type", _rope(hf).get("type", "default"))
+    if rope_type != "default":
+        problems.append(f"RoPE scaling {rope_type!r} (rope_parameters/rope_scaling): maxpar implements only the "
+                        f"default RoPE (rope_type 'default')")
+    if hf.get("partial_rotary_factor") not in (None, 1, 1.0):
+        problems.append(f"partial_rotary_factor={hf['partial_rotary_factor']}: maxpar rotates the whole head")
+    if hf.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={hf['hidden_act']!r}: maxpar's MLP is SwiGLU (silu)")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            problems.append(f"{key}=true: maxpar's attention and MLP projections have no biases")
+    if hf.get("quantization_config"):
+        problems.append("quantization_config: quantized weights are not converted (use an unquantized checkpoint)")
+    return problems
+
+
+def notes(hf: dict[str, Any]) -> list[str]:
+    """Settings that do not change the logits but that the user should know are dropped."""
+    dropout = hf.get("attention_dropout") or 0.0
+    return [f"attention_dropout={dropout} is ignored: maxpar has no dropout"] if dropout else []
+
+
+def model_keys(hf: dict[str, Any], architecture: Architecture) -> dict[str, Any]:
+    """maxpar model keys -> values, from config.json. Raises ConversionError for what maxpar cannot compute."""
+    problems = unsupported(hf)
+    if problems:
+        raise ConversionError(f"{architecture.name} checkpoint uses what maxpar does not implement:\n  "
+                              + "\n  ".join(problems))
+    values: dict[str, Any] = {"rope_theta": rope_theta(hf)}
+    missing = []
+    for spec in architecture.keys:
+        value = hf.get(spec.hf_key) if spec.hf_key else None
+        if value is None:
+            if spec.default is REQUIRED:
+                missing.append(spec.hf_key)
+                continue
+            value = spec.default(hf) if callable(spec.default) else spec.default
+        else:
+            value = spec.from_hf(value)
+        values[spec.key] = value
+    if missing:
+        raise ConversionError(f"config.json lacks {', '.join(missing)} (needed for {architecture.name})")
+    return values
+
+
+def resolve_config(derived: dict[str, Any], argv: Sequence[str], base_config: Path) -> Config:
+    """The converted checkpoint's config: base_config + `argv` overrides + the `derived` model keys.
+
+    With `model_name=NAME` every derived key must equal the preset's value; without it, model keys
+    given on the command line must equal the derived ones. Either way a disagreement is a
+    ConversionError naming each key with both values.
+    """
+    given = parse_overrides(argv)
+    preset = given.get("model_name") or ""
+    config = load_config([str(base_config), *([] if "model_name" in given else ["model_name="]), *argv])
+    checked = list(derived) if preset else [key for key in derived if key in given]
+    conflicts = [(key, derived[key], getattr(config, key)) for key in checked if getattr(config, key) != derived[key]]
+    if conflicts:
+        lines = "\n".join(f"  {key}: {hf!r} in config.json, {mine!r} "
+                          f"{'on the command line' if key in given else f'from model_name={preset}'}"
+                          for key, hf, mine in conflicts)
+        raise ConversionError(f"the Hugging Face config.json and the maxpar config disagree:\n{lines}\n"
+                              f"Drop {'model_name= and ' if preset else ''}these keys to take config.json's values.")
+    config = dataclasses.replace(config, **derived)
+    validate(config)
+    return config
+
+
+def training_overrides(config: Config, base_config: Path) -> list[str]:
+    """The `key=value`s that make a training run's model the converted one: model_name, then every model key
+    (only those that differ from the preset when model_name names one)."""
+    reference = load_config([str(base_config), f"model_name={config.model_name}"])
+    keys = dict.fromkeys(MODEL_KEYS + FUNCTION_KEYS)
+    return [f"model_name={config.model_name}"] + [
+        f"{key}={_yaml(getattr(config, key))}" for key in keys
+        if not config.model_name or getattr(config, key) != getattr(reference, key)]
+
+
+def _yaml(value: Any) -> str:
+    """A value as the command line's YAML typing reads it back."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)  # floats keep a '.' or an exponent, which YAML reads as floats
+
+
+def hf_config(config: Config, architecture: Architecture, dtype: str,
+              template: dict[str, Any] | None = None) -> dict[str, Any]:
+    """config.json for `config`'s model under `architecture`, with tensors of `dtype`.
+
+    `template` (e.g. the original model's config.json) supplies what maxpar does not model: token
+    ids, max_position_embeddings and the like. Its model keys must be this model's.
+    """
+    if template is not None:
+        conflicts = [(key, value, getattr(config, key)) for key, value in model_keys(template, architecture).items()
+                     if getattr(config, key) != value]
+        if conflicts:
+            raise ConversionError("the template config.json describes another model:\n" + "\n".join(
+                f"  {key}: {theirs!r} in the template, {ours!r} in the checkpoint" for key, theirs, ours in conflicts))
+    hf: dict[str, Any] = {"architectures": [architecture.name], "model_type": architecture.model_type}
+    for spec in architecture.keys:
+        if spec.hf_key:
+            hf[spec.hf_key] = spec.to_hf(getattr(config, spec.key))
+        elif getattr(config, spec.key) != spec.default:
+            raise ConversionError(f"{spec.key}={getattr(config, spec.key)!r}: {architecture.name} has no such "
+                                  f"setting (it needs {spec.default!r})")
+    hf.update(architecture.hf_constants)
+    hf["rope_theta"] = config.rope_theta  # transformers < 5 reads this, >= 5 rope_parameters
+    hf["rope_parameters"] = {"rope_type": "default", "rope_theta": config.rope_theta}
+    hf["torch_dtype"] = hf["dtype"] = dtype
+    result = {**(template or {}), **hf}
+    result.setdefault("max_position_embeddings", config.max_target_length)  # without a template: what it trained on
+    return result

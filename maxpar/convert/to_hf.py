@@ -1,0 +1,119 @@
+"""`to_hf`: a maxpar checkpoint's parameters -> config.json + safetensors that transformers loads.
+
+Tensor by tensor: each HF tensor is read from the Orbax checkpoint on its own (one layer of a
+stacked parameter is one TensorStore read of that slice), and safetensors shards are written one
+at a time, so memory holds at most one shard.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes  # noqa: F401  (bfloat16 for numpy)
+import numpy as np
+import tensorstore as ts
+
+from maxpar import checkpoint
+from maxpar.config import Config, config_from_dict, load_config
+from maxpar.convert.architectures import ARCHITECTURES, Architecture, TensorRule, tensor_rules
+from maxpar.convert.hf_config import ConversionError, architecture_of, hf_config, read_hf_config
+from maxpar.convert.layout import hf_tensor
+from maxpar.convert.safetensors_io import write_safetensors
+
+DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
+
+
+def saved_config(saved: dict[str, Any], base_config: Path) -> Config:
+    """The checkpoint's config; keys it predates take base_config's defaults (e.g. sliding_window: 0)."""
+    defaults = load_config([str(base_config), "model_name="]).to_dict()
+    unknown = sorted(set(saved) - set(defaults))
+    if unknown:
+        raise ConversionError(f"the checkpoint's config has keys this maxpar does not know: {', '.join(unknown)} "
+                              f"(written by another version?)")
+    return config_from_dict({**defaults, **saved})
+
+
+def default_architecture(config: Config) -> Architecture:
+    """Mistral when the model has a sliding window (Llama has none), else Llama."""
+    return ARCHITECTURES["MistralForCausalLM" if config.sliding_window else "LlamaForCausalLM"]
+
+
+def _leaf_paths(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """'a/b/c' -> leaf of a nested mapping (Orbax's metadata tree of the params item)."""
+    leaves = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        leaves.update(_leaf_paths(value, path + "/") if hasattr(value, "items") else {path: value})
+    return leaves
+
+
+def open_array(metadata: Any, use_zarr3: bool) -> ts.TensorStore:
+    """One array of an Orbax (OCDBT) checkpoint item, opened for reading slices."""
+    directory = str(metadata.directory)
+    base = directory if "://" in directory else Path(directory).absolute().as_uri()
+    spec = {"driver": "zarr3" if use_zarr3 else "zarr",
+            "kvstore": {"driver": "ocdbt", "base": base, "path": metadata.name}}
+    return ts.open(spec, open=True, read=True).result()
+
+
+def hf_order(rules: dict[str, TensorRule], shapes: dict[str, tuple[int, ...]]
+             ) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(HF name, maxpar path, stacked index) in transformers' order: embedding, layer by layer, norm, head."""
+    before, layers, after = [], [], []
+    for position, (path, rule) in enumerate(rules.items()):
+        for index, name in rule.hf_names(shapes[path]):
+            if rule.stacked:
+                layers.append(((index[0], position, index[1:]), (name, path, index)))
+            else:
+                (after if layers else before).append((name, path, index))
+    return before + [entry for _, entry in sorted(layers)] + after
+
+
+def convert_to_hf(checkpoint_path: str, out: Path, base_config: Path, architecture: str | None = None,
+                  dtype: str | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                  template_path: Path | None = None, log: Callable[[str], None] = print) -> Path:
+    """Write OUT/config.json and OUT/*.safetensors from the checkpoint at `checkpoint_path`.
+
+    `template_path`: a config.json, or a directory holding one, whose other keys (token ids,
+    max_position_embeddings...) the output keeps; it also names the architecture unless `architecture` does.
+    """
+    step, saved, metadata = checkpoint.parameters_metadata("--checkpoint", checkpoint_path)
+    config = saved_config(saved, base_config)
+    template = None
+    if template_path is not None:
+        is_dir = template_path.is_dir()
+        template = read_hf_config(template_path if is_dir else template_path.parent,
+                                  "config.json" if is_dir else template_path.name)
+    if architecture:
+        arch = ARCHITECTURES[architecture]
+    else:
+        arch = architecture_of(template, str(template_path)) if template else default_architecture(config)
+    dtype = dtype or config.weight_dtype
+    arrays = _leaf_paths(metadata.tree)
+    try:
+        rules = tensor_rules(arch, list(arrays))
+    except ValueError as e:
+        raise ConversionError(str(e)) from None
+    shapes = {path: tuple(meta.shape) for path, meta in arrays.items()}
+    entries = hf_order(rules, shapes)
+    target = np.dtype(dtype)
+    sizes = [(name, int(np.prod(rules[path].hf_shape(shapes[path]))) * target.itemsize) for name, path, _ in entries]
+    where = {name: (path, index) for name, path, index in entries}
+    stores: dict[str, ts.TensorStore] = {}
+
+    def produce(name: str) -> np.ndarray:
+        path, index = where[name]
+        if path not in stores:
+            stores[path] = open_array(arrays[path], metadata.use_zarr3)
+        entry = stores[path][index].read().result() if index else stores[path].read().result()
+        return hf_tensor(rules[path], np.asarray(entry)).astype(target)
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(hf_config(config, arch, dtype, template), indent=2) + "\n", encoding="utf-8")
+    files = write_safetensors(out, sizes, produce, max_shard_bytes)
+    log(f"maxpar.convert: step {step} of {checkpoint_path} -> {arch.name} in {out} ({len(entries)} tensors, "
+        f"{dtype}, {len(files)} safetensors file(s))")
+    return out

@@ -1,0 +1,375 @@
+"""Hugging Face interop: tiny random models built by transformers itself, converted both ways.
+
+maxpar's logits equal transformers' (one device, FSDP(8), FSDP(4)xTP(2), unrolled layers), a run
+started from a converted checkpoint has transformers' loss at step 0, from_hf -> to_hf gives back the
+original tensors, and bad input exits with status 2 and says why.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+import torch
+from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM)
+
+from helpers import REPO, write_corpus
+from maxpar import checkpoint
+from maxpar.config import load_config
+from maxpar.convert.__main__ import OVERRIDES_FILE, main
+from maxpar.convert.architectures import ARCHITECTURES
+from maxpar.convert.hf_config import ConversionError, model_keys, resolve_config, training_overrides
+from maxpar.convert.layout import hf_tensor, maxpar_block
+from maxpar.convert.safetensors_io import HFTensors
+from maxpar.mesh import create_mesh
+from maxpar.model import Transformer
+from maxpar.train import setup_run, train
+from maxpar.train_step import sharding_context, state_shardings
+
+BASE = REPO / "configs" / "base.yml"
+VOCAB = 264  # >= the byte tokenizer's 259, so the text pipeline can train these models
+
+# name -> (transformers classes, config, save dtype, save_pretrained max_shard_size)
+MODELS = {
+    # GQA 4/2, sharded safetensors (index + several files)
+    "llama": (LlamaConfig, LlamaForCausalLM, dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=VOCAB, rms_norm_eps=1e-5), torch.float32, "40KB"),
+    # GQA 4/2, head_dim != hidden/heads, rope_theta 5e5, a sliding window shorter than the sequence, one file
+    "mistral": (MistralConfig, MistralForCausalLM, dict(
+        hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=VOCAB, rms_norm_eps=1e-6, sliding_window=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0}), torch.float32, None),
+    # tied embeddings, multi-head (4/4), stored in bfloat16
+    "tied": (LlamaConfig, LlamaForCausalLM, dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+        vocab_size=VOCAB, tie_word_embeddings=True), torch.bfloat16, None),
+}
+
+MESHES = {
+    "one": (1, ["ici_fsdp_parallelism=1"]),
+    "fsdp8": (8, []),
+    "fsdp4_tp2": (8, ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
+    "tp2_unrolled": (8, ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2", "scan_layers=false"]),
+}
+
+
+def save_hf_model(directory: Path, name: str, seed: int = 0) -> Path:
+    """A random model of MODELS[name] saved by transformers; weights far from init so every tensor matters."""
+    config_class, model_class, dims, dtype, shard = MODELS[name]
+    torch.manual_seed(seed)
+    model = model_class(config_class(**dims))
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param_name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, 0.15)
+    model.to(dtype).save_pretrained(directory, **({"max_shard_size": shard} if shard else {}))
+    return directory
+
+
+def hf_model(directory: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def hf_logits(directory: Path, tokens: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return hf_model(directory)(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+
+
+def overrides_of(converted: Path) -> list[str]:
+    """What from_hf told us to train with (load_parameters_path and the model keys)."""
+    return (converted / OVERRIDES_FILE).read_text().split()
+
+
+def maxpar_logits(converted: Path, tokens: np.ndarray, devices, *overrides: str, segment_ids=None) -> np.ndarray:
+    """Logits of the converted checkpoint, loaded as load_parameters_path= loads it, on `devices`."""
+    config = load_config([str(BASE), *overrides_of(converted), "dtype=float32",
+                          f"max_target_length={tokens.shape[1]}", *overrides])
+    mesh = create_mesh(config, devices)
+    model = Transformer(config)
+    abstract, shardings = state_shardings(model, optax.identity(), config, mesh)
+    params = checkpoint.load_parameters(config.load_parameters_path, checkpoint.Target(config, abstract, shardings, 0))
+    positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
+    segments = np.ones_like(tokens) if segment_ids is None else segment_ids
+    with sharding_context(mesh, config):
+        logits = jax.jit(lambda p, *xs: model.apply({"params": p}, *xs))(params, tokens, positions, segments)
+    return np.asarray(logits)
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory) -> dict[str, Path]:
+    return {name: save_hf_model(tmp_path_factory.mktemp(f"hf_{name}"), name) for name in MODELS}
+
+
+@pytest.fixture(scope="module")
+def converted(hf_dirs, tmp_path_factory) -> dict[str, Path]:
+    """Each model through `python -m maxpar.convert from_hf` (in process, FSDP over the 8 devices)."""
+    outs = {}
+    for name, directory in hf_dirs.items():
+        outs[name] = tmp_path_factory.mktemp(f"maxpar_{name}") / "converted"
+        assert main(["from_hf", "--hf_path", str(directory), "--out", str(outs[name])]) == 0
+    return outs
+
+
+def tokens_for(seed: int, rows: int = 8, length: int = 12) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, VOCAB, size=(rows, length)).astype(np.int32)
+
+
+# ---------------------------------------------------------------- logits
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+@pytest.mark.parametrize("name", list(MODELS))
+def test_logits_equal_transformers(name, mesh, hf_dirs, converted):
+    tokens = tokens_for(1)
+    count, overrides = MESHES[mesh]
+    ours = maxpar_logits(converted[name], tokens, jax.devices()[:count], *overrides)
+    theirs = hf_logits(hf_dirs[name], tokens)
+    assert np.abs(theirs).max() > 1.0  # not a degenerate model whose logits all agree anyway
+    np.testing.assert_allclose(ours, theirs, rtol=2e-5, atol=2e-5)  # observed: <= 1e-5 on logits up to 5.5
+
+
+def test_sliding_window_is_what_makes_mistral_match(hf_dirs, converted):
+    """Without the window the logits differ: the Mistral case really exercises sliding_window."""
+    tokens = tokens_for(2)
+    theirs = hf_logits(hf_dirs["mistral"], tokens)
+    assert "sliding_window=4" in overrides_of(converted["mistral"])
+    windowless = maxpar_logits(converted["mistral"], tokens, jax.devices()[:1], "sliding_window=0")
+    assert np.abs(windowless - theirs).max() > 0.1
+    # Within the window (first 4 positions) the two agree.
+    np.testing.assert_allclose(windowless[:, :4], theirs[:, :4], rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- training from a converted checkpoint
+
+def hf_packed_loss(directory: Path, batch: dict[str, np.ndarray]) -> float:
+    """transformers' mean loss over the real tokens of a packed batch: each document of each row on its own
+    (the positions maxpar uses), which is what maxpar's document mask and per-document positions compute."""
+    model = hf_model(directory)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for row in range(batch["inputs"].shape[0]):
+            segments = batch["segment_ids"][row]
+            for segment in sorted(set(segments.tolist()) - {0}):
+                where = np.flatnonzero(segments == segment)
+                assert np.array_equal(where, np.arange(where[0], where[-1] + 1)), "documents are contiguous"
+                inputs = torch.tensor(batch["inputs"][row, where][None], dtype=torch.long)
+                positions = torch.tensor(batch["positions"][row, where][None], dtype=torch.long)
+                logits = model(inputs, position_ids=positions).logits[0]
+                targets = torch.tensor(batch["targets"][row, where], dtype=torch.long)
+                total += float(torch.nn.functional.cross_entropy(logits, targets, reduction="sum"))
+                count += len(where)
+    return total / count
+
+
+def short_documents(directory: Path, count: int = 24) -> str:
+    """Documents of 6-25 bytes, so that a 32-token row packs several (and the document mask matters)."""
+    rng = np.random.default_rng(0)
+    directory.mkdir(parents=True)
+    for i in range(count):
+        (directory / f"doc_{i:02d}.txt").write_text("ab cd ef gh ij"[:int(rng.integers(2, 14))] + f" {i}\n")
+    return str(directory / "*.txt")
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_training_from_converted_checkpoint_starts_at_transformers_loss(name, hf_dirs, converted, tmp_path):
+    corpus = short_documents(tmp_path / "corpus")
+    config = load_config([str(BASE), *overrides_of(converted[name]), "dataset_type=text", f"dataset_path={corpus}",
+                          "per_device_batch_size=1", "max_target_length=32", "steps=1", "dtype=float32",
+                          "log_period=1", "eval_interval=-1", "enable_checkpointing=false"])
+    batch = next(iter(setup_run(config, jax.devices()).train_data))
+    documents_per_row = [len(set(row.tolist()) - {0}) for row in batch["segment_ids"]]
+    assert max(documents_per_row) > 1, "the batch should pack several documents into a row"
+    row = train(config, devices=jax.devices(), run_dir=tmp_path / "run")
+    assert row["step"] == 1
+    np.testing.assert_allclose(row["loss"], hf_packed_loss(hf_dirs[name], batch), rtol=1e-6)
+
+
+# ---------------------------------------------------------------- back to Hugging Face
+
+def read_all(directory: Path) -> dict[str, np.ndarray]:
+    with HFTensors(directory) as tensors:
+        return {name: tensors.read(name, ()) for name in tensors.names}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_round_trip_gives_the_original_tensors(name, hf_dirs, converted, tmp_path):
+    back = tmp_path / "back"
+    dtype = ["--dtype", "bfloat16"] if MODELS[name][3] == torch.bfloat16 else []
+    assert main(["to_hf", "--checkpoint", str(converted[name]), "--out", str(back), "--max_shard_size_mb", "0.03",
+                 "--hf_template", str(hf_dirs[name]), *dtype]) == 0
+    assert (back / "model.safetensors.index.json").is_file()  # sharded output, as transformers writes it
+    original, ours = read_all(hf_dirs[name]), read_all(back)
+    assert sorted(ours) == sorted(original)
+    for tensor_name, value in original.items():
+        assert ours[tensor_name].dtype == value.dtype, tensor_name
+        assert np.array_equal(ours[tensor_name], value), tensor_name
+    original_config = json.loads((hf_dirs[name] / "config.json").read_text())
+    config = json.loads((back / "config.json").read_text())
+    assert {key: config.get(key) for key in original_config} == original_config  # token ids, max positions kept
+    tokens = tokens_for(3, rows=2)
+    np.testing.assert_array_equal(hf_logits(back, tokens), hf_logits(hf_dirs[name], tokens))
+
+
+def test_to_hf_after_training_loads_in_transformers_with_maxpar_logits(hf_dirs, converted, tmp_path):
+    """A fine-tuned run's checkpoint (unrolled layers, changed weights) exports to what maxpar computes."""
+    corpus = write_corpus(tmp_path / "corpus")
+    run_dir = tmp_path / "run"
+    config = load_config([str(BASE), *overrides_of(converted["llama"]), "dataset_type=text",
+                          f"dataset_path={corpus}", "per_device_batch_size=1", "max_target_length=16", "steps=2",
+                          "dtype=float32", "log_period=1", "eval_interval=-1", "enable_checkpointing=true",
+                          "async_checkpointing=false", "scan_layers=false", "learning_rate=1e-2", "warmup_steps=0"])
+    train(config, devices=jax.devices(), run_dir=run_dir)
+    assert main(["to_hf", "--checkpoint", str(run_dir), "--out", str(tmp_path / "hf")]) == 0
+    tokens = tokens_for(4)
+    ours = maxpar_logits(converted["llama"], tokens, jax.devices()[:1], f"load_parameters_path={run_dir}")
+    np.testing.assert_allclose(hf_logits(tmp_path / "hf", tokens), ours, rtol=1e-4, atol=1e-4)
+    assert not np.allclose(ours, hf_logits(hf_dirs["llama"], tokens), atol=1e-3)  # training changed the model
+
+
+# ---------------------------------------------------------------- slices and configs, without devices
+
+def test_any_block_of_a_parameter_reads_only_its_slice():
+    """Blocks of a stacked query [L, e, h, d] built from q_proj slices equal the same blocks of the whole."""
+    rule = next(r for r in ARCHITECTURES["LlamaForCausalLM"].tensors if r.path.endswith("attention/query"))
+    layers, emb, heads, head_dim = 3, 6, 4, 5
+    hf = {f"model.layers.{i}.self_attn.q_proj.weight": np.random.default_rng(i).normal(size=(heads * head_dim, emb))
+          for i in range(layers)}
+    reads = []
+
+    def read(name, index):
+        reads.append(hf[name][index].size)
+        return hf[name][index]
+
+    whole = maxpar_block(rule, (layers, emb, heads, head_dim), (slice(None),) * 4, read)
+    for i in range(layers):
+        np.testing.assert_array_equal(hf_tensor(rule, whole[i]), hf[f"model.layers.{i}.self_attn.q_proj.weight"])
+    reads.clear()
+    index = (slice(1, 3), slice(2, 4), slice(1, 3), slice(0, 5))
+    np.testing.assert_array_equal(maxpar_block(rule, whole.shape, index, read), whole[index])
+    assert max(reads) == 2 * head_dim * 2  # two heads' rows by two embed columns, per layer
+
+
+def legacy_llama3_8b() -> dict:
+    """Meta-Llama-3-8B's config.json as transformers 4 wrote it (rope_theta at the top level)."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+            "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32,
+            "vocab_size": 128256, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "rope_scaling": None,
+            "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16"}
+
+
+def test_config_of_both_transformers_layouts_matches_the_preset():
+    legacy = legacy_llama3_8b()
+    current = {key: value for key, value in legacy.items() if key not in ("rope_theta", "rope_scaling")}
+    current["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
+    derived = model_keys(legacy, ARCHITECTURES["LlamaForCausalLM"])
+    assert derived == model_keys(current, ARCHITECTURES["LlamaForCausalLM"])
+    config = resolve_config(derived, ["model_name=llama3-8b"], BASE)
+    assert training_overrides(config, BASE) == ["model_name=llama3-8b"]
+    with pytest.raises(ConversionError, match=r"num_kv_heads: 8 in config.json, 32 from model_name=llama2-7b"):
+        resolve_config(derived, ["model_name=llama2-7b"], BASE)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "RoPE scaling 'llama3'"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "RoPE scaling 'yarn'"),
+    ({"attention_bias": True}, "attention_bias=true"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
+])
+def test_unsupported_features_are_refused(change, message):
+    with pytest.raises(ConversionError, match=message):
+        model_keys({**legacy_llama3_8b(), **change}, ARCHITECTURES["LlamaForCausalLM"])
+
+
+# ---------------------------------------------------------------- bad input: exit 2 and why
+
+def edited_copy(source: Path, destination: Path, **changes) -> Path:
+    shutil.copytree(source, destination)
+    config = json.loads((destination / "config.json").read_text())
+    (destination / "config.json").write_text(json.dumps({**config, **changes}))
+    return destination
+
+
+def from_hf(capsys, hf_path: Path, out: Path, *overrides: str) -> tuple[int, str]:
+    status = main(["from_hf", "--hf_path", str(hf_path), "--out", str(out), *overrides])
+    return status, capsys.readouterr().err
+
+
+def test_missing_config_json_exits_2(tmp_path):
+    (tmp_path / "empty").mkdir()
+    result = subprocess.run([sys.executable, "-m", "maxpar.convert", "from_hf", "--hf_path", str(tmp_path / "empty"),
+                             "--out", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "no config.json there" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_unsupported_architecture_exits_2(capsys, hf_dirs, tmp_path):
+    source = edited_copy(hf_dirs["llama"], tmp_path / "gpt2", architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    status, err = from_hf(capsys, source, tmp_path / "out")
+    assert status == 2
+    assert "unsupported architecture ['GPT2LMHeadModel']" in err and "LlamaForCausalLM, MistralForCausalLM" in err
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["model_name=tiny"], ["emb_dim: 64 in config.json, 256 from model_name=tiny",
+                           "mlp_dim: 128 in config.json, 768 from model_name=tiny"]),
+    (["num_kv_heads=4"], ["num_kv_heads: 2 in config.json, 4 on the command line"]),
+])
+def test_model_name_or_key_that_disagrees_exits_2(capsys, hf_dirs, tmp_path, overrides, expected):
+    status, err = from_hf(capsys, hf_dirs["llama"], tmp_path / "out", *overrides)
+    assert status == 2
+    for line in expected:
+        assert line in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_rope_scaling_exits_2(capsys, hf_dirs, tmp_path):
+    source = edited_copy(hf_dirs["llama"], tmp_path / "scaled", rope_parameters={
+        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192})
+    status, err = from_hf(capsys, source, tmp_path / "out")
+    assert status == 2 and "RoPE scaling 'llama3'" in err
+
+
+def test_tensors_that_do_not_fit_config_json_exit_2(capsys, hf_dirs, tmp_path):
+    source = edited_copy(hf_dirs["llama"], tmp_path / "wider", intermediate_size=256)
+    status, err = from_hf(capsys, source, tmp_path / "out")
+    assert status == 2
+    assert "model.layers.0.mlp.gate_proj.weight: (128, 64) in the safetensors, (256, 64) from config.json" in err
+
+
+def test_missing_tensor_exits_2(capsys, hf_dirs, tmp_path):
+    source = edited_copy(hf_dirs["llama"], tmp_path / "short", num_hidden_layers=3)
+    status, err = from_hf(capsys, source, tmp_path / "out")
+    assert status == 2 and "missing tensors: model.layers.2." in err
+
+
+def test_full_state_of_a_converted_checkpoint_is_refused(converted):
+    config = load_config([str(BASE), *overrides_of(converted["llama"])])
+    model, tx = Transformer(config), optax.adamw(1e-3)
+    abstract, shardings = state_shardings(model, tx, config, create_mesh(config, jax.devices()))
+    with pytest.raises(checkpoint.IncompatibleCheckpoint, match="holds no opt_state .* load_parameters_path="):
+        checkpoint.load_full_state(str(converted["llama"]), checkpoint.Target(config, abstract, shardings, 8))
+
+
+def test_template_of_another_model_exits_2(capsys, hf_dirs, converted, tmp_path):
+    status = main(["to_hf", "--checkpoint", str(converted["llama"]), "--out", str(tmp_path / "hf"),
+                   "--hf_template", str(hf_dirs["mistral"] / "config.json")])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert "emb_dim: 48 in the template, 64 in the checkpoint" in err and "sliding_window: 4 in the template" in err
+
+
+def test_existing_output_is_not_overwritten(capsys, hf_dirs, converted):
+    status, err = from_hf(capsys, hf_dirs["llama"], converted["llama"])
+    assert status == 2 and "already holds checkpoints" in err
