@@ -8,6 +8,8 @@ import jax.numpy as jnp
 
 from maxpar.config import Config
 from maxpar.model.layers import RESIDUAL, Attention, Mlp, RMSNorm, constrain
+from maxpar.pipeline.layout import REPEATS, STAGED, resolve_schedule
+from maxpar.pipeline.spmd import pipeline
 
 Array = jax.Array
 
@@ -31,8 +33,23 @@ class DecoderLayer(nn.Module):
         return x, None
 
 
+def layer_stack(layer: type[nn.Module], length: int, repeats: int = 1) -> type[nn.Module]:
+    """`layer` scanned over a stacked `layers` axis of `length`; with repeats > 1, that stack scanned
+    again over a leading `pipeline_repeats` axis (a circular pipeline's layout: [R, L/R, ...] = layer
+    r * L/R + i, so reshaping the two axes into one gives the canonical [L, ...] in layer order)."""
+    stack = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
+                    in_axes=(nn.broadcast, nn.broadcast), length=length,
+                    metadata_params={nn.PARTITION_NAME: STAGED})
+    if repeats == 1:
+        return stack
+    return nn.scan(stack, variable_axes={"params": 0}, split_rngs={"params": True},
+                   in_axes=(nn.broadcast, nn.broadcast), length=repeats,
+                   metadata_params={nn.PARTITION_NAME: REPEATS})
+
+
 class Decoder(nn.Module):
-    """The layer stack: `nn.scan` with a stacked `layers` axis, or a Python loop."""
+    """The layer stack: `nn.scan` with a stacked `layers` axis, or a Python loop; pipelined over the
+    `stage` mesh axis when the mesh in context has more than one stage (maxpar/pipeline)."""
 
     config: Config
 
@@ -42,15 +59,26 @@ class Decoder(nn.Module):
         layer = DecoderLayer
         if cfg.remat_policy != "none":
             layer = nn.remat(layer, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=not cfg.scan_layers)
-        if cfg.scan_layers:
-            stack = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
-                            in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_decoder_layers,
-                            metadata_params={nn.PARTITION_NAME: "layers"})
-            x, _ = stack(cfg, name="layers")(x, positions, segment_ids)
-        else:
+        if not cfg.scan_layers:
             for i in range(cfg.num_decoder_layers):
                 x, _ = layer(cfg, name=f"layers_{i}")(x, positions, segment_ids)
-        return x
+            return x
+        repeats = cfg.num_pipeline_repeats
+        stack = layer_stack(layer, cfg.num_decoder_layers // repeats, repeats)
+        rules = nn.get_logical_axis_rules()
+        schedule = resolve_schedule(cfg, jax.sharding.get_abstract_mesh().shape, rules)
+        if schedule is None or self.is_initializing():  # one stage, or creating the parameters: in order
+            x, _ = stack(cfg, name="layers")(x, positions, segment_ids)
+            return x
+        block = layer_stack(layer, schedule.layers_per_block)
+
+        def run_block(params, x, positions, segment_ids):
+            return block(cfg).apply({"params": params}, x, positions, segment_ids)[0]
+
+        abstract = jax.eval_shape(stack(cfg).init, jax.random.key(0), x, positions, segment_ids)
+        return pipeline(run_block, self.variables["params"]["layers"], nn.get_partition_spec(abstract)["params"],
+                        x, (positions, segment_ids), schedule=schedule, rules=rules, x_axes=RESIDUAL,
+                        side_axes=RESIDUAL[:2], gather_once=cfg.pipeline_fsdp_ag_once)
 
 
 class Transformer(nn.Module):
