@@ -44,6 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from maxpar import distributed
 from maxpar.config import Config, ConfigError
+from maxpar.pipeline.layout import merge_repeats, split_repeats
 from maxpar.train_step import TrainState
 
 LAYOUT = "maxpar/stacked-layers/v1"
@@ -153,15 +154,16 @@ def stack_abstract(leaves: Sequence[jax.ShapeDtypeStruct]) -> jax.ShapeDtypeStru
     return jax.ShapeDtypeStruct((len(leaves), *first.shape), first.dtype, sharding=sharding)
 
 
-def merge_repeats(leaf: Any) -> Any:
-    """[R, L/R, ...] -> [L, ...] (layer r * L/R + i keeps its place); abstract leaves get an unsharded layer axis."""
-    shape = (leaf.shape[0] * leaf.shape[1], *leaf.shape[2:])
-    if not isinstance(leaf, jax.ShapeDtypeStruct):
-        return leaf.reshape(shape)
+def merge_repeats_abstract(leaf: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    """Abstract twin of `merge_repeats`: [R, L/R, ...] -> [L, ...] with an unsharded layer axis."""
     sharding = leaf.sharding
     if isinstance(sharding, NamedSharding):
         sharding = NamedSharding(sharding.mesh, PartitionSpec(None, *tuple(sharding.spec)[2:]))
-    return jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=sharding)
+    return jax.ShapeDtypeStruct((leaf.shape[0] * leaf.shape[1], *leaf.shape[2:]), leaf.dtype, sharding=sharding)
+
+
+def _merge_any(leaf: Any) -> Any:
+    return merge_repeats_abstract(leaf) if isinstance(leaf, jax.ShapeDtypeStruct) else merge_repeats(leaf)
 
 
 def to_canonical(tree: Any, stack: Callable[[Sequence[Any]], Any] = jnp.stack, repeats: int = 1) -> Any:
@@ -173,7 +175,7 @@ def to_canonical(tree: Any, stack: Callable[[Sequence[Any]], Any] = jnp.stack, r
     """
     def convert(node: Any) -> Any:
         if _is_stacked(node) and repeats > 1:
-            return {**node, STACKED: jax.tree.map(merge_repeats, node[STACKED])}
+            return {**node, STACKED: jax.tree.map(_merge_any, node[STACKED])}
         if not _is_unrolled(node):
             return node
         names = sorted((key for key in node if _layer_index(key) is not None), key=_layer_index)
@@ -184,12 +186,12 @@ def to_canonical(tree: Any, stack: Callable[[Sequence[Any]], Any] = jnp.stack, r
     return jax.tree.map(convert, tree, is_leaf=lambda node: _is_unrolled(node) or _is_stacked(node))
 
 
-def split_repeats(tree: Any, repeats: int) -> Any:
+def to_repeats(tree: Any, repeats: int) -> Any:
     """The inverse of `to_canonical` for a circular pipeline: `layers` [L, ...] -> [R, L/R, ...]."""
     def convert(node: Any) -> Any:
         if not _is_stacked(node):
             return node
-        return {**node, STACKED: jax.tree.map(lambda x: x.reshape(repeats, -1, *x.shape[1:]), node[STACKED])}
+        return {**node, STACKED: jax.tree.map(lambda x: split_repeats(x, repeats), node[STACKED])}
     return jax.tree.map(convert, tree, is_leaf=_is_stacked)
 
 
@@ -226,7 +228,7 @@ class Target:
         if not self.config.scan_layers:
             restored = from_canonical(restored, self.config.num_decoder_layers)
         elif self.config.num_pipeline_repeats > 1:
-            restored = split_repeats(restored, self.config.num_pipeline_repeats)
+            restored = to_repeats(restored, self.config.num_pipeline_repeats)
         return jax.device_put(restored, getattr(self.shardings, item))
 
     def state(self, step: int, params: Any, opt_state: Any) -> Any:

@@ -31,7 +31,7 @@ from maxpar.model import Transformer
 from maxpar.optimizer import make_optimizer
 from maxpar.pipeline.layout import pipeline_for_run
 from maxpar.pipeline.schedule import Schedule
-from maxpar.sharding import batch_sharding, shard_count
+from maxpar.sharding import batch_sharding
 from maxpar.train_step import BATCH_KEYS, create_state, jit_eval_step, jit_train_step, state_shardings
 
 
@@ -123,7 +123,7 @@ def setup_run(config: Config, devices: Sequence[jax.Device] | None = None) -> Ru
     mesh = create_mesh(config, devices)
     shape = batch_shape(config, len(devices))
     in_sharding = batch_sharding(mesh, config.axis_rules)
-    schedule = pipeline_for_run(config, dict(mesh.shape), shape.microbatch_rows, shard_count(in_sharding))
+    schedule = pipeline_for_run(config, dict(mesh.shape), shape.microbatch_rows)
     block_index, block_count = process_batch_block(in_sharding, (shape.global_rows, config.max_target_length))
     train_data, eval_data = make_datasets(config, global_rows=shape.global_rows, eval_rows=shape.microbatch_rows,
                                           shard_index=block_index, shard_count=block_count)

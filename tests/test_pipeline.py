@@ -23,6 +23,8 @@ import pytest
 from helpers import tiny_config
 from maxpar import checkpoint
 from maxpar.model import Transformer
+from maxpar.model.transformer import REMAT_POLICIES
+from maxpar.pipeline.spmd import through_stage_vmap
 from maxpar.plan import hlo
 from maxpar.sharding import batch_sharding
 from maxpar.train import setup_run
@@ -39,8 +41,8 @@ CASES = {  # name: (stages, microbatches, repeats, other mesh axes and options)
     "gpipe_s4_m8": (4, 8, 1, ("ici_fsdp_parallelism=2",)),
     "circular_s2_m2": (2, 2, 2, (*FSDP_TP, "pipeline_fsdp_ag_once=true")),
     "circular_s2_m4": (2, 4, 2, (*FSDP_TP, "pipeline_fsdp_ag_once=true")),
-    "circular_s4_m4": (4, 4, 2, ("ici_data_parallelism=2", "ici_fsdp_parallelism=1")),
-    "circular_s4_m8": (4, 8, 2, ("ici_data_parallelism=2", "ici_fsdp_parallelism=1")),
+    "circular_s4_m4": (4, 4, 2, ("ici_data_parallelism=2", "ici_fsdp_parallelism=1", "remat_policy=full")),
+    "circular_s4_m8": (4, 8, 2, ("ici_data_parallelism=2", "ici_fsdp_parallelism=1", "remat_policy=minimal")),
 }
 
 
@@ -99,7 +101,7 @@ def outcomes(reference):
                                  f"num_pipeline_repeats={repeats}", *mesh)
             run = setup_run(config, jax.devices())
             assert run.pipeline is not None and run.pipeline.num_microbatches == micro
-            layout = checkpoint.split_repeats(params, repeats) if repeats > 1 else params
+            layout = checkpoint.to_repeats(params, repeats) if repeats > 1 else params
             placed = jax.device_put(layout, run.state_shardings.params)
             batch = jax.device_put(make_batch(), batch_sharding(run.mesh, config.axis_rules))
             step = jax.jit(_traced_with_rules(logits_and_grads(run.model), run.mesh, config))
@@ -161,3 +163,24 @@ def test_fsdp_ag_once_gathers_and_reduces_once_while_the_default_does_so_per_ite
     for kind in ("all-gather", "all-reduce"):  # XLA:CPU reduce-scatters gradients as all-reduce + slice
         assert executions(once[0], kind, "fsdp") == executions(once[1], kind, "fsdp") > 0
         assert executions(default[1], kind, "fsdp") > executions(default[0], kind, "fsdp") > 0
+
+
+def test_circular_layout_initializes_the_canonical_weights(reference):
+    """The same seed gives the same model in every layout: [R, L/R, ...] is the canonical stack reshaped."""
+    params, _ = reference
+    config = tiny_config(*BASE, "ici_stage_parallelism=2", "num_pipeline_repeats=2")
+    tokens = jnp.zeros((1, LENGTH), jnp.int32)
+    circular = nn.unbox(jax.jit(Transformer(config).init)(jax.random.key(0), tokens, tokens, tokens)["params"])
+    assert circular["decoder"]["layers"]["mlp"]["wo"].shape == (2, LAYERS // 2, 128, 64)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(checkpoint.to_canonical(circular, repeats=2)),
+                 jax.device_get(params))
+
+
+def test_remat_policy_sees_through_the_stage_vmap():
+    """remat_policy=minimal saves the weight matmuls, whose only batch dim under the pipeline is the stage's."""
+    minimal = through_stage_vmap(REMAT_POLICIES["minimal"])
+    matmul = (((3,), (1,)), ((0,), (0,)))          # [S, b, T, E] x [S, E, F], batched over the stages
+    attention = (((4,), (3,)), ((0, 1, 3), (0, 1, 2)))  # batched over stages, rows and kv heads
+    assert minimal(jax.lax.dot_general_p, dimension_numbers=matmul)
+    assert not minimal(jax.lax.dot_general_p, dimension_numbers=attention)
+    assert not REMAT_POLICIES["minimal"](jax.lax.dot_general_p, dimension_numbers=matmul)  # why it is needed

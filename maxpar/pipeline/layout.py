@@ -7,7 +7,9 @@ model calls them again while it is traced, against the mesh and rules in context
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import flax.linen as nn
 
@@ -17,6 +19,16 @@ from maxpar.pipeline.schedule import Schedule
 STAGE_AXIS = "stage"        # the physical mesh axis whose degree is the number of stages S
 STAGED = "layers"           # logical axis of the stacked layers: the stages split it; activations follow it
 REPEATS = "pipeline_repeats"  # logical axis of the R blocks a stage holds in a circular pipeline (unsharded)
+
+
+def split_repeats(x: Any, repeats: int) -> Any:
+    """A circular pipeline's stack: [L, ...] -> [R, L/R, ...] (layer r * L/R + i at [r, i])."""
+    return x.reshape(repeats, x.shape[0] // repeats, *x.shape[1:])
+
+
+def merge_repeats(x: Any) -> Any:
+    """[R, L/R, ...] -> [L, ...]: the inverse of `split_repeats`, back to the canonical layer order."""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
 def mesh_axes_of(logical: str, rules: Sequence[AxisRule]) -> tuple[str, ...]:
@@ -46,25 +58,34 @@ def resolve_schedule(config: Config, axis_sizes: Mapping[str, int], rules: Seque
                     num_repeats=config.num_pipeline_repeats, num_layers=config.num_decoder_layers)
 
 
-def pipeline_for_run(config: Config, axis_sizes: Mapping[str, int], microbatch_rows: int,
-                     batch_shards: int) -> Schedule | None:
+def pipeline_for_run(config: Config, axis_sizes: Mapping[str, int], microbatch_rows: int) -> Schedule | None:
     """Every pipeline check of a run on its resolved mesh (setup time), and its schedule."""
     check_pipeline(config, int(axis_sizes.get(STAGE_AXIS, 1)))
     schedule = resolve_schedule(config, axis_sizes, config.axis_rules)
     if schedule is not None:
-        check_batch(schedule, microbatch_rows, batch_shards)
+        batch_axes = mesh_axes_of("activation_batch", config.axis_rules)
+        check_batch(schedule, microbatch_rows, math.prod(axis_sizes[a] for a in batch_axes),
+                    math.prod(axis_sizes[a] for a in batch_axes if a != STAGE_AXIS))
     return schedule
 
 
-def check_batch(schedule: Schedule, microbatch_rows: int, batch_shards: int) -> None:
-    """The rows a step pipelines must split into M microbatches that stay on their devices."""
+def check_batch(schedule: Schedule, microbatch_rows: int, batch_shards: int, loop_shards: int) -> None:
+    """The rows a step pipelines must split into M microbatches that stay on their devices.
+
+    batch_shards: pieces the batch is cut into outside the pipeline (the stages included);
+    loop_shards: inside the loop, where every stage sees all rows of its data-parallel shard.
+    """
     m = schedule.num_microbatches
     key = f"num_pipeline_microbatches={m}" + (" (-1: the number of stages)" if m == schedule.num_stages else "")
+    if microbatch_rows % batch_shards:
+        raise ConfigError(f"the {microbatch_rows} rows of a step (per_device_batch_size x devices) must split over "
+                          f"the {batch_shards} batch shards (mesh axes of activation_batch; outside the pipeline loop "
+                          f"the {schedule.num_stages} stages split the batch too): raise per_device_batch_size")
     if microbatch_rows % m:
         raise ConfigError(f"{key} must divide the {microbatch_rows} rows of a step (per_device_batch_size x devices, "
                           f"per gradient-accumulation microbatch)")
-    if microbatch_rows % batch_shards == 0 and (microbatch_rows // batch_shards) % m:
-        raise ConfigError(f"{key} must divide the {microbatch_rows // batch_shards} rows each of the {batch_shards} "
-                          f"batch shards holds ({microbatch_rows} rows over the mesh axes of activation_batch), so "
-                          f"that every pipeline microbatch stays on its devices; raise per_device_batch_size or "
-                          f"change num_pipeline_microbatches")
+    if (microbatch_rows // loop_shards) % m:
+        raise ConfigError(f"{key} must divide the {microbatch_rows // loop_shards} rows that each of the "
+                          f"{loop_shards} data-parallel shards (mesh axes of activation_batch but the stages) runs "
+                          f"through the pipeline, so that every pipeline microbatch stays on its devices; raise "
+                          f"per_device_batch_size or change num_pipeline_microbatches")

@@ -87,6 +87,22 @@ def manual_batch_axes(batch_axes: Sequence[str], weight_axes: set[str]) -> tuple
     return tuple(manual)
 
 
+def through_stage_vmap(policy: Callable[..., bool]) -> Callable[..., bool]:
+    """A remat `policy` for a layer the pipeline runs under `jax.vmap` over the stages.
+
+    The vmap adds the stage dimension to every dot_general as its leading batch dimension, so a
+    policy that saves only dots without batch dimensions (remat_policy=minimal) would save none;
+    this one judges each dot by its dimensions before the vmap.
+    """
+    def wrapped(prim, *args, **params):
+        if prim is jax.lax.dot_general_p:
+            contracting, (lhs_batch, rhs_batch) = params["dimension_numbers"]
+            if tuple(lhs_batch[:1]) == (0,) and tuple(rhs_batch[:1]) == (0,):
+                params = {**params, "dimension_numbers": (contracting, (tuple(lhs_batch[1:]), tuple(rhs_batch[1:])))}
+        return policy(prim, *args, **params)
+    return wrapped
+
+
 def pipeline(stage_fn: StageFn, params: Any, param_specs: Any, x: Array, side: Sequence[Array], *,
              schedule: Schedule, rules: Sequence[AxisRule], x_axes: Sequence[str], side_axes: Sequence[str],
              gather_once: bool) -> Array:
@@ -97,7 +113,8 @@ def pipeline(stage_fn: StageFn, params: Any, param_specs: Any, x: Array, side: S
     (e.g. positions), [B, ...] with logical axes `side_axes`. Traced under the mesh and rules in context.
     """
     mesh = jax.sharding.get_abstract_mesh()
-    batch_axes = mesh_axes_of(x_axes[0], rules)
+    stage_axes = mesh_axes_of(STAGED, rules)
+    batch_axes = tuple(a for a in mesh_axes_of(x_axes[0], rules) if a not in stage_axes)  # the loop's batch axes
     weight_specs = jax.tree.map(lambda spec: nn.logical_to_mesh_axes(spec, list(rules)), param_specs,
                                 is_leaf=lambda s: isinstance(s, PartitionSpec))
     is_spec = lambda s: isinstance(s, PartitionSpec)  # noqa: E731
@@ -110,10 +127,13 @@ def pipeline(stage_fn: StageFn, params: Any, param_specs: Any, x: Array, side: S
     if math.prod(mesh.shape[a] for a in manual) == 1:
         manual = ()
 
-    stage_axes = mesh_axes_of(STAGED, rules)
+    # Inside the loop the stages are the explicit leading dimension (logical `layers`): no other
+    # activation dimension may use their mesh axes (outside, the batch may be split over them too).
+    inner_rules = [(name, axes) if name == STAGED else (name, tuple(a for a in axes if a not in stage_axes))
+                   for name, axes in strip_rules(rules, set(manual))]
 
     def loop(params: Any, x: Array, *side: Array) -> Array:
-        with nn.logical_axis_rules(strip_rules(rules, set(manual))):
+        with nn.logical_axis_rules(inner_rules):
             return _loop(stage_fn, params, x, side, schedule, stage_axes, x_axes, side_axes)
 
     if not manual:
