@@ -4,7 +4,8 @@
 
 The tiny model (configs/models/tiny.yml, float32) on S pipeline stages x 8/S data-parallel
 replicas, the same weights and batches for every schedule. Per schedule it prints the bubble
-formula (S-1)/(R*M+S-1), the step time, and the compiled step's collective-permutes over `stage`
+formula (S-1)/(R*M+S-1), the step time (wall and CPU seconds, all threads: the CPU time is less
+sensitive to other load on a shared machine), and the compiled step's collective-permutes over `stage`
 (HLO instructions, executions per step, bytes per device per step) next to what `maxpar.plan`
 predicts for them.
 
@@ -55,17 +56,19 @@ def measure(overrides: list[str], steps: int) -> dict:
     plan = make_plan(config, Target(load_hardware("tpu-v5p"), len(jax.devices()), 1))
     predicted = sum(c["bytes_per_device"] for c in plan["comms"] if c["collective"] == "collective-permute")
     iterator = iter(run.train_data)
-    times, losses = [], []
+    times, cpu_times, losses = [], [], []
     for _ in range(steps + 1):  # the first step is warm-up
         batch = global_batch(next(iterator), run.in_sharding)
         jax.block_until_ready(batch)
-        begin = time.perf_counter()
+        begin, cpu_begin = time.perf_counter(), time.process_time()
         state, metrics = compiled(state, batch)
         jax.block_until_ready((state, metrics))
         times.append(time.perf_counter() - begin)
+        cpu_times.append(time.process_time() - cpu_begin)
         losses.append(float(metrics["loss"]))
     schedule = run.pipeline
     return {"schedule": schedule, "compile_s": compile_s, "step_s": statistics.median(times[1:]),
+            "cpu_s": statistics.median(cpu_times[1:]),
             "first_loss": losses[0], "permute_instructions": collective_counts(text).get("collective-permute", 0),
             "permute_executions": sum(c.count for c in permutes),
             "permute_bytes": sum(hlo.collective_wire_bytes(c) * c.count for c in permutes),
@@ -96,6 +99,7 @@ def main() -> int:
         results.append(measure([*common, f"num_pipeline_repeats={repeats}", *args.overrides], args.steps))
     base = results[0]
     header = ("schedule", "R", "bubble", "iterations", "work vs first (formula)", "step s", "step vs first",
+              "CPU s/step", "CPU vs first",
               "permutes in HLO", "permutes run/step", "permute bytes/device", "plan predicts", "loss step 1")
     rows = []
     for r in results:
@@ -104,6 +108,7 @@ def main() -> int:
         base_work = base["schedule"].num_iterations * base["schedule"].layers_per_block
         rows.append((sc.kind, str(sc.num_repeats), f"{sc.bubble:.1%}", str(sc.num_iterations),
                      f"{work / base_work:.2f}", f"{r['step_s']:.3f}", f"{r['step_s'] / base['step_s']:.2f}",
+                     f"{r['cpu_s']:.2f}", f"{r['cpu_s'] / base['cpu_s']:.2f}",
                      str(r["permute_instructions"]), str(r["permute_executions"]), f"{r['permute_bytes']:,.0f}",
                      f"{r['predicted_permute_bytes']:,.0f}", f"{r['first_loss']:.6f}"))
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]

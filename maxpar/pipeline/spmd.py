@@ -183,6 +183,10 @@ def _loop(stage_fn: StageFn, params: Any, x: Array, side: Sequence[Array], sched
         fresh = jax.lax.dynamic_index_in_dim(buffer, first.microbatch, axis=1, keepdims=False)
         inputs = jnp.where((stages == 0).reshape(-1, *([1] * (state.ndim - 1))), fresh, state)
         weights = jax.tree.map(lambda p: p[0], blocks) if r_count == 1 else pick_repeat(blocks, task.repeat)
+        # Tie the weights to this iteration, so that FSDP gathers them here, every iteration, even where
+        # they are loop-invariant (gPipe): whether XLA would hoist the gather otherwise depends on dtype
+        # and remat. Gathering once before the loop is what pipeline_fsdp_ag_once asks for.
+        weights, inputs = jax.lax.optimization_barrier((weights, inputs))
         side_now = [constrain(a[task.microbatch], (STAGED, *side_axes)) for a in micro_side]
         outputs = constrain(run_stages(weights, inputs, *side_now), (STAGED, *x_axes))
         passed = jnp.roll(outputs, 1, axis=0)  # stage s -> s + 1; the last stage -> stage 0

@@ -132,14 +132,10 @@ def weight_comms(layout: Layout, microbatches: int) -> list[Comm]:
     config = layout.config
     comms = []
     pipe = layout.pipeline
-    # A pipeline reduces the gradient of a stage's stacked weights one block (1/R of them) per iteration
-    # over the batch axes it does not run per replica. Circular schedules pick each iteration's block
-    # inside the loop and gather it there, and so does a rematerialized layer; otherwise gPipe's stage
-    # weights are loop-invariant and the partitioner gathers them once per pass, before the loop
-    # (pipeline_fsdp_ag_once: once per step, whatever the schedule).
+    # A pipeline gathers a stage's stacked weights one block (1/R of them) per iteration in each pass and
+    # reduces their gradient per iteration over the batch axes it does not run per replica; with
+    # pipeline_fsdp_ag_once it gathers them once per step (hoisted out of gradient accumulation too).
     per_iteration = pipe.num_iterations / pipe.num_repeats if pipe else 1.0
-    in_loop = pipe is not None and (pipe.num_repeats > 1 or config.remat_policy != "none")
-    gathers = per_iteration if in_loop else 1.0
     once = pipe is not None and config.pipeline_fsdp_ag_once
     manual = pipeline_manual_axes(layout) if pipe else ()
     for t in layout.params():
@@ -158,12 +154,12 @@ def weight_comms(layout: Layout, microbatches: int) -> list[Comm]:
         if gather:
             if t.layered and once:
                 comms += hierarchical(layout, "FSDP stage-weight all-gather (once per step: pipeline_fsdp_ag_once)",
-                                      gather, "all-gather", size, count=microbatches, phase=FORWARD, dtype=dtype,
+                                      gather, "all-gather", size, count=1, phase=FORWARD, dtype=dtype,
                                       scales=False, tensor=name)
             elif t.layered:
                 for phase in (FORWARD, BACKWARD):
                     comms += hierarchical(layout, f"FSDP weight all-gather ({phase})", gather, "all-gather",
-                                          size, count=microbatches * gathers, phase=phase, dtype=dtype,
+                                          size, count=microbatches * per_iteration, phase=phase, dtype=dtype,
                                           scales=False, tensor=name)
             else:
                 # Outside the layer scan the gathered weight is one array that the forward and the
