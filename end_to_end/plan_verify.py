@@ -2,8 +2,9 @@
 
     python end_to_end/plan_verify.py [--extended] [key=value ...]
 
-Compiles the real train step of a tiny model for DP(8), FSDP(8), FSDP(4)xTP(2), TP(8) and
-DP(2)xFSDP(2)xTP(2) (with --extended also bf16, remat and gradient-accumulation variants),
+Compiles the real train step of a tiny model for DP(8), FSDP(8), FSDP(4)xTP(2), TP(8),
+DP(2)xFSDP(2)xTP(2) and the pipelines PP(2)xDP(2)xTP(2) circular and PP(4)xFSDP(2) gPipe (with
+--extended also bf16, remat, gradient-accumulation and more pipeline variants),
 compares the predicted collectives and memory with the compiled program, prints one PASS/FAIL
 line per strategy and exits non-zero if any fails. Extra key=value overrides apply to all.
 """
@@ -27,6 +28,11 @@ STRATEGIES = {
     "TP(8)": ["ici_fsdp_parallelism=1", "ici_tensor_parallelism=-1", "num_query_heads=8", "num_kv_heads=8",
               "per_device_batch_size=1"],
     "DP(2)xFSDP(2)xTP(2)": ["ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"],
+    "PP(2)xDP(2)xTP(2) circular": ["ici_stage_parallelism=2", "ici_data_parallelism=2", "ici_fsdp_parallelism=1",
+                                   "ici_tensor_parallelism=2", "num_decoder_layers=4", "num_pipeline_repeats=2",
+                                   "num_pipeline_microbatches=4"],
+    "PP(4)xFSDP(2) gPipe": ["ici_stage_parallelism=4", "ici_fsdp_parallelism=2", "num_decoder_layers=4",
+                            "num_pipeline_microbatches=8"],
 }
 EXTENDED = {
     "FSDP(4)xTP(2) bf16": [*STRATEGIES["FSDP(4)xTP(2)"], "dtype=bfloat16"],
@@ -34,6 +40,15 @@ EXTENDED = {
                                                  "gradient_accumulation_steps=2"],
     "DP(2)xFSDP(2)xTP(2) remat=minimal unscanned": [*STRATEGIES["DP(2)xFSDP(2)xTP(2)"], "remat_policy=minimal",
                                                     "scan_layers=false"],
+    "PP(2)xFSDP(2)xTP(2) circular bf16": ["ici_stage_parallelism=2", "ici_fsdp_parallelism=2",
+                                          "ici_tensor_parallelism=2", "num_decoder_layers=4",
+                                          "num_pipeline_repeats=2", "num_pipeline_microbatches=4", "dtype=bfloat16"],
+    "PP(2)xFSDP(2)xTP(2) circular ag_once x2 microbatches": [
+        "ici_stage_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2", "num_decoder_layers=4",
+        "num_pipeline_repeats=2", "pipeline_fsdp_ag_once=true", "gradient_accumulation_steps=2"],
+    "PP(2)xDP(2)xFSDP(2) gPipe remat=full": ["ici_stage_parallelism=2", "ici_data_parallelism=2",
+                                             "ici_fsdp_parallelism=2", "num_pipeline_microbatches=2",
+                                             "remat_policy=full"],
 }
 
 

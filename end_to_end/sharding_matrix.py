@@ -4,7 +4,9 @@ gives the single-device run's per-step losses.
     python end_to_end/sharding_matrix.py [--steps 5] [--rtol 1e-5] [key=value ...]
 
 Strategies: DP(8), FSDP(8), FSDP-transpose (configs/fsdp_transpose.yml, FSDP(4)xTP(2)), FSDP(4)xTP(2),
-TP(8), TP-sequence (configs/tp_sequence.yml, FSDP(4)xTP(2)) and DP(2)xFSDP(2)xTP(2); the reference is
+TP(8), TP-sequence (configs/tp_sequence.yml, FSDP(4)xTP(2)), DP(2)xFSDP(2)xTP(2), and gPipe pipelines
+PP(2)xDP(2)xTP(2) and PP(2)xFSDP(4) with pipeline_fsdp_ag_once (circular pipelines need 4+ layers:
+tests/test_pipeline*.py); the reference is
 1 device with the same global batch (8 rows). The tiny dims are chosen so that 8 divides heads, kv heads,
 mlp and vocab (TP(8) needs that). Prints the strategy x step loss matrix and each row's max relative
 difference from the reference, then a PASS/FAIL line; exits non-zero on FAIL.
@@ -50,8 +52,12 @@ STRATEGIES = {  # name: (config file, overrides); all with per_device_batch_size
     "TP-sequence(4x2)": ("tp_sequence.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
     "DP(2)xFSDP(2)xTP(2)": ("base.yml", ["ici_data_parallelism=2", "ici_fsdp_parallelism=2",
                                          "ici_tensor_parallelism=2"]),
+    "PP(2)xDP(2)xTP(2)": ("base.yml", ["ici_stage_parallelism=2", "ici_data_parallelism=2", "ici_fsdp_parallelism=1",
+                                       "ici_tensor_parallelism=2", "num_pipeline_microbatches=4"]),
+    "PP(2)xFSDP(4) ag_once": ("base.yml", ["ici_stage_parallelism=2", "ici_fsdp_parallelism=4",
+                                           "num_pipeline_microbatches=2", "pipeline_fsdp_ag_once=true"]),
 }
-NOT_IMPLEMENTED = {"EP (expert)": "expert parallelism", "PP (stage)": "pipeline parallelism"}
+NOT_IMPLEMENTED = {"EP (expert)": "expert parallelism"}
 
 
 def run_losses(config_file: str, overrides: list[str], devices, workdir: Path) -> list[float]:

@@ -14,7 +14,8 @@ Canonical layout: the decoder layers are stacked on a leading axis of length
 num_decoder_layers under `decoder/layers` (the tree `scan_layers=true` uses). An
 unrolled run (`layers_0 .. layers_{L-1}`) stacks them on save and unstacks on
 restore, so the files depend on neither the mesh nor the layer layout; a
-pipelined layout converts the same way (reshape the leading axis into stages).
+circular pipeline's [R, L/R, ...] stack (maxpar/pipeline) merges its two leading
+axes on save and splits them on restore (a gPipe run's stack is canonical as is).
 
 Why the care on restore: a run is resumed after crashes, preemptions and
 config edits. The newest checkpoint is validated by restoring it; if it cannot
@@ -43,6 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from maxpar import distributed
 from maxpar.config import Config, ConfigError
+from maxpar.pipeline.layout import merge_repeats, split_repeats
 from maxpar.train_step import TrainState
 
 LAYOUT = "maxpar/stacked-layers/v1"
@@ -119,8 +121,8 @@ def save(manager: ocp.CheckpointManager, step: int, state: Any, data_iterator: A
     before it returns too, so the caller may donate `state` to the next step.
     """
     manager.save(step, args=ocp.args.Composite(
-        params=ocp.args.StandardSave(to_canonical(state.params)),
-        opt_state=ocp.args.StandardSave(to_canonical(state.opt_state)),
+        params=ocp.args.StandardSave(to_canonical(state.params, repeats=config.num_pipeline_repeats)),
+        opt_state=ocp.args.StandardSave(to_canonical(state.opt_state, repeats=config.num_pipeline_repeats)),
         meta=ocp.args.JsonSave(checkpoint_meta(step, global_rows)),
         data=grain.checkpoint.CheckpointSave(data_iterator),
         config=ocp.args.JsonSave(config.to_dict()),
@@ -152,13 +154,28 @@ def stack_abstract(leaves: Sequence[jax.ShapeDtypeStruct]) -> jax.ShapeDtypeStru
     return jax.ShapeDtypeStruct((len(leaves), *first.shape), first.dtype, sharding=sharding)
 
 
-def to_canonical(tree: Any, stack: Callable[[Sequence[Any]], Any] = jnp.stack) -> Any:
-    """Unrolled `layers_0 .. layers_{L-1}` entries -> one `layers` entry stacked on a leading axis.
+def merge_repeats_abstract(leaf: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    """Abstract twin of `merge_repeats`: [R, L/R, ...] -> [L, ...] with an unsharded layer axis."""
+    sharding = leaf.sharding
+    if isinstance(sharding, NamedSharding):
+        sharding = NamedSharding(sharding.mesh, PartitionSpec(None, *tuple(sharding.spec)[2:]))
+    return jax.ShapeDtypeStruct((leaf.shape[0] * leaf.shape[1], *leaf.shape[2:]), leaf.dtype, sharding=sharding)
+
+
+def _merge_any(leaf: Any) -> Any:
+    return merge_repeats_abstract(leaf) if isinstance(leaf, jax.ShapeDtypeStruct) else merge_repeats(leaf)
+
+
+def to_canonical(tree: Any, stack: Callable[[Sequence[Any]], Any] = jnp.stack, repeats: int = 1) -> Any:
+    """Unrolled `layers_0 .. layers_{L-1}` entries -> one `layers` entry stacked on a leading axis;
+    with repeats > 1, a circular pipeline's `layers` [R, L/R, ...] -> [L, ...].
 
     Applies to every dict in the tree (parameters and the optimizer's per-parameter moments
-    alike); a tree without unrolled layers (scan layout) comes back unchanged.
+    alike); a tree in the scan layout (repeats = 1) comes back unchanged.
     """
     def convert(node: Any) -> Any:
+        if _is_stacked(node) and repeats > 1:
+            return {**node, STACKED: jax.tree.map(_merge_any, node[STACKED])}
         if not _is_unrolled(node):
             return node
         names = sorted((key for key in node if _layer_index(key) is not None), key=_layer_index)
@@ -166,7 +183,16 @@ def to_canonical(tree: Any, stack: Callable[[Sequence[Any]], Any] = jnp.stack) -
             raise ValueError(f"unrolled layers are not numbered 0..{len(names) - 1}: {names}")
         rest = {key: value for key, value in node.items() if key not in names}
         return {**rest, STACKED: jax.tree.map(lambda *xs: stack(xs), *[node[name] for name in names])}
-    return jax.tree.map(convert, tree, is_leaf=_is_unrolled)
+    return jax.tree.map(convert, tree, is_leaf=lambda node: _is_unrolled(node) or _is_stacked(node))
+
+
+def to_repeats(tree: Any, repeats: int) -> Any:
+    """The inverse of `to_canonical` for a circular pipeline: `layers` [L, ...] -> [R, L/R, ...]."""
+    def convert(node: Any) -> Any:
+        if not _is_stacked(node):
+            return node
+        return {**node, STACKED: jax.tree.map(lambda x: split_repeats(x, repeats), node[STACKED])}
+    return jax.tree.map(convert, tree, is_leaf=_is_stacked)
 
 
 def from_canonical(tree: Any, num_layers: int) -> Any:
@@ -195,12 +221,14 @@ class Target:
         """Restore target of `item` in the canonical layout, with this run's shardings."""
         abstract, shardings = getattr(self.abstract_state, item), getattr(self.shardings, item)
         tree = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-        return to_canonical(tree, stack=stack_abstract)
+        return to_canonical(tree, stack=stack_abstract, repeats=self.config.num_pipeline_repeats)
 
     def in_memory(self, item: str, restored: Any) -> Any:
         """A restored canonical `item` in this run's layer layout and shardings."""
         if not self.config.scan_layers:
             restored = from_canonical(restored, self.config.num_decoder_layers)
+        elif self.config.num_pipeline_repeats > 1:
+            restored = to_repeats(restored, self.config.num_pipeline_repeats)
         return jax.device_put(restored, getattr(self.shardings, item))
 
     def state(self, step: int, params: Any, opt_state: Any) -> Any:

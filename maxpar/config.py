@@ -116,6 +116,13 @@ class Config:
     dcn_tensor_parallelism: int = _key("tensor-parallel degree across slices (-1 = fill)", min=-1)
     dcn_expert_parallelism: int = _key("expert-parallel degree across slices (-1 = fill)", min=-1)
     dcn_stage_parallelism: int = _key("pipeline stages across slices (-1 = fill)", min=-1)
+    # Pipeline (stages S = ici_stage_parallelism x dcn_stage_parallelism; maxpar/pipeline/)
+    num_pipeline_microbatches: int = _key("microbatches M streamed through the pipeline stages per step "
+                                          "(-1 = the number of stages S)", min=1, allow=(-1,))
+    num_pipeline_repeats: int = _key("pipeline repeats R: 1 = gPipe; R > 1 = circular, each stage runs R "
+                                     "blocks of num_decoder_layers / (S x R) layers", min=1)
+    pipeline_fsdp_ag_once: bool = _key("all-gather the FSDP-sharded stage weights once per step before the "
+                                       "pipeline loop instead of every iteration (more memory, less communication)")
     # Multi-process jobs (maxpar/distributed.py; '' / -1 = from the environment GKE, XPK or launch.local set)
     coordinator_address: str = _key("HOST:PORT of process 0's JAX coordinator ('' = from the environment, "
                                     "'auto' = JAX's own cluster detection)")
@@ -370,6 +377,8 @@ def validate(config: Config) -> None:
     if config.dataset_type == "text" and not config.dataset_path:
         raise ConfigError("dataset_type=text needs dataset_path (a glob of text files)")
     _validate_attention(config)
+    stages = static_pipeline_stages(config)
+    check_pipeline(config, stages)
     if config.load_parameters_path and config.load_full_state_path:
         raise ConfigError(f"load_parameters_path={config.load_parameters_path!r} and load_full_state_path="
                           f"{config.load_full_state_path!r}: set at most one (parameters only, or the full state)")
@@ -393,6 +402,52 @@ def _validate_attention(config: Config) -> None:
         raise ConfigError(f"{name} with dataset_type={config.dataset_type}: this mask is causal only and would let "
                           f"a token attend to the previous documents packed into its row; use "
                           f"attention=cudnn_flash (packed-document mask) or dataset_type=synthetic (one document per row)")
+
+
+def static_pipeline_stages(config: Config) -> int | None:
+    """S = ici x dcn stage degree when the config alone fixes it (None when one of them is -1, filled per mesh)."""
+    if -1 in (config.ici_stage_parallelism, config.dcn_stage_parallelism):
+        return None
+    return config.ici_stage_parallelism * config.dcn_stage_parallelism
+
+
+def check_pipeline(config: Config, stages: int | None) -> None:
+    """Pipeline keys against each other and the number of stages S (None: not known yet, checked again at setup).
+
+    The batch-dependent rules (microbatch rows divisible by M) need the device count and are checked
+    where the mesh is resolved (`maxpar.pipeline.layout.check_batch`).
+    """
+    layers, repeats, micro = config.num_decoder_layers, config.num_pipeline_repeats, config.num_pipeline_microbatches
+    if repeats > 1 and layers % repeats:
+        raise ConfigError(f"num_pipeline_repeats={repeats}: num_decoder_layers={layers} must be divisible by it "
+                          f"(each stage runs {repeats} blocks of num_decoder_layers / (stages x repeats) layers)")
+    if repeats > 1 and not config.scan_layers:
+        raise ConfigError(f"num_pipeline_repeats={repeats} needs scan_layers=true (pipelining runs the scanned "
+                          f"layer stack)")
+    if stages is None:
+        return
+    stage_keys = f"ici_stage_parallelism={config.ici_stage_parallelism} x dcn_stage_parallelism=" \
+                 f"{config.dcn_stage_parallelism} = {stages} stage(s)"
+    if stages == 1:
+        extra = [f"{key}={value}" for key, value, default in (
+            ("num_pipeline_repeats", repeats, 1), ("num_pipeline_microbatches", micro, -1),
+            ("pipeline_fsdp_ag_once", config.pipeline_fsdp_ag_once, False)) if value != default]
+        if extra:
+            raise ConfigError(f"{', '.join(extra)} need(s) pipeline stages, but {stage_keys}; set "
+                              f"ici_stage_parallelism (or dcn_stage_parallelism) > 1, or drop these keys")
+        return
+    if not config.scan_layers:
+        raise ConfigError(f"{stage_keys} needs scan_layers=true: the pipeline runs the scanned layer stack "
+                          f"(scan_layers=false is not supported with pipelining)")
+    if stages > layers:
+        raise ConfigError(f"{stage_keys} exceeds num_decoder_layers={layers}: every stage needs at least one layer")
+    if layers % (stages * repeats):
+        raise ConfigError(f"num_decoder_layers={layers} must be divisible by stages x num_pipeline_repeats = "
+                          f"{stages} x {repeats} = {stages * repeats} ({stage_keys})")
+    if repeats > 1 and micro != -1 and micro < stages:
+        raise ConfigError(f"num_pipeline_repeats={repeats} (circular) needs num_pipeline_microbatches >= the "
+                          f"{stages} stages, got {micro}: a microbatch leaving the last stage must find stage 0 "
+                          f"free (the seed recommends 2 x stages)")
 
 
 def to_yaml(config: Config) -> str:

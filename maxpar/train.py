@@ -30,6 +30,8 @@ from maxpar.metrics import (MetricsWriter, parameter_counts, peak_flops, rewind_
 from maxpar.model import Transformer
 from maxpar.model.attention import check_attention_backend
 from maxpar.optimizer import make_optimizer
+from maxpar.pipeline.layout import pipeline_for_run
+from maxpar.pipeline.schedule import Schedule
 from maxpar.sharding import batch_sharding, dim_axes, dim_degree
 from maxpar.train_step import BATCH_KEYS, create_state, jit_eval_step, jit_train_step, state_shardings
 
@@ -120,6 +122,7 @@ class RunSetup:
     state_shardings: Any
     train_data: grain.IterDataset
     eval_data: Callable[[], grain.IterDataset] | None
+    pipeline: Schedule | None = None    # None: one stage, no pipelining
 
     def compile_train_step(self) -> Any:
         """Ahead-of-time compiled train step for this run's state and batch layout."""
@@ -137,12 +140,14 @@ def setup_run(config: Config, devices: Sequence[jax.Device] | None = None) -> Ru
     shape = batch_shape(config, len(devices))
     in_sharding = batch_sharding(mesh, config.axis_rules)
     check_batch_layout(config, in_sharding, shape)
-    shard_index, shard_count = process_batch_block(in_sharding, (shape.global_rows, config.max_target_length))
+    schedule = pipeline_for_run(config, dict(mesh.shape), shape.microbatch_rows)
+    block_index, block_count = process_batch_block(in_sharding, (shape.global_rows, config.max_target_length))
     train_data, eval_data = make_datasets(config, global_rows=shape.global_rows, eval_rows=shape.microbatch_rows,
-                                          shard_index=shard_index, shard_count=shard_count)
+                                          shard_index=block_index, shard_count=block_count)
     model, tx = Transformer(config), make_optimizer(config)
     abstract, shardings = state_shardings(model, tx, config, mesh)
-    return RunSetup(config, devices, mesh, shape, in_sharding, model, tx, abstract, shardings, train_data, eval_data)
+    return RunSetup(config, devices, mesh, shape, in_sharding, model, tx, abstract, shardings, train_data, eval_data,
+                    schedule)
 
 
 def _print_header(run: RunSetup, run_dir: Path, peak: float | None, log: Callable[[str], None]) -> None:
@@ -157,6 +162,9 @@ def _print_header(run: RunSetup, run_dir: Path, peak: float | None, log: Callabl
         f"tokens/step ({config.gradient_accumulation_steps} microbatch(es)); "
         f"{training_flops_per_token(config):.3e} FLOPs/token; "
         f"peak {'unknown' if peak is None else f'{peak:.3e}'} FLOP/s per device")
+    if run.pipeline is not None:
+        log(f"  {run.pipeline.describe()}")
+        log(f"    layers per stage: {run.pipeline.assignment()}")
 
 
 def initial_state(run: RunSetup, manager: Any, iterator: Any, log: Callable[[str], None]) -> Any:

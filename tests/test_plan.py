@@ -187,10 +187,10 @@ def test_multislice_data_parallelism_crosses_dcn_hierarchically():
 
 def test_pipeline_is_predicted_with_its_bubble_and_permutes():
     result = plan(*LLAMA70, "per_device_batch_size=0.5", "ici_stage_parallelism=4", "ici_tensor_parallelism=8",
-                  "gradient_accumulation_steps=8", "ici_fsdp_parallelism=-1", devices=4096)
+                  "num_pipeline_microbatches=8", "ici_fsdp_parallelism=-1", devices=4096)
     assert result["pipeline_bubble"] == pytest.approx(3 / 11)
     assert any(c["collective"] == "collective-permute" and c["axis"] == "stage" for c in result["comms"])
-    assert any("does not pipeline yet" in w for w in result["warnings"])
+    assert result["pipeline"].startswith("gPipe pipeline: S=4 stages, M=8 microbatches")
     assert result["step_time_s"] > sum(result["compute_time_by_phase_s"].values()) / (1 - 3 / 11) * 0.99
 
 

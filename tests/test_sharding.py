@@ -185,7 +185,7 @@ def test_batch_input_sharding(built):
     mesh, config = built.mesh, built.config
     sharding = batch_sharding(mesh, config.axis_rules)
     spec = normalize(sharding.spec, 2)
-    assert spec[0] == ("data", "fsdp", "expert")
+    assert spec[0] == ("data", "fsdp", "expert", "stage")  # outside a pipeline loop its stages split the batch
     assert spec == resolve(("activation_batch", "activation_length"), config.axis_rules)
     blocks = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
     length_pieces = pieces(spec[1:], mesh)
@@ -346,7 +346,7 @@ def test_check_divisible_directly():
 def test_tp_sequence_rules_move_length_to_tensor():
     base = config_for("base.yml", *FSDP4_TP2).axis_rules
     seq = config_for("tp_sequence.yml", *FSDP4_TP2).axis_rules
-    batch = ("data", "fsdp", "expert")
+    batch = ("data", "fsdp", "expert", "stage")
     assert normalize(nn.logical_to_mesh_axes(RESIDUAL, list(base)), 3) == (batch, None, None)
     assert normalize(nn.logical_to_mesh_axes(RESIDUAL, list(seq)), 3) == (batch, ("tensor",), None)
     assert normalize(nn.logical_to_mesh_axes(MLP_HIDDEN, list(base)), 3) == (batch, None, ("tensor",))
@@ -381,7 +381,7 @@ def _constraints(preset: str) -> dict[tuple[int, ...], set[tuple[frozenset, ...]
 
 
 def test_tp_sequence_lowered_constraints_split_length():
-    batch = frozenset({"data", "fsdp", "expert"})
+    batch = frozenset({"data", "fsdp", "expert", "stage"})
     none, tensor = frozenset(), frozenset({"tensor"})
     base, seq = _constraints("base.yml"), _constraints("tp_sequence.yml")
     # Residual stream [4, 16, 64] splits on sequence; the MLP hidden [4, 16, 128] stays split on mlp (the seed's

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from maxpar.config import Config
 from maxpar.model.layers import RESIDUAL, Attention, Mlp, RMSNorm, constrain
+from maxpar.pipeline.layout import REPEATS, STAGED, merge_repeats, resolve_schedule, split_repeats
+from maxpar.pipeline.spmd import pipeline, through_stage_vmap
 
 Array = jax.Array
 
@@ -31,26 +35,82 @@ class DecoderLayer(nn.Module):
         return x, None
 
 
+def _boxed(fn):
+    """Apply an array function to a leaf, or to the value of a logically partitioned (boxed) leaf."""
+    def apply(leaf, names):
+        if isinstance(leaf, nn.LogicallyPartitioned):
+            return leaf.replace(value=fn(leaf.value), names=names(tuple(leaf.names)))
+        return fn(leaf)
+    return apply
+
+
+def _split_repeats(repeats: int, tree):
+    leaf = _boxed(lambda x: split_repeats(x, repeats))
+    return jax.tree.map(lambda x: leaf(x, lambda names: (REPEATS, *names)), tree,
+                        is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+
+
+def _merge_repeats(tree):
+    leaf = _boxed(merge_repeats)
+    return jax.tree.map(lambda x: leaf(x, lambda names: names[1:]), tree,
+                        is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+
+
+def layer_stack(layer: type[nn.Module], length: int, repeats: int = 1) -> type[nn.Module]:
+    """`layer` scanned over a stacked `layers` axis of `length`.
+
+    With repeats > 1 (a circular pipeline) the parameters are stored [R, length / R, ...] with a
+    leading `pipeline_repeats` axis, so that the stages can split the second axis; the scan sees
+    them reshaped to [length, ...]. Layer r * length/R + i sits at [r, i]: the same initial values
+    as the canonical stack, and merging the two axes gives the canonical layout back.
+    """
+    stack = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
+                    in_axes=(nn.broadcast, nn.broadcast), length=length,
+                    metadata_params={nn.PARTITION_NAME: STAGED})
+    if repeats == 1:
+        return stack
+    return nn.map_variables(stack, "params", trans_in_fn=_merge_repeats, trans_out_fn=partial(_split_repeats, repeats),
+                            init=True, mutable=True)
+
+
+def _layer(cfg: Config, under_stage_vmap: bool = False) -> type[nn.Module]:
+    """DecoderLayer, rematerialized per `remat_policy` (as the pipeline's vmap over stages sees it)."""
+    if cfg.remat_policy == "none":
+        return DecoderLayer
+    policy = REMAT_POLICIES[cfg.remat_policy]
+    return nn.remat(DecoderLayer, policy=through_stage_vmap(policy) if under_stage_vmap else policy,
+                    prevent_cse=not cfg.scan_layers)
+
+
 class Decoder(nn.Module):
-    """The layer stack: `nn.scan` with a stacked `layers` axis, or a Python loop."""
+    """The layer stack: `nn.scan` with a stacked `layers` axis, or a Python loop; pipelined over the
+    `stage` mesh axis when the mesh in context has more than one stage (maxpar/pipeline)."""
 
     config: Config
 
     @nn.compact
     def __call__(self, x: Array, positions: Array, segment_ids: Array) -> Array:
         cfg = self.config
-        layer = DecoderLayer
-        if cfg.remat_policy != "none":
-            layer = nn.remat(layer, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=not cfg.scan_layers)
-        if cfg.scan_layers:
-            stack = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
-                            in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_decoder_layers,
-                            metadata_params={nn.PARTITION_NAME: "layers"})
-            x, _ = stack(cfg, name="layers")(x, positions, segment_ids)
-        else:
+        layer = _layer(cfg)
+        if not cfg.scan_layers:
             for i in range(cfg.num_decoder_layers):
                 x, _ = layer(cfg, name=f"layers_{i}")(x, positions, segment_ids)
-        return x
+            return x
+        stack = layer_stack(layer, cfg.num_decoder_layers, cfg.num_pipeline_repeats)
+        rules = nn.get_logical_axis_rules()
+        schedule = resolve_schedule(cfg, jax.sharding.get_abstract_mesh().shape, rules)
+        if schedule is None or self.is_initializing():  # one stage, or creating the parameters: in order
+            x, _ = stack(cfg, name="layers")(x, positions, segment_ids)
+            return x
+        block = layer_stack(_layer(cfg, under_stage_vmap=True), schedule.layers_per_block)
+
+        def run_block(params, x, positions, segment_ids):
+            return block(cfg).apply({"params": params}, x, positions, segment_ids)[0]
+
+        abstract = jax.eval_shape(stack(cfg).init, jax.random.key(0), x, positions, segment_ids)
+        return pipeline(run_block, self.variables["params"]["layers"], nn.get_partition_spec(abstract)["params"],
+                        x, (positions, segment_ids), schedule=schedule, rules=rules, x_axes=RESIDUAL,
+                        side_axes=RESIDUAL[:2], gather_once=cfg.pipeline_fsdp_ag_once)
 
 
 class Transformer(nn.Module):

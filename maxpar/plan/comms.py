@@ -17,8 +17,16 @@ real model through its shardings (a `Layout`), not to a two-matrix caricature:
 - The token-embedding lookup: the model gathers the table's embed shards first
   (an FSDP gather, once per step) so the looked-up rows land batch-sharded; a
   vocab-sharded table looks up its own rows and all-reduces them.
-- PP (`stage`): activations permuted to the next stage, twice per microbatch
-  each way (sharding-strategies.md: "4BE bytes per stage").
+- PP (`stage`), as maxpar.pipeline.spmd runs it: per iteration of the
+  M x R + S - 1, one collective-permute of a pipeline microbatch's activations to
+  the next stage in the forward pass and one back in the backward pass; once per
+  step the pipeline output is all-reduced to every stage (the loss head runs on
+  each) and the input gradient summed over the stages. Layers run every
+  iteration, bubble included, on 1/M of the batch: per-layer TP collectives
+  scale by 1 / (1 - bubble). Stage weights are gathered per iteration (their
+  gradients reduce-scattered per iteration), or once per step with
+  pipeline_fsdp_ag_once; reductions over the batch axes the loop runs per
+  replica (`manual_batch_axes`) happen once per step, outside the loop.
 - Multi-slice: a collective over an axis with a DCN degree is hierarchical:
   reduce-scatter over ICI, all-reduce across DCN on the shard, all-gather back.
 
@@ -35,7 +43,8 @@ from collections.abc import Iterable
 
 from maxpar.plan.hlo import wire_bytes
 from maxpar.plan.layout import Layout, Tensor
-from maxpar.plan.model_math import dtype_bytes, layer_split
+from maxpar.pipeline.spmd import manual_batch_axes
+from maxpar.plan.model_math import dtype_bytes, layer_split, tp_degrees
 
 FORWARD, BACKWARD = "forward", "backward"
 
@@ -99,7 +108,7 @@ def hierarchical(layout: Layout, pattern: str, axes: Iterable[str], collective: 
 
 def _fsdp_axes(layout: Layout, tensor: Tensor) -> tuple[str, ...]:
     """Axes that shard both this weight and the batch: the weight must be gathered."""
-    return layout.live(a for a in tensor.axes if a in layout.batch_axes)
+    return layout.live(a for a in tensor.axes if a in layout.weight_batch_axes(tensor))
 
 
 def _tp_axes(layout: Layout, tensor: Tensor | None, logical: str) -> tuple[str, ...]:
@@ -109,33 +118,56 @@ def _tp_axes(layout: Layout, tensor: Tensor | None, logical: str) -> tuple[str, 
     return layout.live(a for a in tensor.dim_axes(logical) if a not in layout.batch_axes)
 
 
+def pipeline_manual_axes(layout: Layout) -> tuple[str, ...]:
+    """The batch axes a pipelined step runs per replica (maxpar.pipeline.spmd): reduced once per step."""
+    gathered_once = layout.config.pipeline_fsdp_ag_once
+    stacked = [t for t in layout.params() if t.layered]
+    loop_batch = layout.weight_batch_axes(stacked[0])
+    weight_axes = set().union(*(t.axes - set(loop_batch) if gathered_once else t.axes for t in stacked))
+    return manual_batch_axes(loop_batch, weight_axes)
+
+
 def weight_comms(layout: Layout, microbatches: int) -> list[Comm]:
     """FSDP all-gathers and the gradient reduce-scatters / all-reduces of every weight."""
     config = layout.config
     comms = []
+    pipe = layout.pipeline
+    # A pipeline gathers a stage's stacked weights one block (1/R of them) per iteration in each pass and
+    # reduces their gradient per iteration over the batch axes it does not run per replica; with
+    # pipeline_fsdp_ag_once it gathers them once per step (hoisted out of gradient accumulation too).
+    per_iteration = pipe.num_iterations / pipe.num_repeats if pipe else 1.0
+    once = pipe is not None and config.pipeline_fsdp_ag_once
+    manual = pipeline_manual_axes(layout) if pipe else ()
     for t in layout.params():
         elements = layout.local_bytes(t) / dtype_bytes(t.dtype)
         # Matmul weights are cast to `dtype` before use, so gathers and gradient partial sums are in
         # `dtype`; norm scales are used and differentiated in float32; the token table is gathered
         # and looked up in its own dtype.
         dtype = {"norm": "float32", "embedding": t.dtype}.get(t.role, config.dtype)
+        if once and t.layered:  # gathered (and its gradient reduced) before the cast to `dtype`
+            dtype = t.dtype
         size = elements * dtype_bytes(dtype)
         name = t.path.replace(".params", "").replace("['", "").replace("']", "/").rstrip("/")
         gather = _fsdp_axes(layout, t)
         full = size * math.prod(layout.degree(a) for a in gather)
+        looped = microbatches * (per_iteration if t.layered and not once else 1.0)  # gradient reductions
         if gather:
-            if t.layered:
+            if t.layered and once:
+                comms += hierarchical(layout, "FSDP stage-weight all-gather (once per step: pipeline_fsdp_ag_once)",
+                                      gather, "all-gather", size, count=1, phase=FORWARD, dtype=dtype,
+                                      scales=False, tensor=name)
+            elif t.layered:
                 for phase in (FORWARD, BACKWARD):
                     comms += hierarchical(layout, f"FSDP weight all-gather ({phase})", gather, "all-gather",
-                                          size, count=microbatches, phase=phase, dtype=dtype, scales=False,
-                                          tensor=name)
+                                          size, count=microbatches * per_iteration, phase=phase, dtype=dtype,
+                                          scales=False, tensor=name)
             else:
                 # Outside the layer scan the gathered weight is one array that the forward and the
                 # backward matmul share: one gather per step.
                 comms += hierarchical(layout, "FSDP weight all-gather (once per step)", gather,
                                       "all-gather", size, count=1, phase=FORWARD, dtype=dtype, scales=False,
                                       top_level_gather=t.role != "embedding", tensor=name)
-        token_axes = set(layout.batch_axes)
+        token_axes = set(layout.weight_batch_axes(t))
         if t.role == "norm":  # a norm's input is the residual stream: reduce over every axis splitting its tokens
             token_axes |= set(layout.residual_axes[1])
         reduce = layout.live(a for a in token_axes if a not in t.axes)
@@ -148,7 +180,13 @@ def weight_comms(layout: Layout, microbatches: int) -> list[Comm]:
             continue
         if gather:
             comms += hierarchical(layout, "FSDP gradient reduce-scatter", gather, "reduce-scatter", full,
-                                  count=microbatches, phase=BACKWARD, dtype=dtype, scales=False, tensor=name)
+                                  count=looped, phase=BACKWARD, dtype=dtype, scales=False, tensor=name)
+        if pipe and t.layered:  # inside the loop over the axes it does not run per replica
+            inner = tuple(a for a in reduce if a not in manual)
+            comms += hierarchical(layout, "DP gradient all-reduce (per pipeline iteration)", inner, "all-reduce",
+                                  size, count=microbatches * per_iteration, phase=BACKWARD, dtype=dtype,
+                                  scales=False, tensor=name)
+            reduce = tuple(a for a in reduce if a in manual)
         comms += hierarchical(layout, "DP gradient all-reduce", reduce, "all-reduce", size,
                               count=microbatches, phase=BACKWARD, dtype=dtype, scales=False, tensor=name)
     return comms
@@ -158,11 +196,16 @@ def activation_comms(layout: Layout, tokens: float, microbatches: int) -> list[C
     """Tensor-parallel activations per layer and the vocab-parallel loss; tokens = one microbatch's per batch shard."""
     config = layout.config
     a = dtype_bytes(config.dtype)
-    layers = config.num_decoder_layers / layer_split(layout)  # a pipeline stage runs its share of the layers
+    pipe = layout.pipeline
     residual = tokens * config.emb_dim * a
+    if pipe:  # every iteration (bubble too) runs a block of layers on one pipeline microbatch of all stages' rows
+        count = pipe.num_iterations * pipe.layers_per_block * microbatches
+        layer_residual = residual * pipe.num_stages / pipe.num_microbatches
+    else:
+        count = config.num_decoder_layers / layer_split(layout) * microbatches
+        layer_residual = residual
     sequence_sharded = layout.live(a for a in layout.residual_axes[1] + layout.residual_axes[2]
                                    if a not in layout.batch_axes)
-    count = layers * microbatches
     comms: list[Comm] = []
 
     def block(label: str, axes: tuple[str, ...], parts: int) -> None:
@@ -174,12 +217,12 @@ def activation_comms(layout: Layout, tokens: float, microbatches: int) -> list[C
             steps.append((BACKWARD, "output all-reduce recomputed by remat=full", 1))
         for phase, what, cpu_parts in steps:
             if any(x in sequence_sharded for x in axes):  # sequence parallel: all-gather before, reduce-scatter after
-                for collective, size in (("all-gather", residual / math.prod(layout.degree(x) for x in axes)),
-                                         ("reduce-scatter", residual)):
+                for collective, size in (("all-gather", layer_residual / math.prod(layout.degree(x) for x in axes)),
+                                         ("reduce-scatter", layer_residual)):
                     comms.extend(hierarchical(layout, f"TP {label} {collective} ({phase})", axes, collective, size,
                                               count=count, phase=phase, dtype=config.dtype, scales=True))
             else:
-                comms.extend(hierarchical(layout, f"TP {label} {what} ({phase})", axes, "all-reduce", residual,
+                comms.extend(hierarchical(layout, f"TP {label} {what} ({phase})", axes, "all-reduce", layer_residual,
                                           count=count, phase=phase, dtype=config.dtype, scales=True,
                                           cpu_parts=cpu_parts))
 
@@ -204,11 +247,28 @@ def activation_comms(layout: Layout, tokens: float, microbatches: int) -> list[C
                               "all-reduce", residual, count=microbatches, phase=BACKWARD, dtype=config.dtype,
                               scales=True)
     stage_axes = layout.live(("stage",))
-    if stage_axes:
-        # sharding-strategies.md: two collective permutes of the [B, E] stage output per stage and microbatch.
-        for phase in (FORWARD, BACKWARD):
-            comms += hierarchical(layout, f"PP stage-boundary permutes ({phase})", stage_axes, "collective-permute",
-                                  residual, count=2 * microbatches, phase=phase, dtype=config.dtype, scales=True)
+    if pipe and stage_axes:
+        tp = tp_degrees(layout)
+        local = 1 / (tp["length"] * tp["embed"])  # the stage state [b, T, emb] is sharded like the residual stream
+        for phase in (FORWARD, BACKWARD):  # the roll to the next stage, and its transpose
+            comms += hierarchical(layout, f"PP stage-to-stage collective-permute ({phase})", stage_axes,
+                                  "collective-permute", layer_residual * local,
+                                  count=pipe.num_iterations * microbatches, phase=phase, dtype=config.dtype,
+                                  scales=True)
+        # Outside the loop the stages split the batch: its input is gathered over them, and stage 0's
+        # outputs scattered back (a reduce-scatter of the output left on stage 0); the reverse when differentiated.
+        whole = residual * local * pipe.num_stages
+        for phase, rows in ((FORWARD, "input"), (BACKWARD, "output-gradient")):
+            comms += hierarchical(layout, f"PP {rows} rows all-gather over the stages ({phase})", stage_axes,
+                                  "all-gather", residual * local, count=microbatches, phase=phase,
+                                  dtype=config.dtype, scales=True)
+        for phase, rows in ((FORWARD, "output"), (BACKWARD, "input-gradient")):
+            comms += hierarchical(layout, f"PP {rows} rows reduce-scatter over the stages ({phase})", stage_axes,
+                                  "reduce-scatter", whole, count=microbatches, phase=phase, dtype=config.dtype,
+                                  scales=True)
+        comms += hierarchical(layout, "PP positions and segment ids all-gather over the stages (forward)",
+                              stage_axes, "all-gather", 2 * tokens / tp["length"] * 4, count=microbatches,
+                              phase=FORWARD, dtype="int32", scales=True)
     return comms
 
 

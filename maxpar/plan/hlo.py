@@ -60,6 +60,7 @@ class Collective:
     op_name: str                        # jax-level provenance from the metadata
     operands: tuple[Operand, ...] = ()
     unknown_trip_count: bool = False
+    moving_fraction: float = 1.0        # collective-permute: share of the program's devices that send elsewhere
 
     @property
     def group_size(self) -> int:
@@ -263,15 +264,19 @@ def collectives(hlo_text: str, num_partitions: int) -> list[Collective]:
                 operands.append(Operand(size, dtype, provenance.get(operand, op_name)))
             operand_bytes = sum(o.nbytes for o in operands)
             dtypes = {o.dtype for o in operands}
+            moving = 1.0
             if kind == "collective-permute":
                 pairs = re.findall(r"\{(\d+),(\d+)\}", _attr(line, "source_target_pairs") or "")
                 groups = tuple((int(a), int(b)) for a, b in pairs)
+                # A transposed roll is split into permutes that each move some devices' data only.
+                moving = len({s for s, t in groups if s != t}) / max(num_partitions, len(groups), 1)
             else:
                 groups = tuple(tuple(g) for g in parse_replica_groups(_replica_text(line), num_partitions))
             found.append(Collective(
                 name=m.group("name"), kind=kind, dtype=dtypes.pop() if len(dtypes) == 1 else "mixed",
                 operand_bytes=operand_bytes, groups=groups, count=multiplier.get(name, 0), computation=name,
-                op_name=op_name, operands=tuple(operands), unknown_trip_count=name in unknown))
+                op_name=op_name, operands=tuple(operands), unknown_trip_count=name in unknown,
+                moving_fraction=moving))
     return found
 
 
@@ -297,11 +302,15 @@ def axis_partitions(axis_sizes: Mapping[str, int]) -> dict[tuple[str, ...], froz
 
 def label_groups(collective: Collective, axis_sizes: Mapping[str, int],
                  partitions: Mapping[tuple[str, ...], frozenset[frozenset[int]]] | None = None) -> str:
-    """The mesh axes a collective runs over, e.g. 'fsdp' or 'data+fsdp'; 'none' if it moves nothing."""
+    """The mesh axes a collective runs over, e.g. 'fsdp' or 'data+fsdp'; 'none' if it moves nothing.
+
+    Groups that split one axis into sub-axes (XLA decomposes a 4-way all-gather into two 2-way
+    steps) are labelled with the axes their members differ along; anything else is 'irregular'.
+    """
     names = list(axis_sizes)
+    coords = np.stack(np.unravel_index(np.arange(math.prod(axis_sizes.values())),
+                                       [axis_sizes[a] for a in names]), axis=1)
     if collective.kind == "collective-permute":
-        coords = np.stack(np.unravel_index(np.arange(math.prod(axis_sizes.values())),
-                                           [axis_sizes[a] for a in names]), axis=1)
         moved = {names[i] for s, t in collective.groups if s != t
                  for i in np.nonzero(coords[s] != coords[t])[0].tolist()}
         return "+".join(a for a in names if a in moved) or "none"
@@ -312,6 +321,11 @@ def label_groups(collective: Collective, axis_sizes: Mapping[str, int],
     for subset, groups in partitions.items():
         if groups == observed:
             return "+".join(subset)
+    covered = sorted(d for g in collective.groups for d in g)
+    varying = [{names[i] for i in np.nonzero((coords[list(g)] != coords[g[0]]).any(axis=0))[0].tolist()}
+               for g in collective.groups]
+    if covered == list(range(len(coords))) and all(v == varying[0] for v in varying) and varying[0]:
+        return "+".join(a for a in names if a in varying[0])
     return "irregular"
 
 
@@ -338,11 +352,8 @@ def wire_bytes(kind: str, operand_bytes: float, group_size: int, moving_fraction
 
 
 def collective_wire_bytes(collective: Collective) -> float:
-    """Bytes per device per execution of a parsed collective."""
-    fraction = 1.0
-    if collective.kind == "collective-permute" and collective.groups:
-        fraction = sum(1 for s, t in collective.groups if s != t) / len(collective.groups)
-    return wire_bytes(collective.kind, collective.operand_bytes, collective.group_size, fraction)
+    """Bytes per device per execution of a parsed collective (a permute: averaged over the program's devices)."""
+    return wire_bytes(collective.kind, collective.operand_bytes, collective.group_size, collective.moving_fraction)
 
 
 def while_loops(hlo_text: str) -> list[tuple[str, int | None, int]]:

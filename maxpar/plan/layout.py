@@ -27,6 +27,8 @@ from maxpar.mesh import MeshShape
 from maxpar.model import Transformer
 from maxpar.model.layers import RESIDUAL
 from maxpar.optimizer import make_optimizer
+from maxpar.pipeline.layout import STAGE_AXIS, resolve_schedule
+from maxpar.pipeline.schedule import Schedule
 from maxpar.sharding import batch_sharding, check_divisible, dim_axes, entry_axes, logical_specs, mesh_shardings
 from maxpar.train_step import init_state
 
@@ -116,6 +118,19 @@ class Layout:
     @property
     def batch_degree(self) -> int:
         return math.prod(self.degree(a) for a in self.batch_axes)
+
+    @property
+    def pipeline(self) -> Schedule | None:
+        """The pipeline schedule the trainer would run on this mesh (None: one stage)."""
+        return resolve_schedule(self.config, dict(zip(self.mesh.axis_names, self.mesh.shape)), self.config.axis_rules)
+
+    def weight_batch_axes(self, tensor: Tensor) -> tuple[str, ...]:
+        """The batch axes whose shards use `tensor` on different rows (its gradient sums over them, FSDP
+        gathers over those that shard it): all of them, but a pipeline's stages for its stacked layers,
+        which every stage runs on all rows of its data-parallel shard."""
+        if tensor.layered and self.mesh.degree(STAGE_AXIS) > 1:
+            return tuple(a for a in self.batch_axes if a != STAGE_AXIS)
+        return self.batch_axes
 
     def params(self, role: str | None = None) -> list[Tensor]:
         return [t for t in self.tensors if t.group == "params" and (role is None or t.role == role)]

@@ -83,16 +83,24 @@ def layer_split(layout: Layout) -> int:
 
 
 def gathered_weight_bytes(config: Config, layout: Layout) -> float:
-    """FSDP-gathered copies alive at once: two decoder layers' (this and the next), and the top-level weights."""
+    """FSDP-gathered copies alive at once: two decoder layers' (this and the next), and the top-level weights.
+
+    With pipeline_fsdp_ag_once a pipeline keeps its stage's whole stack gathered through the loop.
+    """
+    whole_stage = layout.pipeline is not None and config.pipeline_fsdp_ag_once
     total = 0.0
     for t in layout.params():
-        if not any(a in layout.batch_axes and layout.degree(a) > 1 for a in t.axes):
+        batch = layout.weight_batch_axes(t)
+        if not any(a in batch and layout.degree(a) > 1 for a in t.axes):
             continue  # nothing to gather
         kept = _degree(layout, [a for dim, axes in zip(t.logical, t.mesh_axes) if dim != "layers"
-                                for a in axes if a not in layout.batch_axes])
-        size = t.dtype if t.role == "embedding" else config.dtype  # the table is gathered in its own dtype
+                                for a in axes if a not in batch])
+        # The table is gathered in its own dtype, and so are the stage weights gathered before the pipeline loop.
+        size = t.dtype if t.role == "embedding" or (whole_stage and t.layered) else config.dtype
         gathered = t.size / kept * dtype_bytes(size)
-        total += gathered / config.num_decoder_layers * 2 if t.layered else gathered
+        if t.layered:
+            gathered = gathered / layer_split(layout) if whole_stage else gathered / config.num_decoder_layers * 2
+        total += gathered
     return total
 
 
@@ -108,9 +116,18 @@ def memory_per_device(config: Config, layout: Layout, tokens_per_microbatch: flo
     if config.gradient_accumulation_steps > 1:  # float32 accumulators, sharded like the parameters
         gradients += sum(layout.local_bytes(t) / dtype_bytes(t.dtype) * 4 for t in layout.params())
     per_token = activation_bytes_per_token(config, layout)
-    layers = config.num_decoder_layers / layer_split(layout)
-    saved = tokens_per_microbatch * per_token[config.remat_policy] * layers
-    working = tokens_per_microbatch * per_token["none"]  # one layer re-run (or kept) in the backward pass
+    pipe = layout.pipeline
+    if pipe:  # every iteration keeps its block's activations of one pipeline microbatch, bubble included
+        loop_tokens = tokens_per_microbatch * pipe.num_stages  # in the loop every stage sees its shard's rows
+        run_tokens = loop_tokens / pipe.num_microbatches
+        saved = run_tokens * per_token[config.remat_policy] * pipe.layers_per_block * pipe.num_iterations
+        tp = tp_degrees(layout)
+        residual = loop_tokens * config.emb_dim / (tp["length"] * tp["embed"]) * dtype_bytes(config.dtype)
+        saved += 2 * residual  # stage 0's microbatch buffer and its gradient
+    else:
+        run_tokens = tokens_per_microbatch
+        saved = tokens_per_microbatch * per_token[config.remat_policy] * config.num_decoder_layers / layer_split(layout)
+    working = run_tokens * per_token["none"]  # one layer re-run (or kept) in the backward pass
     logits = tokens_per_microbatch * config.vocab_size / tp_degrees(layout)["vocab"] * 4 * 2  # f32 logits, gradient
     activations = saved + working + logits
     gathered = gathered_weight_bytes(config, layout)

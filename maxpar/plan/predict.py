@@ -116,12 +116,14 @@ def hbm_seconds(layout: Layout, microbatches: int, hardware: Hardware) -> dict[s
     """HBM time: weights streamed per matmul (forward 1x, backward 2x), the optimizer's state pass."""
     config = layout.config
     weights = 0.0
-    batch = set(layout.batch_axes)
+    pipe = layout.pipeline
     for t in layout.params():
         if t.role in ("norm", "embedding"):
             continue
+        batch = layout.weight_batch_axes(t)
         kept = math.prod(layout.degree(a) for a in t.axes if a not in batch)   # TP / stage shards stay sharded
-        weights += t.size / kept * dtype_bytes(config.dtype)
+        reads = pipe.num_iterations / pipe.num_repeats if pipe and t.layered else 1.0  # a block per iteration
+        weights += t.size / kept * dtype_bytes(config.dtype) * reads
     state = sum(layout.local_bytes(t) for t in layout.tensors)
     grads = sum(layout.local_bytes(t) for t in layout.params())
     return {FORWARD: weights * microbatches / hardware.hbm_bandwidth,
@@ -195,8 +197,8 @@ def evaluate(config: Config, target: Target, state: ModelState) -> dict[str, Any
     network = {(p, n): sum(t for c, t in zip(comms, times) if c.phase == p and c.network == n)
                for p in PHASES for n in ("ici", "dcn")}
     phase_time = {p: max(compute[p], hbm[p], network[(p, "ici")], network[(p, "dcn")]) for p in PHASES}
-    stages = mesh.degree("stage")
-    bubble = rooflines.pipeline_bubble(stages, batch.microbatches)
+    pipe = layout.pipeline
+    bubble = pipe.bubble if pipe else 0.0
     step = sum(phase_time.values()) / (1 - bubble) + hbm["optimizer"]
     mfu = flops["model"] / (step * hardware.peak_flops)
     memory = memory_per_device(config, layout, batch.tokens_per_shard)
@@ -224,11 +226,6 @@ def evaluate(config: Config, target: Target, state: ModelState) -> dict[str, Any
     if config.dtype != "bfloat16":
         warnings.append(f"dtype={config.dtype}: timings use the bf16 peak and {config.dtype} byte counts; "
                         "accelerators train in dtype=bfloat16")
-    if stages > 1:
-        warnings.append("maxpar does not pipeline yet: with stage > 1 its `layers -> stage` rule shards the layer "
-                        "stack and the compiled step gathers it like FSDP; this plan shows a gPipe schedule "
-                        f"streaming the {batch.microbatches} microbatch(es) (gradient_accumulation_steps) through "
-                        f"{stages} stages")
     return {
         "model_name": config.model_name or "custom",
         "hardware": hardware.name, "hardware_note": target.note, "num_devices": target.num_devices,
@@ -252,6 +249,7 @@ def evaluate(config: Config, target: Target, state: ModelState) -> dict[str, Any
         "comm_time_by_phase_s": {f"{p}/{n}": v for (p, n), v in network.items()},
         "axes": axes,
         "pipeline_bubble": bubble,
+        "pipeline": pipe.describe() if pipe else None,
         "step_time_s": step,
         "mfu": mfu,
         "bound": bound,

@@ -1,0 +1,200 @@
+"""The pipeline as one SPMD program: a loop of M x R + S - 1 iterations over all stages at once.
+
+What it pipelines is generic: `stage_fn(block_params, x, *side) -> x` runs one
+block of layers (the model passes its scanned layer unit applied to stacked
+params), and `params` is that unit's stacked parameter tree, leaves
+[L, ...] (gPipe) or [R, L / R, ...] (circular; `maxpar.pipeline.layout.REPEATS`).
+Which block each stage runs at each iteration comes from
+`maxpar.pipeline.schedule.stage_task`, evaluated on the array of stage indices.
+
+Layout, per iteration:
+- `state` [S, b, T, E] holds each stage's input, sharded over the stages (the
+  logical `layers` axis). `jax.vmap(stage_fn, spmd_axis_name=stage)` runs every
+  stage on its own block and microbatch; the stage weights are the stacked
+  params reshaped [R, S, L/(S R), ...] with S sharded like the layer stack, so
+  every device only touches its own stage's layers.
+- `jnp.roll` by one along S moves each output to the next stage: a
+  collective-permute (the last stage's output wraps around to stage 0).
+- `buffer` [S, M, b, T, E] is stage 0's store of microbatches: it starts as the
+  inputs, and each result that comes round from the last stage is written into
+  its microbatch's slot, where stage 0 picks it up for the next repeat (circular)
+  and where the final outputs end up. Only row 0 is read.
+
+Gradients: the weights are loop-invariant, so their gradient accumulates over the
+iterations of the backward loop. To reduce it across data-parallel replicas once per
+step rather than once per iteration, the loop runs inside `jax.shard_map` manual
+over the batch mesh axes that shard no stage weight: each replica accumulates its
+own gradient, and the transpose of the shard_map's replicated weight input sums them
+once, after the loop. FSDP-sharded weights are gathered inside the loop by the
+partitioner (per iteration, gradients reduce-scattered per iteration), or, with
+`gather_once`, all-gathered before the loop so their batch axes become manual too
+(one gather and one reduction per step; the gathered stage weights stay in memory
+for the whole loop).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from maxpar.config import AxisRule
+from maxpar.pipeline.layout import STAGED, mesh_axes_of
+from maxpar.pipeline.schedule import Schedule, stage_task
+
+Array = jax.Array
+StageFn = Callable[..., Array]
+
+
+def _spec_axes(spec: PartitionSpec | None) -> set[str]:
+    axes = set()
+    for entry in spec or ():
+        if entry is not None:
+            axes.update((entry,) if isinstance(entry, str) else entry)
+    return axes
+
+
+def _without(spec: PartitionSpec, dropped: set[str]) -> PartitionSpec:
+    """`spec` with the mesh axes in `dropped` removed (those dimensions gathered over them)."""
+    def keep(entry):
+        if entry is None:
+            return None
+        kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a not in dropped)
+        return kept or None
+    return PartitionSpec(*(keep(e) for e in spec))
+
+
+def strip_rules(rules: Sequence[AxisRule], dropped: set[str]) -> list[AxisRule]:
+    """Rules that no longer name `dropped` mesh axes (inside shard_map those axes are manual)."""
+    return [(name, tuple(a for a in axes if a not in dropped)) for name, axes in rules]
+
+
+def manual_batch_axes(batch_axes: Sequence[str], weight_axes: set[str]) -> tuple[str, ...]:
+    """The leading batch mesh axes that shard no stage weight: each replica there runs the loop on its own rows.
+
+    A prefix, so that the shard_map's row blocks are the batch's existing blocks (no resharding).
+    """
+    manual = []
+    for axis in batch_axes:
+        if axis in weight_axes:
+            break
+        manual.append(axis)
+    return tuple(manual)
+
+
+def through_stage_vmap(policy: Callable[..., bool]) -> Callable[..., bool]:
+    """A remat `policy` for a layer the pipeline runs under `jax.vmap` over the stages.
+
+    The vmap adds the stage dimension to every dot_general as its leading batch dimension, so a
+    policy that saves only dots without batch dimensions (remat_policy=minimal) would save none;
+    this one judges each dot by its dimensions before the vmap.
+    """
+    def wrapped(prim, *args, **params):
+        if prim is jax.lax.dot_general_p:
+            contracting, (lhs_batch, rhs_batch) = params["dimension_numbers"]
+            if tuple(lhs_batch[:1]) == (0,) and tuple(rhs_batch[:1]) == (0,):
+                params = {**params, "dimension_numbers": (contracting, (tuple(lhs_batch[1:]), tuple(rhs_batch[1:])))}
+        return policy(prim, *args, **params)
+    return wrapped
+
+
+def pipeline(stage_fn: StageFn, params: Any, param_specs: Any, x: Array, side: Sequence[Array], *,
+             schedule: Schedule, rules: Sequence[AxisRule], x_axes: Sequence[str], side_axes: Sequence[str],
+             gather_once: bool) -> Array:
+    """Run `stage_fn` over every layer block, pipelined; same result as applying the blocks in order.
+
+    params / param_specs: the stacked unit's parameters and their logical PartitionSpecs.
+    x: [B, ...] activations with logical axes `x_axes`; side: per-row inputs every block reads
+    (e.g. positions), [B, ...] with logical axes `side_axes`. Traced under the mesh and rules in context.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    stage_axes = mesh_axes_of(STAGED, rules)
+    batch_axes = tuple(a for a in mesh_axes_of(x_axes[0], rules) if a not in stage_axes)  # the loop's batch axes
+    weight_specs = jax.tree.map(lambda spec: nn.logical_to_mesh_axes(spec, list(rules)), param_specs,
+                                is_leaf=lambda s: isinstance(s, PartitionSpec))
+    is_spec = lambda s: isinstance(s, PartitionSpec)  # noqa: E731
+    if gather_once:
+        gathered = jax.tree.map(lambda s: _without(s, set(batch_axes)), weight_specs, is_leaf=is_spec)
+        params = jax.lax.with_sharding_constraint(params, gathered)
+        weight_specs = gathered
+    weight_axes = set().union(*(_spec_axes(s) for s in jax.tree.leaves(weight_specs, is_leaf=is_spec)))
+    manual = manual_batch_axes(batch_axes, weight_axes)
+    if math.prod(mesh.shape[a] for a in manual) == 1:
+        manual = ()
+
+    # Inside the loop the stages are the explicit leading dimension (logical `layers`): no other
+    # activation dimension may use their mesh axes (outside, the batch may be split over them too).
+    inner_rules = [(name, axes) if name == STAGED else (name, tuple(a for a in axes if a not in stage_axes))
+                   for name, axes in strip_rules(rules, set(manual))]
+
+    def loop(params: Any, x: Array, *side: Array) -> Array:
+        with nn.logical_axis_rules(inner_rules):
+            return _loop(stage_fn, params, x, side, schedule, stage_axes, x_axes, side_axes)
+
+    if not manual:
+        return loop(params, x, *side)
+    rows = PartitionSpec(manual)
+    sharded = jax.shard_map(loop, mesh=mesh, in_specs=(PartitionSpec(), rows, *(rows for _ in side)),
+                            out_specs=rows, axis_names=set(manual), check_vma=False)
+    return sharded(params, x, *side)
+
+
+def _blocks(params: Any, schedule: Schedule) -> Any:
+    """Stacked leaves [L, ...] or [R, L/R, ...] -> [R, S, L/(S R), ...]: block (r, s) runs on stage s in repeat r."""
+    r, s, n = schedule.num_repeats, schedule.num_stages, schedule.layers_per_block
+    lead = 1 if r == 1 else 2
+    return jax.tree.map(lambda p: p.reshape(r, s, n, *p.shape[lead:]), params)
+
+
+def _split(x: Array, num: int) -> Array:
+    """[B, ...] -> [num, B/num, ...]: microbatch m = rows m, m + num, ... (each device keeps its rows)."""
+    return x.reshape(x.shape[0] // num, num, *x.shape[1:]).swapaxes(0, 1)
+
+
+def _merge(x: Array) -> Array:
+    """Inverse of `_split`."""
+    return x.swapaxes(0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def _loop(stage_fn: StageFn, params: Any, x: Array, side: Sequence[Array], schedule: Schedule,
+          stage_axes: tuple[str, ...], x_axes: Sequence[str], side_axes: Sequence[str]) -> Array:
+    """The M x R + S - 1 iterations, under rules that name no manual axis."""
+    s_count, m_count, r_count = schedule.num_stages, schedule.num_microbatches, schedule.num_repeats
+    constrain = nn.with_logical_constraint
+    blocks = _blocks(params, schedule)
+    micro_x = constrain(_split(x, m_count), (None, *x_axes))
+    micro_side = [constrain(_split(a, m_count), (None, *side_axes)) for a in side]
+    buffer = constrain(jnp.broadcast_to(micro_x, (s_count, *micro_x.shape)), (STAGED, None, *x_axes))
+    state = constrain(jnp.zeros((s_count, *micro_x.shape[1:]), x.dtype), (STAGED, *x_axes))
+    stages = jnp.arange(s_count)
+    run_stages = jax.vmap(stage_fn, spmd_axis_name=stage_axes)
+    pick_repeat = jax.vmap(lambda block, r: jax.tree.map(lambda p: p[r], block), in_axes=(1, 0),
+                           spmd_axis_name=stage_axes)
+
+    def iteration(carry: tuple[Array, Array], t: Array) -> tuple[tuple[Array, Array], None]:
+        state, buffer = carry
+        task = stage_task(t, stages, m_count, r_count)
+        first = stage_task(t, 0, m_count, r_count)
+        fresh = jax.lax.dynamic_index_in_dim(buffer, first.microbatch, axis=1, keepdims=False)
+        inputs = jnp.where((stages == 0).reshape(-1, *([1] * (state.ndim - 1))), fresh, state)
+        weights = jax.tree.map(lambda p: p[0], blocks) if r_count == 1 else pick_repeat(blocks, task.repeat)
+        # Tie the weights to this iteration, so that FSDP gathers them here, every iteration, even where
+        # they are loop-invariant (gPipe): whether XLA would hoist the gather otherwise depends on dtype
+        # and remat. Gathering once before the loop is what pipeline_fsdp_ag_once asks for.
+        weights, inputs = jax.lax.optimization_barrier((weights, inputs))
+        side_now = [constrain(a[task.microbatch], (STAGED, *side_axes)) for a in micro_side]
+        outputs = constrain(run_stages(weights, inputs, *side_now), (STAGED, *x_axes))
+        passed = jnp.roll(outputs, 1, axis=0)  # stage s -> s + 1; the last stage -> stage 0
+        last = stage_task(t, s_count - 1, m_count, r_count)
+        slot = jax.lax.dynamic_index_in_dim(buffer, last.microbatch, axis=1, keepdims=False)
+        buffer = jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(last.active, passed, slot),
+                                                     last.microbatch, axis=1)
+        return (passed, buffer), None
+
+    (_, buffer), _ = jax.lax.scan(iteration, (state, buffer), jnp.arange(schedule.num_iterations))
+    return constrain(_merge(buffer[0]), tuple(x_axes))

@@ -1,0 +1,99 @@
+"""Training through a pipeline: the unpipelined run's per-step losses, the run header, checkpoints across layouts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import read_metrics, tiny_config, write_corpus
+from maxpar import checkpoint
+from maxpar.train import setup_run, train
+
+STEPS = 5
+PIPELINES = {  # 8 rows per step everywhere, so every run sees the same batches
+    "gpipe": ("ici_stage_parallelism=4", "ici_fsdp_parallelism=2", "num_pipeline_microbatches=4",
+              "pipeline_fsdp_ag_once=true"),
+    "circular": ("ici_stage_parallelism=2", "ici_data_parallelism=2", "ici_fsdp_parallelism=1",
+                 "ici_tensor_parallelism=2", "num_pipeline_repeats=2", "num_pipeline_microbatches=4"),
+}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def config_for(corpus: str, *overrides: str):
+    return tiny_config("num_decoder_layers=4", f"steps={STEPS}", "dataset_type=text", f"dataset_path={corpus}",
+                       "eval_fraction=0", "enable_checkpointing=true", f"checkpoint_period={STEPS}", *overrides)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, corpus) -> dict[str, tuple[Path, str]]:
+    """Run directory and terminal output of the one-device reference and of each pipelined run."""
+    import contextlib
+    import io
+    out = {}
+    for name, devices, overrides in [("reference", jax.devices()[:1], ("per_device_batch_size=8",)),
+                                     *((n, jax.devices(), ("per_device_batch_size=1", *o)) for n, o in PIPELINES.items())]:
+        run_dir = tmp_path_factory.mktemp(name) / "run"
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            train(config_for(corpus, *overrides), devices=devices, run_dir=run_dir)
+        out[name] = (run_dir, printed.getvalue())
+    return out
+
+
+def losses(run_dir: Path) -> np.ndarray:
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    return np.array([r["loss"] for r in rows])
+
+
+@pytest.mark.parametrize("name", list(PIPELINES))
+def test_pipelined_training_has_the_unpipelined_losses(name, runs):
+    reference = losses(runs["reference"][0])
+    assert reference[-1] < reference[0]
+    np.testing.assert_allclose(losses(runs[name][0]), reference, rtol=1e-5)
+
+
+def test_run_header_prints_schedule_and_bubble(runs):
+    printed = runs["circular"][1]
+    assert ("circular pipeline: S=2 stages, M=4 microbatches, R=2 repeat(s), 1 layer(s) per block, 9 iterations; "
+            "bubble (S-1)/(R*M+S-1) = 1/9 = 11.1%") in printed
+    assert "layers per stage: stage 0: 0, 2; stage 1: 1, 3" in printed
+    assert "gPipe pipeline: S=4 stages, M=4 microbatches, R=1 repeat(s)" in runs["gpipe"][1]
+    assert "pipeline" not in runs["reference"][1]
+
+
+def restored(run_dir: Path, config, devices) -> tuple[object, object]:
+    """(state restored from the run's newest checkpoint into `config`'s layout, that layout's shardings)."""
+    run = setup_run(config, devices)
+    target = checkpoint.Target(config, run.abstract_state, run.state_shardings, run.shape.global_rows)
+    return checkpoint.load_full_state(str(run_dir), target), run.state_shardings
+
+
+def canonical(state, config):
+    return jax.device_get(checkpoint.to_canonical({"params": state.params, "opt_state": state.opt_state},
+                                                  repeats=config.num_pipeline_repeats))
+
+
+@pytest.mark.parametrize("source,destination", [("reference", "circular"), ("circular", "reference"),
+                                                 ("gpipe", "circular")])
+def test_checkpoints_restore_across_pipeline_layouts(source, destination, runs, corpus):
+    """A checkpoint restores into another layout (unpipelined <-> circular <-> gPipe) with equal arrays."""
+    options = {"reference": (jax.devices()[:1], ("per_device_batch_size=8",)),
+               **{n: (jax.devices(), ("per_device_batch_size=1", *o)) for n, o in PIPELINES.items()}}
+    (own_devices, own), (devices, other) = options[source], options[destination]
+    own_config, other_config = config_for(corpus, *own), config_for(corpus, *other)
+    original, _ = restored(runs[source][0], own_config, own_devices)
+    moved, shardings = restored(runs[source][0], other_config, devices)
+    assert int(moved.step) == STEPS
+    gate = moved.params["decoder"]["layers"]["mlp"]["wi_gate"]
+    assert gate.sharding == shardings.params["decoder"]["layers"]["mlp"]["wi_gate"]
+    if other_config.num_pipeline_repeats > 1:
+        assert gate.shape[:2] == (2, 2) and gate.sharding.spec[:2] == (None, "stage")
+    jax.tree.map(np.testing.assert_array_equal, canonical(moved, other_config), canonical(original, own_config))
