@@ -113,7 +113,7 @@ def test_impossible_pipelines_fail_at_config_time(overrides, message):
     (["ici_stage_parallelism=2", "ici_fsdp_parallelism=4", "num_pipeline_microbatches=4"],
      r"must divide the 2 rows that each of the 4 data-parallel shards .* runs through the pipeline"),
     (["ici_stage_parallelism=2", "ici_fsdp_parallelism=4", "per_device_batch_size=0.5"],
-     r"the 4 rows of a step .* must split over the 8 batch shards"),
+     r"gives 4 rows per microbatch, which the batch-sharding mesh axes .*'stage'\) \(degree 8\)"),
     (["ici_stage_parallelism=-1", "ici_fsdp_parallelism=1"], r"= 8 stage\(s\) exceeds num_decoder_layers=2"),
     (["ici_stage_parallelism=2", "ici_fsdp_parallelism=4", "logical_axis_rules=[[embed,[fsdp]]]"],
      r"map the stacked `layers` axis to no mesh axis; pipelining needs the rule \[layers, \[stage\]\]"),

@@ -64,23 +64,18 @@ def pipeline_for_run(config: Config, axis_sizes: Mapping[str, int], microbatch_r
     schedule = resolve_schedule(config, axis_sizes, config.axis_rules)
     if schedule is not None:
         batch_axes = mesh_axes_of("activation_batch", config.axis_rules)
-        check_batch(schedule, microbatch_rows, math.prod(axis_sizes[a] for a in batch_axes),
-                    math.prod(axis_sizes[a] for a in batch_axes if a != STAGE_AXIS))
+        check_batch(schedule, microbatch_rows, math.prod(axis_sizes[a] for a in batch_axes if a != STAGE_AXIS))
     return schedule
 
 
-def check_batch(schedule: Schedule, microbatch_rows: int, batch_shards: int, loop_shards: int) -> None:
+def check_batch(schedule: Schedule, microbatch_rows: int, loop_shards: int) -> None:
     """The rows a step pipelines must split into M microbatches that stay on their devices.
 
-    batch_shards: pieces the batch is cut into outside the pipeline (the stages included);
-    loop_shards: inside the loop, where every stage sees all rows of its data-parallel shard.
+    loop_shards: the batch's pieces inside the loop, where every stage sees all rows of its data-parallel
+    shard (that the rows split over all batch axes, stages included, `train.check_batch_layout` checks).
     """
     m = schedule.num_microbatches
     key = f"num_pipeline_microbatches={m}" + (" (-1: the number of stages)" if m == schedule.num_stages else "")
-    if microbatch_rows % batch_shards:
-        raise ConfigError(f"the {microbatch_rows} rows of a step (per_device_batch_size x devices) must split over "
-                          f"the {batch_shards} batch shards (mesh axes of activation_batch; outside the pipeline loop "
-                          f"the {schedule.num_stages} stages split the batch too): raise per_device_batch_size")
     if microbatch_rows % m:
         raise ConfigError(f"{key} must divide the {microbatch_rows} rows of a step (per_device_batch_size x devices, "
                           f"per gradient-accumulation microbatch)")
