@@ -73,6 +73,15 @@ class Config:
     weight_dtype: str = _key("parameter and optimizer-state dtype", choices=DTYPES)
     remat_policy: str = _key("activation rematerialization per layer", choices=("none", "minimal", "full"))
     scan_layers: bool = _key("nn.scan over layers (stacked `layers` axis); faster compile")
+    # Mixture of experts (maxpar/model/moe.py; README "Mixture of experts")
+    num_experts: int = _key("experts per MoE layer (1 = dense SwiGLU MLP in every layer)", min=1)
+    num_experts_per_tok: int = _key("experts each token is routed to (top-k); <= num_experts", min=1)
+    moe_layer_interval: int = _key("every k-th decoder layer (layers k, 2k, ...) is MoE, the others dense; "
+                                   "1 = every layer; divides num_decoder_layers", min=1)
+    capacity_factor: float = _key("0 = dropless; > 0 = an expert takes at most ceil(capacity_factor x row length "
+                                  "x top-k / num_experts) tokens of a row, the rest are dropped", min=0)
+    load_balance_loss_weight: float = _key("weight of the load-balancing auxiliary loss added to the training "
+                                           "objective", min=0)
     # Logging, eval, checkpoints
     log_period: int = _key("log metrics every N steps", min=1)
     eval_interval: int = _key("evaluate every N steps (0 = only at the end, -1 = never)", min=-1)
@@ -124,6 +133,11 @@ class Config:
     def query_groups(self) -> int:
         """Query heads sharing one key/value head."""
         return self.num_query_heads // self.num_kv_heads
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Decoder layers whose MLP is a routed mixture of experts (every moe_layer_interval-th)."""
+        return self.num_decoder_layers // self.moe_layer_interval if self.num_experts > 1 else 0
 
     @property
     def axis_rules(self) -> tuple[AxisRule, ...]:
@@ -345,11 +359,23 @@ def validate(config: Config) -> None:
         if len(fills) > 1:
             raise ConfigError(f"at most one {level}_*_parallelism may be -1; got -1 for "
                               + ", ".join(f"{level}_{a}_parallelism" for a in fills))
+    _validate_moe(config)
     if config.dataset_type == "text" and not config.dataset_path:
         raise ConfigError("dataset_type=text needs dataset_path (a glob of text files)")
     if config.load_parameters_path and config.load_full_state_path:
         raise ConfigError(f"load_parameters_path={config.load_parameters_path!r} and load_full_state_path="
                           f"{config.load_full_state_path!r}: set at most one (parameters only, or the full state)")
+
+
+def _validate_moe(config: Config) -> None:
+    """Mixture-of-experts keys that must agree with each other (the mesh is checked at setup)."""
+    if config.num_experts_per_tok > config.num_experts:
+        raise ConfigError(f"num_experts_per_tok={config.num_experts_per_tok} > num_experts={config.num_experts}: "
+                          f"a token can be routed to at most num_experts experts")
+    if config.num_experts > 1 and config.num_decoder_layers % config.moe_layer_interval:
+        raise ConfigError(f"moe_layer_interval={config.moe_layer_interval} does not divide num_decoder_layers="
+                          f"{config.num_decoder_layers}: the layer stack is made of blocks of moe_layer_interval "
+                          f"layers (the last one MoE); allowed: a divisor of {config.num_decoder_layers}")
 
 
 def to_yaml(config: Config) -> str:

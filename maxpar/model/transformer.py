@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from maxpar.config import Config
 from maxpar.model.layers import RESIDUAL, Attention, Mlp, RMSNorm, constrain
+from maxpar.model.moe import MOE_STATS, MoeBlock
 
 Array = jax.Array
 
@@ -18,38 +19,67 @@ REMAT_POLICIES = {
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention + SwiGLU block. Returns (x, None) so nn.scan can carry it."""
+    """Pre-norm attention + SwiGLU block (`moe`: a routed MoE block). Returns (x, None) so nn.scan can carry it."""
 
     config: Config
+    moe: bool = False
 
     @nn.compact
     def __call__(self, x: Array, positions: Array, segment_ids: Array) -> tuple[Array, None]:
         x = constrain(x, RESIDUAL)
         x = x + Attention(self.config, name="attention")(
             RMSNorm(self.config, name="pre_attention_norm")(x), positions, segment_ids)
-        x = x + Mlp(self.config, name="mlp")(RMSNorm(self.config, name="pre_mlp_norm")(x))
+        normed = RMSNorm(self.config, name="pre_mlp_norm")(x)
+        if self.moe:
+            x = x + MoeBlock(self.config, name="moe")(normed, segment_ids != 0)
+        else:
+            x = x + Mlp(self.config, name="mlp")(normed)
         return x, None
 
 
+class DecoderBlock(nn.Module):
+    """moe_layer_interval layers, the last one MoE: the repeated unit when MoE layers are interleaved."""
+
+    config: Config
+
+    @nn.compact
+    def __call__(self, x: Array, positions: Array, segment_ids: Array) -> tuple[Array, None]:
+        interval = self.config.moe_layer_interval
+        for i in range(interval):
+            x, _ = DecoderLayer(self.config, moe=i == interval - 1, name=f"sublayer_{i}")(x, positions, segment_ids)
+        return x, None
+
+
+def decoder_unit(config: Config) -> tuple[type[nn.Module], int, dict[str, bool]]:
+    """(module, repeats, its keyword arguments) of the layer stack's repeated unit.
+
+    One layer (dense, or MoE in every layer), else a block of moe_layer_interval
+    layers. The unit is what `layers` stacks (scanned) or numbers (layers_i).
+    """
+    if config.num_experts > 1 and config.moe_layer_interval > 1:
+        return DecoderBlock, config.num_decoder_layers // config.moe_layer_interval, {}
+    return DecoderLayer, config.num_decoder_layers, {"moe": config.num_experts > 1}
+
+
 class Decoder(nn.Module):
-    """The layer stack: `nn.scan` with a stacked `layers` axis, or a Python loop."""
+    """The layer stack: `nn.scan` of the repeated unit with a stacked `layers` axis, or a Python loop."""
 
     config: Config
 
     @nn.compact
     def __call__(self, x: Array, positions: Array, segment_ids: Array) -> Array:
         cfg = self.config
-        layer = DecoderLayer
+        layer, repeats, kwargs = decoder_unit(cfg)
         if cfg.remat_policy != "none":
             layer = nn.remat(layer, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=not cfg.scan_layers)
         if cfg.scan_layers:
-            stack = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
-                            in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_decoder_layers,
+            stack = nn.scan(layer, variable_axes={"params": 0, MOE_STATS: 0}, split_rngs={"params": True},
+                            in_axes=(nn.broadcast, nn.broadcast), length=repeats,
                             metadata_params={nn.PARTITION_NAME: "layers"})
-            x, _ = stack(cfg, name="layers")(x, positions, segment_ids)
+            x, _ = stack(cfg, name="layers", **kwargs)(x, positions, segment_ids)
         else:
-            for i in range(cfg.num_decoder_layers):
-                x, _ = layer(cfg, name=f"layers_{i}")(x, positions, segment_ids)
+            for i in range(repeats):
+                x, _ = layer(cfg, name=f"layers_{i}", **kwargs)(x, positions, segment_ids)
         return x
 
 
