@@ -47,7 +47,7 @@ def reference_moe(params, x, k: int):
 def test_parameters_have_the_contracted_names_shapes_and_logical_axes():
     config = tiny_config("num_experts=8", "num_experts_per_tok=2")
     tokens = jnp.zeros((1, 8), jnp.int32)
-    boxed = Transformer(config).init(jax.random.key(0), tokens, tokens, tokens)["params"]
+    boxed = jax.eval_shape(Transformer(config).init, jax.random.key(0), tokens, tokens, tokens)["params"]
     moe = boxed["decoder"]["layers"]["moe"]
     e, m, layers = config.emb_dim, config.mlp_dim, config.num_decoder_layers
     assert "mlp" not in boxed["decoder"]["layers"]
@@ -67,8 +67,8 @@ def test_dropless_block_equals_a_loop_over_experts_forward_and_gradients():
 
     np.testing.assert_allclose(ours(params, x), reference_moe(params, x, 2), rtol=1e-5, atol=1e-6)
     loss = lambda fn: lambda p, x: jnp.sum(jnp.sin(fn(p, x)))  # noqa: E731 -- a non-trivial cotangent
-    got = jax.grad(loss(ours), argnums=(0, 1))(params, x)
-    want = jax.grad(loss(lambda p, x: reference_moe(p, x, 2)), argnums=(0, 1))(params, x)
+    got = jax.jit(jax.grad(loss(ours), argnums=(0, 1)))(params, x)
+    want = jax.jit(jax.grad(loss(lambda p, x: reference_moe(p, x, 2)), argnums=(0, 1)))(params, x)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), got, want)
     assert float(jnp.abs(got[0]["router"]).max()) > 0  # the router learns through the combine weights
 
@@ -155,7 +155,7 @@ def test_uniform_routing_is_the_minimum_of_the_balance_loss():
 def test_moe_layers_interleave_and_count_active_parameters():
     config = tiny_config("num_experts=4", "num_experts_per_tok=2", "num_decoder_layers=4", "moe_layer_interval=2")
     tokens = jnp.zeros((1, 8), jnp.int32)
-    params = Transformer(config).init(jax.random.key(0), tokens, tokens, tokens)["params"]
+    params = jax.eval_shape(Transformer(config).init, jax.random.key(0), tokens, tokens, tokens)["params"]
     block = params["decoder"]["layers"]
     assert set(block) == {"sublayer_0", "sublayer_1"}          # dense, then MoE: layers 2 and 4 are MoE
     assert "mlp" in block["sublayer_0"] and "moe" in block["sublayer_1"]
