@@ -11,7 +11,9 @@ listed), holding the items
     config/     JSON: the resolved config that wrote the checkpoint
 
 Canonical layout: the decoder layers are stacked on a leading axis of length
-num_decoder_layers under `decoder/layers` (the tree `scan_layers=true` uses). An
+num_decoder_layers under `decoder/layers` (the tree `scan_layers=true` uses;
+with MoE layers interleaved every moe_layer_interval layers, the stacked unit is
+a block of that many layers, `sublayer_0 ..`). An
 unrolled run (`layers_0 .. layers_{L-1}`) stacks them on save and unstacks on
 restore, so the files depend on neither the mesh nor the layer layout; a
 circular pipeline's [R, L/R, ...] stack (maxpar/pipeline) merges its two leading
@@ -44,6 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from maxpar import distributed
 from maxpar.config import Config, ConfigError
+from maxpar.model.transformer import decoder_unit
 from maxpar.pipeline.layout import merge_repeats, split_repeats
 from maxpar.train_step import TrainState
 
@@ -54,7 +57,7 @@ _UNROLLED = re.compile(r"layers_(\d+)")
 
 # Keys that change the parameter tree or its dtype: every kind of load needs them equal.
 MODEL_KEYS = ("emb_dim", "num_query_heads", "num_kv_heads", "head_dim", "mlp_dim", "num_decoder_layers",
-              "vocab_size", "weight_dtype", "logits_via_embedding")
+              "vocab_size", "weight_dtype", "logits_via_embedding", "num_experts", "moe_layer_interval")
 # Keys that give the saved data position its meaning: resuming a run needs them equal too.
 DATA_KEYS = ("dataset_type", "dataset_path", "tokenizer_path", "eval_fraction", "seed", "max_target_length")
 
@@ -226,7 +229,7 @@ class Target:
     def in_memory(self, item: str, restored: Any) -> Any:
         """A restored canonical `item` in this run's layer layout and shardings."""
         if not self.config.scan_layers:
-            restored = from_canonical(restored, self.config.num_decoder_layers)
+            restored = from_canonical(restored, decoder_unit(self.config)[1])
         elif self.config.num_pipeline_repeats > 1:
             restored = to_repeats(restored, self.config.num_pipeline_repeats)
         return jax.device_put(restored, getattr(self.shardings, item))

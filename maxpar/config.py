@@ -82,6 +82,15 @@ class Config:
     sliding_window: int = _key("attend only to this many most recent tokens, the current one included "
                                "(0 = all; Mistral; maxpar.convert sets it from config.json)", min=0)
     scan_layers: bool = _key("nn.scan over layers (stacked `layers` axis); faster compile")
+    # Mixture of experts (maxpar/model/moe.py; README "Mixture of experts")
+    num_experts: int = _key("experts per MoE layer (1 = dense SwiGLU MLP in every layer)", min=1)
+    num_experts_per_tok: int = _key("experts each token is routed to (top-k); <= num_experts", min=1)
+    moe_layer_interval: int = _key("every k-th decoder layer (layers k, 2k, ...) is MoE, the others dense; "
+                                   "1 = every layer; divides num_decoder_layers", min=1)
+    capacity_factor: float = _key("0 = dropless; > 0 = an expert takes at most ceil(capacity_factor x row length "
+                                  "x top-k / num_experts) tokens of a row, the rest are dropped", min=0)
+    load_balance_loss_weight: float = _key("weight of the load-balancing auxiliary loss added to the training "
+                                           "objective", min=0)
     # Logging, eval, checkpoints
     log_period: int = _key("log metrics every N steps", min=1)
     eval_interval: int = _key("evaluate every N steps (0 = only at the end, -1 = never)", min=-1)
@@ -143,6 +152,11 @@ class Config:
     def query_groups(self) -> int:
         """Query heads sharing one key/value head."""
         return self.num_query_heads // self.num_kv_heads
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Decoder layers whose MLP is a routed mixture of experts (every moe_layer_interval-th)."""
+        return self.num_decoder_layers // self.moe_layer_interval if self.num_experts > 1 else 0
 
     @property
     def axis_rules(self) -> tuple[AxisRule, ...]:
@@ -374,6 +388,7 @@ def validate(config: Config) -> None:
     if config.dataset_type == "synthetic" and config.vocab_size <= SYNTHETIC_FIRST_TOKEN:
         raise ConfigError(f"vocab_size={config.vocab_size}: dataset_type=synthetic draws tokens from "
                           f"[{SYNTHETIC_FIRST_TOKEN}, vocab_size), so it must be > {SYNTHETIC_FIRST_TOKEN}")
+    _validate_moe(config)
     if config.dataset_type == "text" and not config.dataset_path:
         raise ConfigError("dataset_type=text needs dataset_path (a glob of text files)")
     _validate_attention(config)
@@ -382,6 +397,17 @@ def validate(config: Config) -> None:
     if config.load_parameters_path and config.load_full_state_path:
         raise ConfigError(f"load_parameters_path={config.load_parameters_path!r} and load_full_state_path="
                           f"{config.load_full_state_path!r}: set at most one (parameters only, or the full state)")
+
+
+def _validate_moe(config: Config) -> None:
+    """Mixture-of-experts keys that must agree with each other (the mesh is checked at setup)."""
+    if config.num_experts_per_tok > config.num_experts:
+        raise ConfigError(f"num_experts_per_tok={config.num_experts_per_tok} > num_experts={config.num_experts}: "
+                          f"a token can be routed to at most num_experts experts")
+    if config.num_experts > 1 and config.num_decoder_layers % config.moe_layer_interval:
+        raise ConfigError(f"moe_layer_interval={config.moe_layer_interval} does not divide num_decoder_layers="
+                          f"{config.num_decoder_layers}: the layer stack is made of blocks of moe_layer_interval "
+                          f"layers (the last one MoE); allowed: a divisor of {config.num_decoder_layers}")
 
 
 def _validate_attention(config: Config) -> None:
@@ -436,6 +462,10 @@ def check_pipeline(config: Config, stages: int | None) -> None:
             raise ConfigError(f"{', '.join(extra)} need(s) pipeline stages, but {stage_keys}; set "
                               f"ici_stage_parallelism (or dcn_stage_parallelism) > 1, or drop these keys")
         return
+    if config.num_experts > 1:
+        raise ConfigError(f"num_experts={config.num_experts} with {stage_keys}: mixture-of-experts layers are not "
+                          f"pipelined yet (their load-balance loss and drop counts do not flow through the pipeline "
+                          f"loop); use ici_stage_parallelism=1 with MoE, or num_experts=1 with pipelining")
     if not config.scan_layers:
         raise ConfigError(f"{stage_keys} needs scan_layers=true: the pipeline runs the scanned layer stack "
                           f"(scan_layers=false is not supported with pipelining)")

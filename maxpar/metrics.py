@@ -31,7 +31,10 @@ PEAK_BF16_FLOPS = {
 }
 
 METRIC_KEYS = ("step", "loss", "eval_loss", "learning_rate", "grad_norm", "step_time_s", "tokens_per_s",
-               "tokens_per_s_per_device", "tflops_per_device", "mfu")
+               "tokens_per_s_per_device", "tflops_per_device", "mfu",
+               # mixture of experts (null for a dense model; maxpar/train_step.py moe_metrics)
+               "moe_load_balance_loss", "moe_dropped_tokens", "moe_dropped_fraction")
+EXPERT_WEIGHTS = ("wi_gate", "wi_up", "wo")  # leaves of a `moe` block with a leading [..., experts] dim
 
 
 def peak_flops(device_kind: str, configured: float = 0.0) -> float | None:
@@ -43,11 +46,18 @@ def peak_flops(device_kind: str, configured: float = 0.0) -> float | None:
 
 
 def matmul_params(config: Config) -> int:
-    """Weights that take part in a matmul per token (the output projection included, even if tied)."""
+    """Weights that take part in a matmul per token (the output projection included, even if tied).
+
+    Active parameters only: a mixture-of-experts layer counts its router and the
+    num_experts_per_tok experts a token is routed to, not the others.
+    """
     e, d = config.emb_dim, config.head_dim
     attention = e * d * (2 * config.num_query_heads + 2 * config.num_kv_heads)
     mlp = 3 * e * config.mlp_dim
-    return config.num_decoder_layers * (attention + mlp) + e * config.vocab_size
+    moe = config.num_experts_per_tok * mlp + e * config.num_experts
+    moe_layers = config.num_moe_layers
+    return (config.num_decoder_layers * attention + (config.num_decoder_layers - moe_layers) * mlp
+            + moe_layers * moe + e * config.vocab_size)
 
 
 def training_flops_per_token(config: Config) -> float:
@@ -62,15 +72,23 @@ def training_flops_per_token(config: Config) -> float:
     return 6 * matmul_params(config) + 3 * config.num_decoder_layers * per_layer_attention
 
 
-def parameter_counts(abstract_params: Any) -> dict[str, int]:
-    """Total and embedding parameter counts of an (abstract) parameter tree."""
-    total, embedding = 0, 0
+def parameter_counts(abstract_params: Any, experts_per_token: int = 1) -> dict[str, int]:
+    """Total, embedding and active parameter counts of an (abstract) parameter tree.
+
+    Active: what one token uses; of each MoE layer's experts only
+    `experts_per_token` count (all of a dense model's parameters are active).
+    """
+    total, embedding, inactive = 0, 0, 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_params):
         size = math.prod(leaf.shape)
         total += size
-        if "token_embedding" in jax.tree_util.keystr(path):
+        name = jax.tree_util.keystr(path)
+        if "token_embedding" in name:
             embedding += size
-    return {"total": total, "embedding": embedding, "non_embedding": total - embedding}
+        if "['moe']" in name and name.endswith(tuple(f"['{w}']" for w in EXPERT_WEIGHTS)):
+            experts = leaf.shape[-3]
+            inactive += size // experts * (experts - experts_per_token)
+    return {"total": total, "embedding": embedding, "non_embedding": total - embedding, "active": total - inactive}
 
 
 def throughput(config: Config, *, tokens_per_step: int, step_time_s: float, num_devices: int,

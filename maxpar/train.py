@@ -29,6 +29,7 @@ from maxpar.metrics import (MetricsWriter, parameter_counts, peak_flops, rewind_
                             training_flops_per_token)
 from maxpar.model import Transformer
 from maxpar.model.attention import check_attention_backend
+from maxpar.model.moe_dispatch import check_expert_layout
 from maxpar.optimizer import make_optimizer
 from maxpar.pipeline.layout import pipeline_for_run
 from maxpar.pipeline.schedule import Schedule
@@ -140,6 +141,7 @@ def setup_run(config: Config, devices: Sequence[jax.Device] | None = None) -> Ru
     shape = batch_shape(config, len(devices))
     in_sharding = batch_sharding(mesh, config.axis_rules)
     check_batch_layout(config, in_sharding, shape)
+    check_expert_layout(config, dict(mesh.shape))
     schedule = pipeline_for_run(config, dict(mesh.shape), shape.microbatch_rows)
     block_index, block_count = process_batch_block(in_sharding, (shape.global_rows, config.max_target_length))
     train_data, eval_data = make_datasets(config, global_rows=shape.global_rows, eval_rows=shape.microbatch_rows,
@@ -152,11 +154,16 @@ def setup_run(config: Config, devices: Sequence[jax.Device] | None = None) -> Ru
 
 def _print_header(run: RunSetup, run_dir: Path, peak: float | None, log: Callable[[str], None]) -> None:
     config, devices = run.config, run.devices
-    counts = parameter_counts(run.abstract_state.params)
+    counts = parameter_counts(run.abstract_state.params, config.num_experts_per_tok)
     mesh_desc = mesh_shape_of(run.mesh, config).describe()
     log(f"maxpar: run {run_dir}" + ("" if config.run_name else f" (to resume it later: run_name={run_dir.name})"))
     log(f"  model {config.model_name or 'custom'}: {counts['total']:,} parameters "
-        f"({counts['non_embedding']:,} non-embedding), {config.num_decoder_layers} layers, emb {config.emb_dim}")
+        f"({counts['non_embedding']:,} non-embedding, {counts['active']:,} active per token), "
+        f"{config.num_decoder_layers} layers, emb {config.emb_dim}")
+    if config.num_experts > 1:
+        dispatch = (f"capacity factor {config.capacity_factor:g}" if config.capacity_factor > 0 else "dropless")
+        log(f"  mixture of experts: {config.num_moe_layers} MoE layers of {config.num_experts} experts, top-"
+            f"{config.num_experts_per_tok}, {dispatch}, load-balance loss weight {config.load_balance_loss_weight:g}")
     log(f"  mesh {mesh_desc} over {len(devices)} {devices[0].device_kind} device(s) in {jax.process_count()} process(es)")
     log(f"  batch {run.shape.global_rows} rows x {config.max_target_length} tokens = {run.shape.tokens_per_step:,} "
         f"tokens/step ({config.gradient_accumulation_steps} microbatch(es)); "
@@ -242,7 +249,8 @@ def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: 
                     row = {"step": step, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
                            "learning_rate": float(metrics["learning_rate"]), "eval_loss": None,
                            **throughput(config, tokens_per_step=run.shape.tokens_per_step, step_time_s=elapsed,
-                                        num_devices=len(devices), peak=peak)}
+                                        num_devices=len(devices), peak=peak),
+                           **{key: float(value) for key, value in metrics.items() if key.startswith("moe_")}}
                     if eval_due:
                         row["eval_loss"] = _evaluate(eval_fn, state.params, run.eval_data, config.eval_steps,
                                                      run.in_sharding)
@@ -277,6 +285,8 @@ def _format_row(row: dict[str, Any]) -> str:
               f"{row['step_time_s'] * 1e3:.0f} ms/step", f"{row['tokens_per_s']:,.0f} tok/s",
               f"{row['tflops_per_device']:.3f} TFLOP/s/device",
               "MFU unknown" if row["mfu"] is None else f"MFU {row['mfu']:.1%}"]
+    if row.get("moe_load_balance_loss") is not None:
+        parts += [f"balance {row['moe_load_balance_loss']:.3f}", f"dropped {row['moe_dropped_fraction']:.1%}"]
     return "  ".join(parts)
 
 

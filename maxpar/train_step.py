@@ -16,6 +16,7 @@ import optax
 from jax.sharding import Mesh
 
 from maxpar.config import Config
+from maxpar.model.moe import MOE_STATS, moe_totals
 from maxpar.optimizer import learning_rate_schedule
 from maxpar.sharding import batch_sharding, check_divisible, logical_specs, mesh_shardings, replicated
 
@@ -74,12 +75,37 @@ def create_state(model: nn.Module, tx: optax.GradientTransformation, config: Con
     return init(jax.random.key(config.seed))
 
 
-def loss_sum_and_count(params: Any, model: nn.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:
-    """Summed float32 cross-entropy over real (non-padding) targets, and their count."""
-    logits = model.apply({"params": params}, batch["inputs"], batch["positions"], batch["segment_ids"])
+def _cross_entropy(logits: jax.Array, batch: Batch) -> tuple[jax.Array, jax.Array]:
     mask = batch["segment_ids"] != 0
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     return jnp.sum(jnp.where(mask, losses, 0.0)), jnp.sum(mask).astype(jnp.float32)
+
+
+def loss_sum_and_count(params: Any, model: nn.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """Summed float32 cross-entropy over real (non-padding) targets, and their count."""
+    logits = model.apply({"params": params}, batch["inputs"], batch["positions"], batch["segment_ids"])
+    return _cross_entropy(logits, batch)
+
+
+def objective(params: Any, batch: Batch, *, model: nn.Module, config: Config) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(what the gradient is taken of, the sums the metrics need) for one microbatch.
+
+    Dense: the summed cross-entropy. MoE: plus load_balance_loss_weight x the
+    load-balancing loss (mean over the MoE layers) x the microbatch's real
+    tokens, so that dividing by the step's tokens adds the weighted,
+    token-averaged balance loss to the mean cross-entropy.
+    """
+    if config.num_experts == 1:
+        loss_sum, count = loss_sum_and_count(params, model, batch)
+        return loss_sum, {"loss_sum": loss_sum, "tokens": count}
+    logits, variables = model.apply({"params": params}, batch["inputs"], batch["positions"], batch["segment_ids"],
+                                    mutable=[MOE_STATS])
+    loss_sum, count = _cross_entropy(logits, batch)
+    totals = moe_totals(variables[MOE_STATS])
+    balance = totals["load_balance_loss"] / config.num_moe_layers
+    sums = {"loss_sum": loss_sum, "tokens": count, "balance_sum": balance * count, "dropped": totals["dropped"],
+            "routed": totals["routed"]}
+    return loss_sum + config.load_balance_loss_weight * balance * count, sums
 
 
 def _split_microbatches(batch: Batch, num: int) -> Batch:
@@ -87,38 +113,49 @@ def _split_microbatches(batch: Batch, num: int) -> Batch:
     return jax.tree.map(lambda x: x.reshape(x.shape[0] // num, num, *x.shape[1:]).swapaxes(0, 1), batch)
 
 
-def _grads(params: Any, model: nn.Module, batch: Batch, accumulation_steps: int) -> tuple[Any, jax.Array, jax.Array]:
-    """Gradient of the summed loss, accumulated over microbatches with a scan."""
-    grad_fn = jax.value_and_grad(loss_sum_and_count, has_aux=True)
-    if accumulation_steps == 1:
-        (loss_sum, count), grads = grad_fn(params, model, batch)
-        return grads, loss_sum, count
+def _grads(params: Any, model: nn.Module, batch: Batch, config: Config) -> tuple[Any, dict[str, jax.Array]]:
+    """Gradient of the summed objective and the metric sums, accumulated over microbatches with a scan."""
+    grad_fn = jax.value_and_grad(partial(objective, model=model, config=config), has_aux=True)
+    if config.gradient_accumulation_steps == 1:
+        (_, sums), grads = grad_fn(params, batch)
+        return grads, sums
 
     def accumulate(carry, micro):
-        grads_acc, loss_acc, count_acc = carry
-        (loss_sum, count), grads = grad_fn(params, model, micro)
+        grads_acc, sums_acc = carry
+        (_, sums), grads = grad_fn(params, micro)
         grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
-        return (grads_acc, loss_acc + loss_sum, count_acc + count), None
+        return (grads_acc, jax.tree.map(jnp.add, sums_acc, sums)), None
 
+    micro = _split_microbatches(batch, config.gradient_accumulation_steps)
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-    (grads, loss_sum, count), _ = jax.lax.scan(accumulate, init, _split_microbatches(batch, accumulation_steps))
-    return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), loss_sum, count
+    sums_shape = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro))[0][1]
+    init = (zeros, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape))
+    (grads, sums), _ = jax.lax.scan(accumulate, init, micro)
+    return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), sums
+
+
+def moe_metrics(sums: dict[str, jax.Array], count: jax.Array) -> dict[str, jax.Array]:
+    """The step's MoE metrics (none for a dense model): balance loss, dropped token copies and their share."""
+    if "balance_sum" not in sums:
+        return {}
+    return {"moe_load_balance_loss": sums["balance_sum"] / count, "moe_dropped_tokens": sums["dropped"],
+            "moe_dropped_fraction": sums["dropped"] / jnp.maximum(sums["routed"], 1.0)}
 
 
 def train_step(state: TrainState, batch: Batch, *, model: nn.Module, tx: optax.GradientTransformation,
                config: Config) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One optimizer step on a global batch; loss is the mean over all its real tokens."""
-    grads, loss_sum, count = _grads(state.params, model, batch, config.gradient_accumulation_steps)
-    count = jnp.maximum(count, 1.0)
+    """One optimizer step on a global batch; loss is the mean cross-entropy over all its real tokens."""
+    grads, sums = _grads(state.params, model, batch, config)
+    count = jnp.maximum(sums["tokens"], 1.0)
     grads = jax.tree.map(lambda g: g / count.astype(g.dtype), grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {
-        "loss": loss_sum / count,
+        "loss": sums["loss_sum"] / count,
         "grad_norm": optax.tree.norm(grads),
         "learning_rate": learning_rate_schedule(config)(state.step),
         "tokens": count,
+        **moe_metrics(sums, count),
     }
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from maxpar.config import Config
 from maxpar.model.layers import RESIDUAL, Attention, Mlp, RMSNorm, constrain
+from maxpar.model.moe import MOE_STATS, MoeBlock
 from maxpar.pipeline.layout import REPEATS, STAGED, merge_repeats, resolve_schedule, split_repeats
 from maxpar.pipeline.spmd import pipeline, through_stage_vmap
 
@@ -22,17 +23,46 @@ REMAT_POLICIES = {
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention + SwiGLU block. Returns (x, None) so nn.scan can carry it."""
+    """Pre-norm attention + SwiGLU block (`moe`: a routed MoE block). Returns (x, None) so nn.scan can carry it."""
 
     config: Config
+    moe: bool = False
 
     @nn.compact
     def __call__(self, x: Array, positions: Array, segment_ids: Array) -> tuple[Array, None]:
         x = constrain(x, RESIDUAL)
         x = x + Attention(self.config, name="attention")(
             RMSNorm(self.config, name="pre_attention_norm")(x), positions, segment_ids)
-        x = x + Mlp(self.config, name="mlp")(RMSNorm(self.config, name="pre_mlp_norm")(x))
+        normed = RMSNorm(self.config, name="pre_mlp_norm")(x)
+        if self.moe:
+            x = x + MoeBlock(self.config, name="moe")(normed, segment_ids != 0)
+        else:
+            x = x + Mlp(self.config, name="mlp")(normed)
         return x, None
+
+
+class DecoderBlock(nn.Module):
+    """moe_layer_interval layers, the last one MoE: the repeated unit when MoE layers are interleaved."""
+
+    config: Config
+
+    @nn.compact
+    def __call__(self, x: Array, positions: Array, segment_ids: Array) -> tuple[Array, None]:
+        interval = self.config.moe_layer_interval
+        for i in range(interval):
+            x, _ = DecoderLayer(self.config, moe=i == interval - 1, name=f"sublayer_{i}")(x, positions, segment_ids)
+        return x, None
+
+
+def decoder_unit(config: Config) -> tuple[type[nn.Module], int, dict[str, bool]]:
+    """(module, repeats, its keyword arguments) of the layer stack's repeated unit.
+
+    One layer (dense, or MoE in every layer), else a block of moe_layer_interval
+    layers. The unit is what `layers` stacks (scanned) or numbers (layers_i).
+    """
+    if config.num_experts > 1 and config.moe_layer_interval > 1:
+        return DecoderBlock, config.num_decoder_layers // config.moe_layer_interval, {}
+    return DecoderLayer, config.num_decoder_layers, {"moe": config.num_experts > 1}
 
 
 def _boxed(fn):
@@ -56,15 +86,15 @@ def _merge_repeats(tree):
                         is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
 
 
-def layer_stack(layer: type[nn.Module], length: int, repeats: int = 1) -> type[nn.Module]:
-    """`layer` scanned over a stacked `layers` axis of `length`.
+def layer_stack(unit: type[nn.Module], length: int, repeats: int = 1) -> type[nn.Module]:
+    """`unit` scanned over a stacked `layers` axis of `length`.
 
     With repeats > 1 (a circular pipeline) the parameters are stored [R, length / R, ...] with a
     leading `pipeline_repeats` axis, so that the stages can split the second axis; the scan sees
     them reshaped to [length, ...]. Layer r * length/R + i sits at [r, i]: the same initial values
     as the canonical stack, and merging the two axes gives the canonical layout back.
     """
-    stack = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
+    stack = nn.scan(unit, variable_axes={"params": 0, MOE_STATS: 0}, split_rngs={"params": True},
                     in_axes=(nn.broadcast, nn.broadcast), length=length,
                     metadata_params={nn.PARTITION_NAME: STAGED})
     if repeats == 1:
@@ -73,41 +103,42 @@ def layer_stack(layer: type[nn.Module], length: int, repeats: int = 1) -> type[n
                             init=True, mutable=True)
 
 
-def _layer(cfg: Config, under_stage_vmap: bool = False) -> type[nn.Module]:
-    """DecoderLayer, rematerialized per `remat_policy` (as the pipeline's vmap over stages sees it)."""
+def _rematerialized(cfg: Config, unit: type[nn.Module], under_stage_vmap: bool = False) -> type[nn.Module]:
+    """The stack's unit, rematerialized per `remat_policy` (as the pipeline's vmap over stages sees it)."""
     if cfg.remat_policy == "none":
-        return DecoderLayer
+        return unit
     policy = REMAT_POLICIES[cfg.remat_policy]
-    return nn.remat(DecoderLayer, policy=through_stage_vmap(policy) if under_stage_vmap else policy,
+    return nn.remat(unit, policy=through_stage_vmap(policy) if under_stage_vmap else policy,
                     prevent_cse=not cfg.scan_layers)
 
 
 class Decoder(nn.Module):
-    """The layer stack: `nn.scan` with a stacked `layers` axis, or a Python loop; pipelined over the
-    `stage` mesh axis when the mesh in context has more than one stage (maxpar/pipeline)."""
+    """The layer stack: `nn.scan` of the repeated unit with a stacked `layers` axis, or a Python loop;
+    pipelined over the `stage` mesh axis when the mesh in context has more than one stage (maxpar/pipeline)."""
 
     config: Config
 
     @nn.compact
     def __call__(self, x: Array, positions: Array, segment_ids: Array) -> Array:
         cfg = self.config
-        layer = _layer(cfg)
+        unit, count, kwargs = decoder_unit(cfg)
+        layer = _rematerialized(cfg, unit)
         if not cfg.scan_layers:
-            for i in range(cfg.num_decoder_layers):
-                x, _ = layer(cfg, name=f"layers_{i}")(x, positions, segment_ids)
+            for i in range(count):
+                x, _ = layer(cfg, name=f"layers_{i}", **kwargs)(x, positions, segment_ids)
             return x
-        stack = layer_stack(layer, cfg.num_decoder_layers, cfg.num_pipeline_repeats)
+        stack = layer_stack(layer, count, cfg.num_pipeline_repeats)
         rules = nn.get_logical_axis_rules()
         schedule = resolve_schedule(cfg, jax.sharding.get_abstract_mesh().shape, rules)
         if schedule is None or self.is_initializing():  # one stage, or creating the parameters: in order
-            x, _ = stack(cfg, name="layers")(x, positions, segment_ids)
+            x, _ = stack(cfg, name="layers", **kwargs)(x, positions, segment_ids)
             return x
-        block = layer_stack(_layer(cfg, under_stage_vmap=True), schedule.layers_per_block)
+        block = layer_stack(_rematerialized(cfg, unit, under_stage_vmap=True), schedule.layers_per_block)
 
         def run_block(params, x, positions, segment_ids):
-            return block(cfg).apply({"params": params}, x, positions, segment_ids)[0]
+            return block(cfg, **kwargs).apply({"params": params}, x, positions, segment_ids)[0]
 
-        abstract = jax.eval_shape(stack(cfg).init, jax.random.key(0), x, positions, segment_ids)
+        abstract = jax.eval_shape(stack(cfg, **kwargs).init, jax.random.key(0), x, positions, segment_ids)
         return pipeline(run_block, self.variables["params"]["layers"], nn.get_partition_spec(abstract)["params"],
                         x, (positions, segment_ids), schedule=schedule, rules=rules, x_axes=RESIDUAL,
                         side_axes=RESIDUAL[:2], gather_once=cfg.pipeline_fsdp_ag_once)

@@ -66,6 +66,7 @@ class Comm:
     cpu_parts: int = 1           # partial sums XLA:CPU reduces one by one (it has no AllReduceReassociate)
     top_level_gather: bool = False  # a once-per-step gather of a weight used by forward and backward matmuls
     tensor: str = ""             # the weight it moves, for per-weight patterns
+    explicit: bool = False       # written in a shard_map (psum_scatter): XLA:CPU keeps it a reduce-scatter
 
     @property
     def axis(self) -> str:
@@ -139,6 +140,8 @@ def weight_comms(layout: Layout, microbatches: int) -> list[Comm]:
     once = pipe is not None and config.pipeline_fsdp_ag_once
     manual = pipeline_manual_axes(layout) if pipe else ()
     for t in layout.params():
+        if t.role == "experts":
+            continue  # moved by the MoE shard_map, not the partitioner: maxpar.plan.moe_comms
         elements = layout.local_bytes(t) / dtype_bytes(t.dtype)
         # Matmul weights are cast to `dtype` before use, so gathers and gradient partial sums are in
         # `dtype`; norm scales are used and differentiated in float32; the token table is gathered
@@ -208,7 +211,7 @@ def activation_comms(layout: Layout, tokens: float, microbatches: int) -> list[C
                                    if a not in layout.batch_axes)
     comms: list[Comm] = []
 
-    def block(label: str, axes: tuple[str, ...], parts: int) -> None:
+    def block(label: str, axes: tuple[str, ...], parts: int, count: float = count) -> None:
         steps = [(FORWARD, "output all-reduce", 1),  # after the out / down projection
                  (BACKWARD, "input-gradient all-reduce", parts)]  # of the partial sums of q,k,v (or gate, up)
         if config.remat_policy == "full" and label == "attention":
@@ -232,11 +235,13 @@ def activation_comms(layout: Layout, tokens: float, microbatches: int) -> list[C
         parts = sum(1 for name, dim in (("['query']", "heads"), ("['key']", "kv_heads"), ("['value']", "kv_heads"))
                     if set(_tp_axes(layout, layout.param(name), dim)) & set(attention_axes))
         block("attention", attention_axes, parts)
-    mlp_axes = _tp_axes(layout, layout.param("['wi_gate']"), "mlp")
+    mlp_axes = _tp_axes(layout, layout.param("['mlp']['wi_gate']"), "mlp")
     if mlp_axes:
-        parts = sum(1 for name in ("['wi_gate']", "['wi_up']")
+        parts = sum(1 for name in ("['mlp']['wi_gate']", "['mlp']['wi_up']")
                     if set(_tp_axes(layout, layout.param(name), "mlp")) & set(mlp_axes))
-        block("MLP", mlp_axes, parts)
+        # MoE layers' experts have their own rule (maxpar.plan.moe_comms); the dense MLPs are the rest.
+        dense = (config.num_decoder_layers - config.num_moe_layers) / layer_split(layout) * microbatches
+        block("MLP", mlp_axes, parts, dense)
     projection = layout.param("['output']") or layout.param("['token_embedding']")
     vocab_axes = _tp_axes(layout, projection, "vocab")
     if vocab_axes:
@@ -294,9 +299,7 @@ def expert_all_to_all_bytes(tokens: float, emb_dim: int, experts_per_token: int,
 
     sharding-strategies.md (EP): moving between batch and expert sharding sends
     the routed activations, tokens x experts_per_token x emb; with compute
-    2 x that x mlp per matmul, the arithmetic intensity is mlp_dim. maxpar's
-    model has no mixture-of-experts layer yet: when it gains one, its
-    `weight_comms`/`activation_comms` rule adds two of these per MoE layer and
-    direction (dispatch, combine) over the `expert` axis.
+    2 x that x mlp per matmul, the arithmetic intensity is mlp_dim.
+    `maxpar.plan.moe_comms` applies it to the MoE layers' real exchange.
     """
     return tokens * experts_per_token * emb_dim * dtype_size

@@ -32,7 +32,8 @@ from maxpar.pipeline.schedule import Schedule
 from maxpar.sharding import batch_sharding, check_divisible, dim_axes, entry_axes, logical_specs, mesh_shardings
 from maxpar.train_step import init_state
 
-ROLES = ("attention", "mlp", "norm", "embedding", "output")
+ROLES = ("attention", "mlp", "experts", "norm", "embedding", "output")
+EXPERT_WEIGHTS = ("['wi_gate']", "['wi_up']", "['wo']")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +149,8 @@ def _role(path: str) -> str:
         return "output"
     if "['scale']" in path:
         return "norm"
+    if "['moe']" in path:  # the router is an ordinary (FSDP) weight; the experts are split over `exp`
+        return "experts" if path.endswith(EXPERT_WEIGHTS) else "mlp"
     if "['attention']" in path:
         return "attention"
     if "['mlp']" in path:

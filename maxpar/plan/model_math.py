@@ -13,17 +13,17 @@ import numpy as np
 
 from maxpar.config import Config
 from maxpar.metrics import matmul_params, parameter_counts, training_flops_per_token
+from maxpar.model.routing import expert_capacity
 from maxpar.plan.layout import Layout, ModelState
 
 
 def param_breakdown(state: ModelState, layout: Layout) -> dict[str, int]:
-    """total, embedding (token table), attention, mlp, output projection, norms, active (all: dense)."""
-    counts = parameter_counts(state.abstract.params)
-    by_role = {role: sum(t.size for t in layout.params(role)) for role in ("attention", "mlp", "output", "norm")}
-    return {"total": counts["total"], "embedding": counts["embedding"], **by_role,
-            # Every parameter takes part in every token of a dense model; a mixture-of-experts
-            # layer would count only experts_per_token of its experts here.
-            "active": counts["total"]}
+    """total, embedding (token table), attention, mlp (dense MLPs and routers), experts, output projection,
+    norms, and active: what one token uses (of each MoE layer's experts, only num_experts_per_tok)."""
+    counts = parameter_counts(state.abstract.params, layout.config.num_experts_per_tok)
+    by_role = {role: sum(t.size for t in layout.params(role))
+               for role in ("attention", "mlp", "experts", "output", "norm")}
+    return {"total": counts["total"], "embedding": counts["embedding"], **by_role, "active": counts["active"]}
 
 
 def attention_flops_per_token(config: Config) -> float:
@@ -74,6 +74,47 @@ def activation_bytes_per_token(config: Config, layout: Layout) -> dict[str, floa
     return {"none": none, "minimal": minimal, "full": full}
 
 
+def moe_rows_per_token(config: Config, layout: Layout) -> float:
+    """Token copies one device's experts compute per local token (maxpar.model.moe_dispatch).
+
+    Dropless: k without EP; with EP the fixed chunks, EP x min(k, experts per device).
+    Capacity: the buffers' experts x capacity slots per row, over the row's tokens.
+    """
+    k, n = config.num_experts_per_tok, config.num_experts
+    if config.capacity_factor > 0:
+        capacity = expert_capacity(config.max_target_length, k, n, config.capacity_factor)
+        return n * capacity / config.max_target_length
+    experts = layout.params("experts")[0]
+    ep = _degree(layout, experts.dim_axes("exp"))
+    return k if ep == 1 else ep * min(k, n // ep)
+
+
+def moe_activation_bytes_per_token(config: Config, layout: Layout, masked_ragged_dot: bool = False) -> dict[str, float]:
+    """Bytes per local token a MoE layer keeps for the backward pass beyond a dense MLP's, per remat policy.
+
+    `none`: per computed copy its input row and gate/up/product (rows x (emb + 3 mlp)),
+    the k results combined per token, router logits and probabilities (float32).
+    `minimal` keeps the router logits (the one dot without batch dims) instead of
+    the dense MLP's gate and up. `masked_ragged_dot`: the backend lowers
+    `ragged_dot` as a dense dot of a group-masked copy of its input per local
+    expert (XLA:CPU), kept for the weight gradients; a layer that remat re-runs
+    in the backward pass holds those copies and their gradients at once
+    (`working`; measured on XLA:CPU, where without remat the gradients reuse
+    the layer's released activations).
+    """
+    if config.num_moe_layers == 0:
+        return {"none": 0.0, "minimal": 0.0, "full": 0.0, "working": 0.0}
+    a = dtype_bytes(config.dtype)
+    e, m, n, k = config.emb_dim, config.mlp_dim / tp_degrees(layout)["mlp"], config.num_experts, config.num_experts_per_tok
+    rows = moe_rows_per_token(config, layout)
+    none = rows * (e + 3 * m) * a + k * e * a + 2 * n * 4
+    masked = 0.0
+    if masked_ragged_dot and config.capacity_factor == 0:
+        experts = layout.params("experts")[0]
+        masked = n / _degree(layout, experts.dim_axes("exp")) * rows * (2 * e + m) * a
+    return {"none": none + masked - 4 * m * a, "minimal": n * 4 - 2 * m * a, "full": 0.0, "working": masked}
+
+
 def layer_split(layout: Layout) -> int:
     """Into how many pieces the mesh splits the layer stack (the `stage` axis under the default rules)."""
     for t in layout.params():
@@ -91,10 +132,13 @@ def gathered_weight_bytes(config: Config, layout: Layout) -> float:
     total = 0.0
     for t in layout.params():
         batch = layout.weight_batch_axes(t)
-        if not any(a in batch and layout.degree(a) > 1 for a in t.axes):
+        # An axis splitting a weight and the batch is gathered, except the experts' own (EP keeps them split).
+        gathered_axes = [a for dim, axes in zip(t.logical, t.mesh_axes) if dim not in ("layers", "exp")
+                         for a in axes if a in batch and layout.degree(a) > 1]
+        if not gathered_axes:
             continue  # nothing to gather
         kept = _degree(layout, [a for dim, axes in zip(t.logical, t.mesh_axes) if dim != "layers"
-                                for a in axes if a not in batch])
+                                for a in axes if a not in batch or dim == "exp"])
         # The table is gathered in its own dtype, and so are the stage weights gathered before the pipeline loop.
         size = t.dtype if t.role == "embedding" or (whole_stage and t.layered) else config.dtype
         gathered = t.size / kept * dtype_bytes(size)
@@ -104,11 +148,13 @@ def gathered_weight_bytes(config: Config, layout: Layout) -> float:
     return total
 
 
-def memory_per_device(config: Config, layout: Layout, tokens_per_microbatch: float) -> dict[str, float]:
+def memory_per_device(config: Config, layout: Layout, tokens_per_microbatch: float,
+                      masked_ragged_dot: bool = False) -> dict[str, float]:
     """Peak bytes per device: state, gradients, saved activations and transient buffers.
 
     tokens_per_microbatch: tokens of one microbatch on one batch shard. `config`
     is the layout's, or a variant of it (verify uses one with float32 activations).
+    masked_ragged_dot: see `moe_activation_bytes_per_token` (verify sets it on XLA:CPU).
     """
     params = sum(layout.local_bytes(t) for t in layout.params())
     optimizer = sum(layout.local_bytes(t) for t in layout.tensors if t.group != "params")
@@ -124,10 +170,15 @@ def memory_per_device(config: Config, layout: Layout, tokens_per_microbatch: flo
         tp = tp_degrees(layout)
         residual = loop_tokens * config.emb_dim / (tp["length"] * tp["embed"]) * dtype_bytes(config.dtype)
         saved += 2 * residual  # stage 0's microbatch buffer and its gradient
-    else:
-        run_tokens = tokens_per_microbatch
-        saved = tokens_per_microbatch * per_token[config.remat_policy] * config.num_decoder_layers / layer_split(layout)
-    working = run_tokens * per_token["none"]  # one layer re-run (or kept) in the backward pass
+        working = run_tokens * per_token["none"]  # one layer re-run (or kept) in the backward pass
+    else:  # (MoE layers are not pipelined: config.check_pipeline)
+        moe = moe_activation_bytes_per_token(config, layout, masked_ragged_dot)
+        layers = config.num_decoder_layers / layer_split(layout)
+        moe_layers = config.num_moe_layers / layer_split(layout)
+        saved = tokens_per_microbatch * (per_token[config.remat_policy] * layers + moe[config.remat_policy] * moe_layers)
+        # one layer re-run (or kept) in the backward pass
+        rerun = moe["working"] if config.remat_policy != "none" else 0.0
+        working = tokens_per_microbatch * (per_token["none"] + (moe["none"] + rerun if moe_layers else 0.0))
     logits = tokens_per_microbatch * config.vocab_size / tp_degrees(layout)["vocab"] * 4 * 2  # f32 logits, gradient
     activations = saved + working + logits
     gathered = gathered_weight_bytes(config, layout)

@@ -56,9 +56,10 @@ def render_plan(plan: dict[str, Any]) -> str:
            f"({plan['num_slices']} slice{'s' if plan['num_slices'] > 1 else ''}), mesh {plan['mesh_description']}"]
     if plan["hardware_note"]:
         out.append(f"  note: {plan['hardware_note']}")
+    experts = f"experts {si(p['experts'])}, " if p.get("experts") else ""
     out += [
         f"  params     total {si(p['total'])} (token embedding {si(p['embedding'])}, attention {si(p['attention'])}, "
-        f"mlp {si(p['mlp'])}, output {si(p['output'])}, norms {si(p['norm'])}; active {si(p['active'])})",
+        f"mlp {si(p['mlp'])}, {experts}output {si(p['output'])}, norms {si(p['norm'])}; active {si(p['active'])})",
         f"  batch      {plan['global_batch_rows']:,.6g} rows = {plan['global_batch_tokens']:,.0f} tokens per step "
         f"({plan['tokens_per_device']:,.1f} per device, {plan['microbatches']} microbatch(es))",
         f"  flops      {plan['flops_per_token']:.4g} per token (training: 6 x matmul params + causal attention "

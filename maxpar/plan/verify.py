@@ -74,7 +74,7 @@ def on_backend(comm: Comm, platform: str) -> tuple[str, float, list[str]]:
     if platform != "cpu":
         return comm.collective, comm.bytes_per_device, []
     kind, size, notes = comm.collective, comm.operand_bytes, []
-    if kind == "reduce-scatter":
+    if kind == "reduce-scatter" and not comm.explicit:
         kind = "all-reduce"
         notes.append("reduce-scatter -> all-reduce of the full operand + slice (XLA:CPU has no ReduceScatterCreator)")
     if comm.cpu_parts > 1:
@@ -164,10 +164,11 @@ def memory_rows(plan: dict[str, Any], compiled: Compiled) -> list[dict[str, Any]
     """Train state vs the compiled arguments, and the transient estimate vs XLA's temporaries."""
     mem = plan["memory_per_device_bytes"]
     layout = plan["_layout"]
-    if compiled.platform == "cpu" and layout.config.dtype in ("bfloat16", "float16"):
-        # XLA:CPU keeps bf16/f16 activations in float32.
+    if compiled.platform == "cpu" and (layout.config.dtype in ("bfloat16", "float16") or layout.config.num_moe_layers):
+        # XLA:CPU keeps bf16/f16 activations in float32, and lowers ragged_dot as masked dense dots.
         config = dataclasses.replace(layout.config, dtype="float32")
-        mem = memory_per_device(config, dataclasses.replace(layout, config=config), plan["_batch"].tokens_per_shard)
+        mem = memory_per_device(config, dataclasses.replace(layout, config=config), plan["_batch"].tokens_per_shard,
+                                masked_ragged_dot=True)
     analysis = compiled.memory
     state_measured = analysis.argument_size_in_bytes - compiled.batch_bytes_per_device
     transient = mem["gradients"] + mem["activations"] + mem["gathered_weights"]

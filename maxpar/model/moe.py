@@ -1,0 +1,78 @@
+"""The mixture-of-experts feed-forward block (Mixtral-style) and its per-step statistics.
+
+Parameters (a contract: the Hugging Face Mixtral converter maps onto these):
+`router` [emb, experts], `wi_gate` and `wi_up` [experts, emb, mlp], `wo`
+[experts, mlp, emb]; the expert weights carry the logical axis `exp` on their
+leading dim (the rules map it to the `expert` mesh axis).
+
+Each MoE layer sows its load-balancing loss and drop counts into the
+`moe_stats` collection; `moe_totals` sums them over the layers for the loss and
+the metrics, whatever the layer layout (scanned, unrolled, blocks).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from maxpar.config import Config
+from maxpar.model.layers import RESIDUAL, constrain, kernel
+from maxpar.model.moe_dispatch import capacity_local, dropless_local, expert_parallel, on_token_shards
+from maxpar.model.routing import capacity_slots, expert_capacity, load_balance_loss, route
+
+Array = jax.Array
+
+MOE_STATS = "moe_stats"
+STATS = ("load_balance_loss", "dropped", "routed")
+
+
+class MoeBlock(nn.Module):
+    """Router, top-k, SwiGLU experts: x [B, L, emb], valid [B, L] (False = padding) -> [B, L, emb]."""
+
+    config: Config
+
+    @nn.compact
+    def __call__(self, x: Array, valid: Array) -> Array:
+        cfg = self.config
+        wdt, dt = jnp.dtype(cfg.weight_dtype), jnp.dtype(cfg.dtype)
+        e, m, n, k = cfg.emb_dim, cfg.mlp_dim, cfg.num_experts, cfg.num_experts_per_tok
+        router = kernel(self, "router", (e, n), ("embed", None), (0,), wdt)
+        w_gate = kernel(self, "wi_gate", (n, e, m), ("exp", "embed", "mlp"), (1,), wdt)
+        w_up = kernel(self, "wi_up", (n, e, m), ("exp", "embed", "mlp"), (1,), wdt)
+        w_down = kernel(self, "wo", (n, m, e), ("exp", "mlp", "embed"), (1,), wdt)
+        if self.is_initializing():  # init needs the parameters only (and its 1-row batch would not shard)
+            return jnp.zeros_like(x)
+
+        logits = jnp.einsum("ble,ex->blx", x, router.astype(dt), preferred_element_type=jnp.float32)
+        routing = on_token_shards(functools.partial(route, k=k), logits)
+        weights = (w_gate.astype(dt), w_up.astype(dt), w_down.astype(dt))
+        routed = jnp.sum(valid).astype(jnp.float32) * k
+        if cfg.capacity_factor > 0:
+            capacity = expert_capacity(x.shape[1], k, n, cfg.capacity_factor)
+            slots, kept = on_token_shards(functools.partial(capacity_slots, num_experts=n, capacity=capacity),
+                                          routing.experts, valid)
+            combine = jnp.where(kept, routing.weights, 0.0)
+            y = expert_parallel(capacity_local, x, (routing.experts, slots, combine), *weights, flat_tokens=False,
+                                num_experts=n, capacity=capacity)
+            dropped = routed - jnp.sum(kept).astype(jnp.float32)
+        else:
+            y = expert_parallel(dropless_local, x, (routing.experts, routing.weights), *weights, flat_tokens=True,
+                                num_experts=n)
+            dropped = jnp.zeros((), jnp.float32)
+        self.sow(MOE_STATS, "load_balance_loss", load_balance_loss(routing, valid))
+        self.sow(MOE_STATS, "dropped", dropped)
+        self.sow(MOE_STATS, "routed", routed)
+        return constrain(y, RESIDUAL)
+
+
+def moe_totals(stats: Any) -> dict[str, Array]:
+    """Each statistic summed over every MoE layer of a `moe_stats` collection (any nesting or stacking)."""
+    totals = {name: jnp.zeros((), jnp.float32) for name in STATS}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(stats):
+        name = next(str(key.key) for key in path if getattr(key, "key", None) in STATS)
+        totals[name] = totals[name] + jnp.sum(leaf)
+    return totals

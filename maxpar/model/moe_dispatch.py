@@ -1,0 +1,258 @@
+"""Moving routed tokens to their experts and back, on one device's share of the tokens.
+
+Two dispatch modes, each a pure function of local arrays that `expert_parallel`
+runs under `jax.shard_map` (or directly, without a mesh):
+
+- dropless: the token copies are sorted by expert and computed with a grouped
+  matmul (`jax.lax.ragged_dot`); nothing is ever dropped.
+- capacity: each expert has a fixed buffer of `capacity` slots per row; the
+  routing has already marked the overflow as dropped (`routing.capacity_slots`).
+
+Expert parallelism (EP > 1): the expert weights are split over the mesh axes of
+their `exp` dimension, which also split the tokens. Each device sends the token
+copies routed to experts it does not hold to the device that holds them with an
+all-to-all, computes its own experts, and sends the results back with a second
+all-to-all. XLA:CPU has no ragged all-to-all, so the dropless exchange uses
+fixed-size chunks: each device sends every peer a chunk of
+`tokens x min(k, experts per device)` rows (the most any peer can receive from
+it), of which only the routed rows are real. Capacity mode sends its buffers,
+`capacity_factor x` the routed rows.
+
+The mesh axes are read from the logical axis rules (`expert_axes`); no physical
+axis name is written here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from maxpar.config import Config, ConfigError
+
+Array = jax.Array
+Axes = tuple[str, ...]
+
+TOKENS = ("activation_batch",)
+GATE_AXES = ("exp", "embed", "mlp")   # wi_gate, wi_up: [experts, emb, mlp]
+DOWN_AXES = ("exp", "mlp", "embed")   # wo: [experts, mlp, emb]
+
+
+# ---------------------------------------------------------------- the mesh axes of the MoE computation
+
+def _entry_axes(entry) -> Axes:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertAxes:
+    """Mesh axes of the MoE computation, from the logical axis rules in force."""
+
+    tokens: Axes                # split the tokens (activation_batch)
+    experts: Axes               # split the expert dim of the expert weights: expert parallelism
+    hidden: Axes                # split the mlp dim but not the tokens: tensor parallelism, partial sums
+    gate: tuple[Axes, ...]      # per dim of wi_gate / wi_up
+    down: tuple[Axes, ...]      # per dim of wo
+    sizes: dict[str, int]
+
+    def degree(self, axes: Axes) -> int:
+        return math.prod(self.sizes[a] for a in axes)
+
+    def live(self, axes: Axes) -> Axes:
+        return tuple(a for a in axes if self.sizes[a] > 1)
+
+    def gathered(self, dims: tuple[Axes, ...], logical: tuple[str, ...]) -> tuple[Axes, ...]:
+        """Per weight dim, the axes to all-gather before use: all but the EP axes (exp) and TP axes (mlp)."""
+        keep = {"exp": self.experts, "mlp": self.hidden}
+        return tuple(tuple(a for a in self.live(axes) if a not in keep.get(name, ())) for axes, name in zip(dims, logical))
+
+
+def expert_axes(sizes: dict[str, int]) -> ExpertAxes:
+    """Read the axes from the rules (`nn.logical_axis_rules` context); `sizes` = mesh axis -> degree."""
+    tokens = _entry_axes(nn.logical_to_mesh_axes(TOKENS)[0])
+    gate = tuple(_entry_axes(e) for e in nn.logical_to_mesh_axes(GATE_AXES))
+    down = tuple(_entry_axes(e) for e in nn.logical_to_mesh_axes(DOWN_AXES))
+    hidden = tuple(a for a in gate[2] if a not in tokens)
+    return ExpertAxes(tokens=tokens, experts=gate[0], hidden=hidden, gate=gate, down=down, sizes=dict(sizes))
+
+
+def check_expert_layout(config: Config, sizes: dict[str, int]) -> None:
+    """Setup-time checks of a MoE config against the mesh (ConfigError naming keys and values)."""
+    if config.num_experts == 1:
+        return
+    with nn.logical_axis_rules(list(config.axis_rules)):
+        axes = expert_axes(sizes)
+    ep = axes.degree(axes.experts)
+    if config.num_experts % ep:
+        degrees = ", ".join(f"{a}={sizes[a]}" for a in axes.experts)
+        raise ConfigError(f"num_experts={config.num_experts} is not divisible by the expert-parallel degree {ep} "
+                          f"(mesh axes {degrees} split the experts; ici_expert_parallelism x dcn_expert_parallelism): "
+                          f"use an EP degree that divides {config.num_experts}")
+    stray = [a for a in axes.live(axes.experts) if a not in axes.tokens]
+    if stray:
+        raise ConfigError(f"logical_axis_rules: the experts are split over {stray}, which does not split the "
+                          f"tokens (activation_batch -> {list(axes.tokens)}); expert parallelism exchanges tokens "
+                          f"over the axes that split both")
+    for name, dims, logical in (("wi_gate/wi_up", axes.gate, GATE_AXES), ("wo", axes.down, DOWN_AXES)):
+        for dim_axes, dim in zip(axes.gathered(dims, logical), logical):
+            stray = [a for a in dim_axes if a not in axes.tokens]
+            if stray:
+                raise ConfigError(f"logical_axis_rules: the {dim} dim of the expert weights {name} is split over "
+                                  f"{stray}, which neither splits the tokens (FSDP) nor is a tensor-parallel mlp "
+                                  f"axis; map {dim} to batch axes or leave it unsplit")
+
+
+# ---------------------------------------------------------------- the experts' SwiGLU
+
+def _swiglu_grouped(rows: Array, w_gate: Array, w_up: Array, w_down: Array, group_sizes: Array) -> Array:
+    """SwiGLU of rows sorted by expert: group g uses expert g's weights. Rows past the groups give zeros."""
+    gate = jax.lax.ragged_dot(rows, w_gate, group_sizes)
+    up = jax.lax.ragged_dot(rows, w_up, group_sizes)
+    return jax.lax.ragged_dot(nn.silu(gate) * up, w_down, group_sizes)
+
+
+def _swiglu_batched(buffers: Array, w_gate: Array, w_up: Array, w_down: Array) -> Array:
+    """SwiGLU of per-expert buffers [experts, slots, emb]."""
+    gate = jnp.einsum("xte,xem->xtm", buffers, w_gate)
+    up = jnp.einsum("xte,xem->xtm", buffers, w_up)
+    return jnp.einsum("xtm,xme->xte", nn.silu(gate) * up, w_down)
+
+
+def _all_to_all(x: Array, axes: Axes, split_axis: int, concat_axis: int) -> Array:
+    return jax.lax.all_to_all(x, axes, split_axis, concat_axis, tiled=True) if axes else x
+
+
+# ---------------------------------------------------------------- dropless
+
+def dropless_local(x: Array, experts: Array, weights: Array, w_gate: Array, w_up: Array, w_down: Array, *,
+                   num_experts: int, ep_axes: Axes = (), ep_size: int = 1) -> Array:
+    """Every token copy computed by its expert; x [T, emb], experts/weights [T, k] -> [T, emb] (float32).
+
+    The copies are sorted by expert (so also by the device holding it), sent in
+    fixed chunks over `ep_axes`, re-sorted by local expert on arrival, computed
+    with grouped matmuls, and returned the same way. w_* hold this device's
+    `num_experts / ep_size` experts.
+    """
+    tokens, k = experts.shape
+    local_experts = num_experts // ep_size
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)        # copies sorted by expert
+    rows = x[order // k]
+    counts = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    if ep_size == 1:
+        out = _swiglu_grouped(rows, w_gate, w_up, w_down, counts)
+    else:
+        chunk = tokens * min(k, local_experts)    # the most copies one device can send one peer
+        device = flat[order] // local_experts
+        per_device = counts.reshape(ep_size, local_experts)
+        first = jnp.cumsum(per_device.sum(1)) - per_device.sum(1)
+        offset = jnp.arange(tokens * k) - first[device]
+        send = jnp.zeros((ep_size, chunk, x.shape[-1]), x.dtype).at[device, offset].set(rows)
+        received = _all_to_all(send, ep_axes, 0, 0)                       # [sources, chunk, emb]
+        received_counts = _all_to_all(per_device, ep_axes, 0, 0)          # [sources, local experts]
+        ends = jnp.cumsum(received_counts, axis=1)
+        expert_of = jax.vmap(lambda e: jnp.searchsorted(e, jnp.arange(chunk), side="right"))(ends).reshape(-1)
+        arrival = jnp.argsort(expert_of, stable=True)                     # by local expert; padding last
+        computed = _swiglu_grouped(received.reshape(-1, x.shape[-1])[arrival], w_gate, w_up, w_down,
+                                   received_counts.sum(0))
+        computed = jnp.where((expert_of[arrival] < local_experts)[:, None], computed, 0)
+        results = jnp.zeros_like(computed).at[arrival].set(computed).reshape(ep_size, chunk, -1)
+        out = _all_to_all(results, ep_axes, 0, 0)[device, offset]
+    copies = jnp.zeros_like(out).at[order].set(out).reshape(tokens, k, -1)
+    return jnp.einsum("tke,tk->te", copies.astype(jnp.float32), weights)
+
+
+# ---------------------------------------------------------------- capacity
+
+def capacity_local(x: Array, experts: Array, slots: Array, weights: Array, w_gate: Array, w_up: Array,
+                   w_down: Array, *, num_experts: int, capacity: int, ep_axes: Axes = (), ep_size: int = 1) -> Array:
+    """Fixed per-expert buffers of `capacity` slots per row; x [B, L, emb], experts/slots/weights [B, L, k].
+
+    A dropped copy has slot == capacity: it is written nowhere and reads back
+    zero (its weight is zero as well). With EP the buffers of the experts on
+    another device are sent there whole (all-to-all) and come back the same way.
+    """
+    rows = x.shape[0]
+    row_index = jnp.broadcast_to(jnp.arange(rows)[:, None, None], experts.shape)
+    copies = jnp.broadcast_to(x[:, :, None, :], (*experts.shape, x.shape[-1]))
+    buffers = jnp.zeros((num_experts, rows, capacity, x.shape[-1]), x.dtype)
+    buffers = buffers.at[experts, row_index, slots].set(copies, mode="drop").reshape(num_experts, -1, x.shape[-1])
+    buffers = _all_to_all(buffers, ep_axes, 0, 1)          # [local experts, sources x rows x capacity, emb]
+    out = _all_to_all(_swiglu_batched(buffers, w_gate, w_up, w_down), ep_axes, 1, 0)
+    out = out.reshape(num_experts, rows, capacity, -1)
+    gathered = out.at[experts, row_index, slots].get(mode="fill", fill_value=0)
+    return jnp.einsum("blke,blk->ble", gathered.astype(jnp.float32), weights)
+
+
+# ---------------------------------------------------------------- running it on the mesh
+
+def on_token_shards(fn: Callable[..., Any], *arrays: Array) -> Any:
+    """fn applied to each device's tokens: for per-token (per-row) work such as routing.
+
+    The partitioner would all-gather top_k's operand across the batch shards;
+    under shard_map each device routes its own tokens, with no collective.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return fn(*arrays)
+    axes = expert_axes(dict(mesh.shape))
+    spec = PartitionSpec(axes.live(axes.tokens) or None)
+    return jax.shard_map(fn, in_specs=tuple(spec for _ in arrays), out_specs=spec)(*arrays)
+
+
+def expert_parallel(local: Callable[..., Array], x: Array, per_token: tuple[Array, ...], w_gate: Array,
+                    w_up: Array, w_down: Array, *, flat_tokens: bool, **static) -> Array:
+    """Run a dispatch function on every device's tokens with its experts; [B, L, emb] in x's dtype.
+
+    Without a mesh in context (model.init, a single-device reference) it runs on
+    the whole arrays. With one: tokens split over the `activation_batch` axes,
+    expert weights over `exp` (EP) and `mlp` (TP), their other dims all-gathered
+    here (FSDP; the gradient is reduce-scattered back), TP partial sums added.
+    """
+    batch, length, emb = x.shape
+    mesh = jax.sharding.get_abstract_mesh()
+
+    def run(x, per_token, w_gate, w_up, w_down, **axes):
+        if flat_tokens:
+            x = x.reshape(-1, emb)
+            per_token = tuple(a.reshape(-1, a.shape[-1]) for a in per_token)
+        y = local(x, *per_token, w_gate, w_up, w_down, **static, **axes)
+        return y.reshape(-1, length, emb).astype(x.dtype)
+
+    if mesh.empty:
+        return run(x, per_token, w_gate, w_up, w_down)
+    axes = expert_axes(dict(mesh.shape))
+    # Axes of size 1 are left out: they split nothing, and shard_map would count them as varying.
+    token_spec = PartitionSpec(axes.live(axes.tokens) or None)
+    gate_spec = PartitionSpec(*(axes.live(a) or None for a in axes.gate))
+    down_spec = PartitionSpec(*(axes.live(a) or None for a in axes.down))
+
+    def gather(w: Array, dims: tuple[Axes, ...], logical: tuple[str, ...]) -> Array:
+        # Varying over the token axes first, so that the transpose reduce-scatters before it all-reduces.
+        spread = tuple(a for a in axes.live(axes.tokens) if not any(a in d for d in dims))
+        w = jax.lax.pcast(w, spread, to="varying") if spread else w
+        for dim, gathered in enumerate(axes.gathered(dims, logical)):
+            if gathered:
+                w = jax.lax.all_gather(w, gathered, axis=dim, tiled=True)
+        return w
+
+    def body(x, per_token, w_gate, w_up, w_down):
+        w_gate, w_up = gather(w_gate, axes.gate, GATE_AXES), gather(w_up, axes.gate, GATE_AXES)
+        w_down = gather(w_down, axes.down, DOWN_AXES)
+        ep, hidden = axes.live(axes.experts), axes.live(axes.hidden)
+        if hidden:  # TP: one all-reduce of the input gradient in the backward pass, not one per use
+            x = jax.lax.pcast(x, hidden, to="varying")
+        y = run(x, per_token, w_gate, w_up, w_down, ep_axes=ep, ep_size=axes.degree(ep))
+        return jax.lax.psum(y, hidden) if hidden else y
+
+    sharded = jax.shard_map(body, in_specs=(token_spec, tuple(token_spec for _ in per_token), gate_spec, gate_spec,
+                                            down_spec), out_specs=token_spec)
+    return sharded(x, per_token, w_gate, w_up, w_down)

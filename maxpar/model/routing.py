@@ -1,0 +1,83 @@
+"""Token-to-expert routing: Mixtral's top-k, the load-balancing loss, and capacity slots.
+
+Pure functions of per-token arrays with leading dims [batch, length]; they
+contain no collective and no mesh axis, so under jit the partitioner keeps
+them on each token's own device. `maxpar.model.moe_dispatch` moves the tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+class Routing(NamedTuple):
+    """Where each token goes: router probabilities, its top-k experts and their combine weights."""
+
+    probs: Array    # [..., num_experts] float32: softmax over all expert logits
+    experts: Array  # [..., k] int32: chosen experts, most probable first
+    weights: Array  # [..., k] float32: their probabilities renormalized to sum to 1
+
+
+def route(logits: Array, k: int) -> Routing:
+    """Mixtral's routing: softmax over all experts, keep the top k, renormalize those k weights to sum to 1.
+
+    Ties go to the lower expert index (`jax.lax.top_k`).
+    """
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    top, experts = jax.lax.top_k(probs, k)
+    return Routing(probs, experts.astype(jnp.int32), top / jnp.sum(top, axis=-1, keepdims=True))
+
+
+def load_balance_loss(routing: Routing, valid: Array) -> Array:
+    """num_experts x sum_i f_i P_i over the real tokens (Switch Transformer; Hugging Face Mixtral).
+
+    f_i is the fraction of tokens routed to expert i (counting every one of the k
+    choices, so sum_i f_i = k) and P_i the mean router probability of expert i.
+    Only f depends on the top-k choice, so the gradient flows through P.
+    A perfectly balanced router (f_i = k / E, P_i = 1 / E) scores k, the value the
+    loss pushes towards; sending every token to the same k experts with
+    certainty scores E, the worst.
+    `valid` [...] masks padding tokens out of both means.
+    """
+    num_experts = routing.probs.shape[-1]
+    mask = valid.astype(jnp.float32)
+    tokens = jnp.maximum(jnp.sum(mask), 1.0)
+    chosen = jnp.sum(jax.nn.one_hot(routing.experts, num_experts, dtype=jnp.float32), axis=-2)  # [..., E]
+    reduce = tuple(range(mask.ndim))
+    fraction = jnp.sum(chosen * mask[..., None], axis=reduce) / tokens
+    probability = jnp.sum(routing.probs * mask[..., None], axis=reduce) / tokens
+    return num_experts * jnp.sum(fraction * probability)
+
+
+def expert_capacity(row_length: int, k: int, num_experts: int, capacity_factor: float) -> int:
+    """Tokens one expert takes from one row: ceil(capacity_factor x row_length x k / num_experts), at least 1.
+
+    The group whose tokens compete for capacity is one row (sequence), so which
+    tokens drop depends on the data only, never on how the batch is sharded.
+    """
+    return max(1, math.ceil(capacity_factor * row_length * k / num_experts - 1e-9))
+
+
+def capacity_slots(experts: Array, valid: Array, num_experts: int, capacity: int) -> tuple[Array, Array]:
+    """(slot [B, L, k] int32, kept [B, L, k] bool): each assignment's place in its expert's buffer of the row.
+
+    Priority within a row: every token's first choice (in sequence order) before
+    any second choice, and so on (GShard's rule: a token keeps its best expert
+    before others keep their k-th). Assignments beyond `capacity` are dropped;
+    padding tokens (`valid` False) take no capacity and are dropped too. A
+    dropped assignment's slot is `capacity` (one past the buffer).
+    """
+    batch, length, k = experts.shape
+    onehot = jax.nn.one_hot(experts, num_experts, dtype=jnp.int32) * valid[:, :, None, None].astype(jnp.int32)
+    by_priority = onehot.transpose(0, 2, 1, 3).reshape(batch, k * length, num_experts)
+    taken_before = jnp.cumsum(by_priority, axis=1) - by_priority
+    position = taken_before.reshape(batch, k, length, num_experts).transpose(0, 2, 1, 3)
+    slot = jnp.sum(position * onehot, axis=-1)
+    kept = valid[:, :, None] & (slot < capacity)
+    return jnp.where(kept, slot, capacity).astype(jnp.int32), kept

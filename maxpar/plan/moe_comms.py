@@ -1,0 +1,119 @@
+"""Predicted collectives of the mixture-of-experts layers, as `maxpar.model.moe_dispatch` writes them.
+
+The expert weights and the token exchange live inside a `jax.shard_map`, so
+their collectives are the ones written there, not ones the partitioner picks:
+
+- FSDP: each expert weight is all-gathered over the batch axes that split its
+  embed (or mlp) dim, once per MoE layer and microbatch in the forward pass
+  (the backward pass reuses the gathered copy, unless remat recomputes the
+  layer), and its gradient is reduce-scattered back (a real reduce-scatter,
+  also on XLA:CPU); batch axes that do not split it all-reduce that shard (DP).
+  The `exp` dim is never gathered: over the EP axes each device keeps its experts.
+- EP (sharding-strategies.md): two all-to-alls per MoE layer in the forward
+  pass (tokens to their experts, results back) and two in the backward pass.
+  Dropless sends fixed chunks of `tokens x min(k, experts per device)` rows to
+  each EP peer (XLA:CPU has no ragged all-to-all), plus the per-expert counts;
+  capacity mode sends its `experts x rows x capacity` buffers.
+- TP: the mlp-split experts give partial outputs, all-reduced over the tensor
+  axes in the forward pass; the input gradient is all-reduced in the backward pass.
+
+Remat recomputes the forward all-gathers and all-to-alls in the backward pass
+(the layer's output all-reduce is not needed there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from maxpar.config import Config
+from maxpar.model.routing import expert_capacity
+from maxpar.plan.comms import BACKWARD, FORWARD, Comm, expert_all_to_all_bytes, hierarchical
+from maxpar.plan.layout import Layout, Tensor
+from maxpar.plan.model_math import dtype_bytes, layer_split
+
+
+def _name(t: Tensor) -> str:
+    return t.path.replace(".params", "").replace("['", "").replace("']", "/").rstrip("/")
+
+
+def gathered_axes(layout: Layout, t: Tensor) -> tuple[str, ...]:
+    """Axes an expert weight is all-gathered over: the batch axes of its dims other than `exp`."""
+    return layout.live(a for dim, axes in zip(t.logical, t.mesh_axes) if dim not in ("exp", "layers")
+                       for a in axes if a in layout.batch_axes)
+
+
+def expert_weight_comms(layout: Layout, microbatches: int) -> list[Comm]:
+    """FSDP gathers, reduce-scatters and DP all-reduces of the expert weights (written in the shard_map)."""
+    config = layout.config
+    gathers = 1 if config.remat_policy == "none" else 2
+    comms: list[Comm] = []
+    for t in layout.params("experts"):
+        size = layout.local_bytes(t) / dtype_bytes(t.dtype) * dtype_bytes(config.dtype)
+        gather = gathered_axes(layout, t)
+        full = size * _degree(layout, gather)
+        common = dict(dtype=config.dtype, scales=False, tensor=_name(t))
+        comms += hierarchical(layout, "MoE expert-weight all-gather (forward)", gather, "all-gather", size,
+                              count=microbatches, phase=FORWARD, **common)
+        comms += hierarchical(layout, "MoE expert-weight all-gather recomputed by remat (backward)", gather,
+                              "all-gather", size, count=microbatches * (gathers - 1), phase=BACKWARD, **common)
+        comms += [_explicit(c) for c in hierarchical(layout, "MoE expert-weight gradient reduce-scatter", gather,
+                                                     "reduce-scatter", full, count=microbatches, phase=BACKWARD,
+                                                     **common)]
+        reduce = layout.live(a for a in layout.batch_axes if a not in t.axes)
+        comms += hierarchical(layout, "MoE expert-weight gradient all-reduce (DP)", reduce, "all-reduce", size,
+                              count=microbatches, phase=BACKWARD, **common)
+    return comms
+
+
+def _explicit(comm: Comm) -> Comm:
+    return dataclasses.replace(comm, explicit=True)
+
+
+def _degree(layout: Layout, axes: tuple[str, ...]) -> int:
+    return math.prod(layout.degree(a) for a in axes)
+
+
+def dispatch_bytes(config: Config, tokens: float, ep: int) -> float:
+    """Operand bytes of one all-to-all moving token copies to their experts' devices (or back)."""
+    a = dtype_bytes(config.dtype)
+    k, experts = config.num_experts_per_tok, config.num_experts
+    if config.capacity_factor > 0:
+        rows = tokens / config.max_target_length
+        capacity = expert_capacity(config.max_target_length, k, experts, config.capacity_factor)
+        return experts * rows * capacity * config.emb_dim * a
+    # Fixed chunks: every peer gets room for all copies this device could send it.
+    return ep * expert_all_to_all_bytes(tokens, config.emb_dim, min(k, experts // ep), a)
+
+
+def predict_moe_comms(layout: Layout, tokens_per_shard: float, microbatches: int) -> list[Comm]:
+    """Every predicted collective of the MoE layers (`comms.predict_comms` has the rest of the model)."""
+    return expert_weight_comms(layout, microbatches) + expert_activation_comms(layout, tokens_per_shard, microbatches)
+
+
+def expert_activation_comms(layout: Layout, tokens: float, microbatches: int) -> list[Comm]:
+    """EP all-to-alls and TP all-reduces of the MoE layers; tokens = one microbatch's per batch shard."""
+    config = layout.config
+    if config.num_moe_layers == 0:
+        return []
+    experts = next(iter(layout.params("experts")))
+    ep_axes = layout.live(experts.dim_axes("exp"))
+    hidden = layout.live(a for a in experts.dim_axes("mlp") if a not in layout.batch_axes)
+    count = config.num_moe_layers / layer_split(layout) * microbatches
+    recomputed = 0 if config.remat_policy == "none" else 2
+    comms: list[Comm] = []
+    if ep_axes:
+        size = dispatch_bytes(config, tokens, _degree(layout, ep_axes))
+        for phase, n in ((FORWARD, 2), (BACKWARD, 2 + recomputed)):
+            comms += hierarchical(layout, f"EP token all-to-all ({phase})", ep_axes, "all-to-all", size,
+                                  count=count * n, phase=phase, dtype=config.dtype, scales=True)
+        if config.capacity_factor == 0:  # tokens per expert, sent ahead of the tokens (int32)
+            comms += hierarchical(layout, "EP expert-count all-to-all (forward)", ep_axes, "all-to-all",
+                                  config.num_experts * 4, count=count * (1 + recomputed // 2), phase=FORWARD,
+                                  dtype="int32", scales=False)
+    if hidden:
+        residual = tokens * config.emb_dim * dtype_bytes(config.dtype)
+        for phase, what in ((FORWARD, "output"), (BACKWARD, "input-gradient")):
+            comms += hierarchical(layout, f"TP MoE {what} all-reduce ({phase})", hidden, "all-reduce", residual,
+                                  count=count, phase=phase, dtype=config.dtype, scales=True)
+    return comms
