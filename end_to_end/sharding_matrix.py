@@ -6,8 +6,8 @@ gives the single-device run's per-step losses.
 Strategies: DP(8), FSDP(8), FSDP-transpose (configs/fsdp_transpose.yml, FSDP(4)xTP(2)), FSDP(4)xTP(2),
 TP(8), TP-sequence (configs/tp_sequence.yml, FSDP(4)xTP(2)), DP(2)xFSDP(2)xTP(2), and gPipe pipelines
 PP(2)xDP(2)xTP(2) and PP(2)xFSDP(4) with pipeline_fsdp_ag_once (circular pipelines need 4+ layers:
-tests/test_pipeline*.py); the reference is
-1 device with the same global batch (8 rows). The tiny dims are chosen so that 8 divides heads, kv heads,
+tests/test_pipeline*.py); then the same model with 8 dropless experts (top-2) under EP(8), EP(4)xFSDP(2)
+and DP(2)xEP(2)xTP(2). The reference is 1 device with the same global batch (8 rows), dense or MoE. The tiny dims are chosen so that 8 divides heads, kv heads,
 mlp and vocab (TP(8) needs that). Prints the strategy x step loss matrix and each row's max relative
 difference from the reference, then a PASS/FAIL line; exits non-zero on FAIL.
 """
@@ -43,6 +43,7 @@ TINY = ["emb_dim=64", "num_query_heads=8", "num_kv_heads=8", "head_dim=8", "mlp_
         "vocab_size=264", "max_target_length=32", "dtype=float32", "weight_dtype=float32", "warmup_steps=2",
         "learning_rate=1e-2", "log_period=1", "eval_interval=-1", "enable_checkpointing=false",
         "dataset_type=text", "eval_fraction=0"]
+MOE = ["num_experts=8", "num_experts_per_tok=2", "capacity_factor=0"]  # dropless: EP must not change the math
 STRATEGIES = {  # name: (config file, overrides); all with per_device_batch_size=1 on 8 devices
     "DP(8)": ("base.yml", ["ici_data_parallelism=8", "ici_fsdp_parallelism=1"]),
     "FSDP(8)": ("base.yml", ["ici_fsdp_parallelism=8"]),
@@ -56,8 +57,11 @@ STRATEGIES = {  # name: (config file, overrides); all with per_device_batch_size
                                        "ici_tensor_parallelism=2", "num_pipeline_microbatches=4"]),
     "PP(2)xFSDP(4) ag_once": ("base.yml", ["ici_stage_parallelism=2", "ici_fsdp_parallelism=4",
                                            "num_pipeline_microbatches=2", "pipeline_fsdp_ag_once=true"]),
+    "MoE EP(8)": ("base.yml", [*MOE, "ici_expert_parallelism=8", "ici_fsdp_parallelism=1"]),
+    "MoE EP(4)xFSDP(2)": ("base.yml", [*MOE, "ici_expert_parallelism=4", "ici_fsdp_parallelism=2"]),
+    "MoE DP(2)xEP(2)xTP(2)": ("base.yml", [*MOE, "ici_data_parallelism=2", "ici_expert_parallelism=2",
+                                           "ici_fsdp_parallelism=1", "ici_tensor_parallelism=2"]),
 }
-NOT_IMPLEMENTED = {"EP (expert)": "expert parallelism"}
 
 
 def run_losses(config_file: str, overrides: list[str], devices, workdir: Path) -> list[float]:
@@ -83,7 +87,8 @@ def main() -> int:
         workdir = Path(tmp)
         corpus = write_corpus(workdir / "corpus")
         common = [f"steps={args.steps}", f"dataset_path={corpus}"]
-        reference = run_losses("base.yml", [*common, "per_device_batch_size=8", *args.overrides], devices[:1], workdir)
+        references = {moe: run_losses("base.yml", [*common, "per_device_batch_size=8", *(MOE if moe else []),
+                                                   *args.overrides], devices[:1], workdir) for moe in (False, True)}
         results: dict[str, list[float] | str] = {}
         for name, (config_file, overrides) in STRATEGIES.items():
             try:
@@ -92,17 +97,19 @@ def main() -> int:
             except Exception as e:  # noqa: BLE001 - one broken strategy must not hide the others
                 results[name] = f"error: {type(e).__name__}: {e}"
 
-    ref = np.array(reference)
-    width = max(len(n) for n in [*STRATEGIES, *NOT_IMPLEMENTED, "1 device (reference)"])
+    width = max(len(n) for n in [*STRATEGIES, "MoE 1 device (reference)"])
     print()
     print(f"{'strategy':<{width}}  " + "  ".join(f"{'step ' + str(s):>10}" for s in range(1, args.steps + 1))
           + "  max rel diff")
-    print(f"{'1 device (reference)':<{width}}  " + "  ".join(f"{v:>10.6f}" for v in ref))
     failed = []
-    if len(ref) != args.steps or not ref[-1] < ref[0]:
-        failed.append("reference")
-        print(f"reference run logged {len(ref)} steps / did not lower the loss")
+    for moe, losses in references.items():
+        label = f"{'MoE ' if moe else ''}1 device (reference)"
+        print(f"{label:<{width}}  " + "  ".join(f"{v:>10.6f}" for v in losses))
+        if len(losses) != args.steps or not losses[-1] < losses[0]:
+            failed.append(label)
+            print(f"{label} logged {len(losses)} steps / did not lower the loss")
     for name, losses in results.items():
+        ref = np.array(references[name.startswith("MoE")])
         if isinstance(losses, str):
             print(f"{name:<{width}}  {losses}")
             failed.append(name)
@@ -117,8 +124,6 @@ def main() -> int:
         print(f"{name:<{width}}  " + "  ".join(f"{v:>10.6f}" for v in got) + f"  {rel:.2e}{'' if ok else '  FAIL'}")
         if not ok:
             failed.append(name)
-    for name, what in NOT_IMPLEMENTED.items():
-        print(f"{name:<{width}}  not implemented yet ({what} is an open issue)")
     elapsed = time.perf_counter() - start
     if failed:
         print(f"FAIL: {', '.join(failed)} differ from the 1-device losses by more than rtol {args.rtol} "

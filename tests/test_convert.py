@@ -18,7 +18,8 @@ import numpy as np
 import optax
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
+from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MixtralConfig,
+                          MixtralForCausalLM,
                           MistralForCausalLM)
 
 from helpers import REPO, write_corpus
@@ -26,7 +27,7 @@ from maxpar import checkpoint
 from maxpar.config import load_config
 from maxpar.convert.__main__ import OVERRIDES_FILE, main
 from maxpar.convert.architectures import ARCHITECTURES
-from maxpar.convert.hf_config import ConversionError, model_keys, resolve_config, training_overrides
+from maxpar.convert.hf_config import ConversionError, hf_config, model_keys, resolve_config, training_overrides
 from maxpar.convert.layout import hf_tensor, maxpar_block
 from maxpar.convert.safetensors_io import HFTensors
 from maxpar.mesh import create_mesh
@@ -52,6 +53,11 @@ MODELS = {
     "tied": (LlamaConfig, LlamaForCausalLM, dict(
         hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
         vocab_size=VOCAB, tie_word_embeddings=True), torch.bfloat16, None),
+    # 4 experts, top-2, GQA 4/2, sharded safetensors (one tensor per expert on disk)
+    "mixtral": (MixtralConfig, MixtralForCausalLM, dict(
+        hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=VOCAB, num_local_experts=4, num_experts_per_tok=2, rms_norm_eps=1e-5),
+        torch.float32, "40KB"),
 }
 
 MESHES = {
@@ -136,6 +142,17 @@ def test_logits_equal_transformers(name, mesh, hf_dirs, converted):
     theirs = hf_logits(hf_dirs[name], tokens)
     assert np.abs(theirs).max() > 1.0  # not a degenerate model whose logits all agree anyway
     np.testing.assert_allclose(ours, theirs, rtol=2e-5, atol=2e-5)  # observed: <= 1e-5 on logits up to 5.5
+
+
+@pytest.mark.parametrize("overrides", [["ici_expert_parallelism=4", "ici_fsdp_parallelism=2"],
+                                       ["ici_expert_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2",
+                                        "capacity_factor=4.0"]], ids=["ep4_fsdp2", "ep2_fsdp2_tp2_capacity"])
+def test_mixtral_logits_equal_transformers_under_expert_parallelism(overrides, hf_dirs, converted):
+    """The experts split over the `expert` axis (and, with a capacity no token overflows, the capacity path)."""
+    tokens = tokens_for(4)
+    assert "num_experts_per_tok=2" in overrides_of(converted["mixtral"])
+    ours = maxpar_logits(converted["mixtral"], tokens, jax.devices()[:8], *overrides)
+    np.testing.assert_allclose(ours, hf_logits(hf_dirs["mixtral"], tokens), rtol=2e-5, atol=2e-5)
 
 
 def test_sliding_window_is_what_makes_mistral_match(hf_dirs, converted):
@@ -289,6 +306,12 @@ def test_config_of_both_transformers_layouts_matches_the_preset():
 def test_unsupported_features_are_refused(change, message):
     with pytest.raises(ConversionError, match=message):
         model_keys({**legacy_llama3_8b(), **change}, ARCHITECTURES["LlamaForCausalLM"])
+
+
+def test_a_mixture_of_experts_does_not_export_as_a_dense_architecture():
+    config = load_config([str(BASE), "model_name=tiny-moe"])
+    with pytest.raises(ConversionError, match=r"num_experts=8: LlamaForCausalLM has no such setting \(it needs 1\)"):
+        hf_config(config, ARCHITECTURES["LlamaForCausalLM"], "float32")
 
 
 # ---------------------------------------------------------------- bad input: exit 2 and why

@@ -23,7 +23,7 @@ OVERRIDES_FILE = "overrides.txt"
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m maxpar.convert",
-                                     description="Convert Llama/Mistral checkpoints between Hugging Face and maxpar.")
+                                     description="Convert Llama/Mistral/Mixtral checkpoints between Hugging Face and maxpar.")
     commands = parser.add_subparsers(dest="command", required=True)
     from_hf = commands.add_parser("from_hf", help="Hugging Face directory -> maxpar checkpoint (load_parameters_path=)")
     from_hf.add_argument("--hf_path", type=Path, required=True, help="local directory: config.json + *.safetensors")

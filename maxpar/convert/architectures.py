@@ -3,7 +3,7 @@
 `ConfigKey`s say which maxpar config key comes from which config.json key; `TensorRule`s say
 which maxpar parameter (canonical layout: layers stacked on a leading axis) is made of which
 Hugging Face tensors, and how. Supporting another architecture of the same family means adding
-rows here: e.g. Mixtral adds its expert-count keys and rules for `decoder/layers/moe/*` whose HF
+rows here: Mixtral adds its expert-count keys and rules for `decoder/layers/moe/*` whose HF
 names carry `{expert}` as well as `{layer}` (stacked=("layer", "expert")).
 """
 
@@ -80,6 +80,12 @@ LLAMA_KEYS = (
 NO_WINDOW = ConfigKey("sliding_window", None, default=0)  # Llama attends to the whole causal context
 MISTRAL_WINDOW = ConfigKey("sliding_window", "sliding_window", default=0, from_hf=int,
                            to_hf=lambda window: window or None)
+DENSE = ConfigKey("num_experts", None, default=1)  # Llama and Mistral: one SwiGLU MLP per layer
+MIXTRAL_KEYS = (
+    ConfigKey("num_experts", "num_local_experts"),
+    ConfigKey("num_experts_per_tok", "num_experts_per_tok"),
+    ConfigKey("moe_layer_interval", None, default=1),  # every Mixtral layer is MoE
+)
 # rope_theta is read by hf_config.rope_theta (it moved into `rope_parameters` in transformers 5).
 
 LLAMA_TENSORS = (
@@ -96,6 +102,15 @@ LLAMA_TENSORS = (
     TensorRule("decoder/layers/mlp/wo", "model.layers.{layer}.mlp.down_proj.weight", ("layer",), 1),
     TensorRule("final_norm/scale", "model.norm.weight"),
     TensorRule("output", "lm_head.weight", (), 1),
+)
+
+_MIXTRAL_MOE = "model.layers.{layer}.block_sparse_moe"
+MIXTRAL_TENSORS = tuple(rule for rule in LLAMA_TENSORS if "/mlp/" not in rule.path) + (
+    # Transformers 5 fuses the experts in memory but saves (and reads) them one tensor per expert, as here.
+    TensorRule("decoder/layers/moe/router", f"{_MIXTRAL_MOE}.gate.weight", ("layer",), 1),
+    TensorRule("decoder/layers/moe/wi_gate", f"{_MIXTRAL_MOE}.experts.{{expert}}.w1.weight", ("layer", "expert"), 1),
+    TensorRule("decoder/layers/moe/wi_up", f"{_MIXTRAL_MOE}.experts.{{expert}}.w3.weight", ("layer", "expert"), 1),
+    TensorRule("decoder/layers/moe/wo", f"{_MIXTRAL_MOE}.experts.{{expert}}.w2.weight", ("layer", "expert"), 1),
 )
 
 # HF tensors that carry no parameters (buffers some older exports saved).
@@ -116,10 +131,12 @@ class Architecture:
 
 
 ARCHITECTURES = {arch.name: arch for arch in (
-    Architecture("LlamaForCausalLM", "llama", LLAMA_KEYS + (NO_WINDOW,), LLAMA_TENSORS,
+    Architecture("LlamaForCausalLM", "llama", LLAMA_KEYS + (NO_WINDOW, DENSE), LLAMA_TENSORS,
                  hf_constants={"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}),
-    Architecture("MistralForCausalLM", "mistral", LLAMA_KEYS + (MISTRAL_WINDOW,), LLAMA_TENSORS,
+    Architecture("MistralForCausalLM", "mistral", LLAMA_KEYS + (MISTRAL_WINDOW, DENSE), LLAMA_TENSORS,
                  hf_constants={"hidden_act": "silu"}),
+    Architecture("MixtralForCausalLM", "mixtral", LLAMA_KEYS + (MISTRAL_WINDOW,) + MIXTRAL_KEYS, MIXTRAL_TENSORS,
+                 hf_constants={"hidden_act": "silu", "router_jitter_noise": 0.0}),
 )}
 
 

@@ -20,7 +20,7 @@ from maxpar.convert.architectures import ARCHITECTURES, REQUIRED, Architecture
 
 DEFAULT_ROPE_THETA = 10000.0  # transformers' default when config.json names none
 # Keys that make the function the checkpoint computes: training must use the converted values.
-FUNCTION_KEYS = ("rope_theta", "normalization_layer_epsilon", "sliding_window")
+FUNCTION_KEYS = ("rope_theta", "normalization_layer_epsilon", "sliding_window", "num_experts_per_tok")
 
 
 class ConversionError(ConfigError):
@@ -90,8 +90,9 @@ def unsupported(hf: dict[str, Any]) -> list[str]:
 
 def notes(hf: dict[str, Any]) -> list[str]:
     """Settings that do not change the logits but that the user should know are dropped."""
-    dropout = hf.get("attention_dropout") or 0.0
-    return [f"attention_dropout={dropout} is ignored: maxpar has no dropout"] if dropout else []
+    dropout, jitter = hf.get("attention_dropout") or 0.0, hf.get("router_jitter_noise") or 0.0
+    return ([f"attention_dropout={dropout} is ignored: maxpar has no dropout"] if dropout else []) + (
+        [f"router_jitter_noise={jitter} is ignored: maxpar's router adds no noise"] if jitter else [])
 
 
 def model_keys(hf: dict[str, Any], architecture: Architecture) -> dict[str, Any]:

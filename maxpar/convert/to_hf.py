@@ -37,7 +37,9 @@ def saved_config(saved: dict[str, Any], base_config: Path) -> Config:
 
 
 def default_architecture(config: Config) -> Architecture:
-    """Mistral when the model has a sliding window (Llama has none), else Llama."""
+    """Mixtral for a mixture of experts; else Mistral when the model has a sliding window (Llama has none), else Llama."""
+    if config.num_experts > 1:
+        return ARCHITECTURES["MixtralForCausalLM"]
     return ARCHITECTURES["MistralForCausalLM" if config.sliding_window else "LlamaForCausalLM"]
 
 

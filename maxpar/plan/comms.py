@@ -240,8 +240,7 @@ def activation_comms(layout: Layout, tokens: float, microbatches: int) -> list[C
         parts = sum(1 for name in ("['mlp']['wi_gate']", "['mlp']['wi_up']")
                     if set(_tp_axes(layout, layout.param(name), "mlp")) & set(mlp_axes))
         # MoE layers' experts have their own rule (maxpar.plan.moe_comms); the dense MLPs are the rest.
-        dense = (config.num_decoder_layers - config.num_moe_layers) / layer_split(layout) * microbatches
-        block("MLP", mlp_axes, parts, dense)
+        block("MLP", mlp_axes, parts, count * (1 - config.num_moe_layers / config.num_decoder_layers))
     projection = layout.param("['output']") or layout.param("['token_embedding']")
     vocab_axes = _tp_axes(layout, projection, "vocab")
     if vocab_axes:
