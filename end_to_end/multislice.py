@@ -8,6 +8,9 @@ On CPU over localhost, with `python -m launch.local`:
   2. 2 processes x 4 devices (dcn_data_parallelism=2 ici_fsdp_parallelism=4), checkpoint half-way
   3. 1 process x 8 devices resumed from run 2's half-way checkpoint
   4. run 2's job again, rank 1 killed (SIGKILL) after step 3; then again with rank 1 hung (SIGSTOP)
+  5. run 2's job for 200 steps, preempted (SIGTERM to the launcher) after step 3: both ranks must stop
+     at the same step with a checkpoint; the same command then resumes, and its losses must equal an
+     uninterrupted run's
 Prints the per-step losses, their differences and the timings, then a PASS/FAIL line; exits
 non-zero on FAIL. Data: the default corpus (this Python's standard library), float32, a tiny model.
 """
@@ -41,12 +44,12 @@ GRACE_S = 3
 class Job:
     """`python -m launch.local ...` in the background, its output kept line by line."""
 
-    def __init__(self, processes: int, devices: int, config_args: list[str]):
+    def __init__(self, processes: int, devices: int, config_args: list[str], grace_s: float = GRACE_S):
         self.lines: list[str] = []
         self.start = time.perf_counter()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "launch.local", "--num_processes", str(processes), "--devices_per_process",
-             str(devices), "--grace_s", str(GRACE_S), "--timeout_s", "900", "--", "configs/base.yml", *config_args],
+             str(devices), "--grace_s", str(grace_s), "--timeout_s", "900", "--", "configs/base.yml", *config_args],
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -111,6 +114,36 @@ def stop_one(how: str, args: list[str], failures: list[str]) -> None:
         failures.append(f"{how}: exit status {code} after {seconds:.1f} s")
 
 
+def preempt_and_resume(common: list[str], out: Path, failures: list[str]) -> None:
+    """SIGTERM the 2-process job after step 3; rerunning the same command must continue it exactly."""
+    args = [*common, *TWO, "steps=200", "checkpoint_period=1000"]
+    train("2 x 4, 200 steps, uninterrupted", 2, 4, [*args, "run_name=whole", "enable_checkpointing=false"], failures)
+    if failures:
+        return
+    job = Job(2, 4, [*args, "run_name=preempted"], grace_s=120)
+    if job.wait_for(r"^\[rank 0\] step 3 ", 600) is None:
+        failures.append(f"preemption: the job did not reach step 3:\n{job.tail()}")
+        job.proc.kill()
+        return
+    job.proc.send_signal(signal.SIGTERM)
+    code, _ = job.finish(timeout=300)
+    stops = {int(m.group(1)): int(m.group(2)) for line in job.lines
+             if (m := re.search(r"\[rank (\d)\].*preempted \(SIGTERM\) after step (\d+): checkpoint step", line))}
+    written = sorted(int(p.name) for p in (out / "preempted" / "checkpoints").glob("[0-9]*"))
+    print(f"  preempted after step 3: launcher exit status {code}; ranks stopped at {stops}; checkpoints {written}")
+    if code == 0 or sorted(stops) != [0, 1] or len(set(stops.values())) != 1 or written != [stops[0]]:
+        failures.append(f"preemption: expected both ranks to stop at one checkpointed step:\n{job.tail()}")
+        return
+    train(f"same command again: resumes at step {stops[0] + 1}", 2, 4, [*args, "run_name=preempted"], failures)
+    if failures:
+        return
+    whole, resumed = ({s: r["loss"] for s, r in metrics(out / name).items()} for name in ("whole", "preempted"))
+    worst = max(abs(resumed[s] - whole[s]) / abs(whole[s]) for s in whole) if sorted(resumed) == sorted(whole) else None
+    print(f"  preempted + resumed vs uninterrupted, 200 steps: max relative loss difference {worst}")
+    if worst is None or worst > 0:
+        failures.append(f"preemption: resumed losses differ from the uninterrupted run ({worst})")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10)
@@ -129,6 +162,7 @@ def main() -> int:
             checkpoints = Path(out) / "two" / "checkpoints"
             shutil.copytree(checkpoints / str(half), Path(out) / "resumed" / "checkpoints" / str(half))
         train(f"1 x 8 resumed from 2 x 4 at step {half}", 1, 8, [*common, *ONE, "run_name=resumed"], failures)
+        preempt_and_resume(common, Path(out), failures)
         if failures:
             print("FAIL: " + "; ".join(failures))
             return 1
@@ -158,7 +192,7 @@ def main() -> int:
         print("FAIL: " + "; ".join(failures))
         return 1
     print(f"PASS: 2 x 4 over DCN equals 1 x 8 (max relative loss difference {worst:.1e}), resumes across process "
-          f"counts, and a dead or hung process stops the job within the bound")
+          f"counts and after a preemption, and a dead or hung process stops the job within the bound")
     return 0
 
 
