@@ -35,12 +35,12 @@ def measure(overrides: list[str], steps: int) -> dict:
     """Compile and time one schedule with the trainer's own pieces; count its permutes."""
     import jax
 
-    from maxpar.bench import collective_counts
+    from maxpar.bench import collective_counts, time_steps
     from maxpar.config import load_config
     from maxpar.plan import hlo
     from maxpar.plan.hardware import load_hardware
     from maxpar.plan.predict import Target, make_plan
-    from maxpar.train import global_batch, setup_run
+    from maxpar.train import setup_run
     from maxpar.train_step import create_state
 
     config = load_config([str(REPO / "configs" / "base.yml"), *overrides])
@@ -55,17 +55,7 @@ def measure(overrides: list[str], steps: int) -> dict:
                 if c.kind == "collective-permute" and hlo.label_groups(c, axes) == "stage"]
     plan = make_plan(config, Target(load_hardware("tpu-v5p"), len(jax.devices()), 1))
     predicted = sum(c["bytes_per_device"] for c in plan["comms"] if c["collective"] == "collective-permute")
-    iterator = iter(run.train_data)
-    times, cpu_times, losses = [], [], []
-    for _ in range(steps + 1):  # the first step is warm-up
-        batch = global_batch(next(iterator), run.in_sharding)
-        jax.block_until_ready(batch)
-        begin, cpu_begin = time.perf_counter(), time.process_time()
-        state, metrics = compiled(state, batch)
-        jax.block_until_ready((state, metrics))
-        times.append(time.perf_counter() - begin)
-        cpu_times.append(time.process_time() - cpu_begin)
-        losses.append(float(metrics["loss"]))
+    times, cpu_times, losses = time_steps(compiled, state, run, steps + 1)  # the first step is warm-up
     schedule = run.pipeline
     return {"schedule": schedule, "compile_s": compile_s, "step_s": statistics.median(times[1:]),
             "cpu_s": statistics.median(cpu_times[1:]),

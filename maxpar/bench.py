@@ -140,6 +140,29 @@ def is_out_of_memory(error: Exception) -> bool:
     return "RESOURCE_EXHAUSTED" in str(error) or "out of memory" in str(error).lower()
 
 
+def time_steps(compiled: Any, state: Any, run: Any, count: int) -> tuple[list[float], list[float], list[float]]:
+    """Wall seconds, CPU seconds (all threads) and loss of `count` steps of a compiled train step.
+
+    Batches are assembled before the clock starts: the step, not the data pipeline, is under test.
+    """
+    import jax
+
+    from maxpar.train import global_batch
+
+    iterator = iter(run.train_data)
+    times, cpu_times, losses = [], [], []
+    for _ in range(count):
+        batch = global_batch(next(iterator), run.in_sharding)
+        jax.block_until_ready(batch)
+        start, cpu_start = time.perf_counter(), time.process_time()
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready((state, metrics))
+        times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
+        losses.append(float(metrics["loss"]))
+    return times, cpu_times, losses
+
+
 def run_worker(name: str, overrides: Sequence[str], num_devices: int, steps: int, warmup: int) -> dict[str, Any]:
     """Build the real trainer pieces for one row, compile, and time `steps` steps after `warmup`.
 
@@ -151,7 +174,7 @@ def run_worker(name: str, overrides: Sequence[str], num_devices: int, steps: int
     from maxpar.config import ConfigError, load_config
     from maxpar.mesh import mesh_shape_of
     from maxpar.metrics import parameter_counts, peak_flops, throughput
-    from maxpar.train import global_batch, setup_run
+    from maxpar.train import setup_run
     from maxpar.train_step import create_state
 
     devices = jax.devices()[:num_devices]
@@ -165,18 +188,7 @@ def run_worker(name: str, overrides: Sequence[str], num_devices: int, steps: int
         compiled = run.compile_train_step()
         compile_s = time.perf_counter() - start
 
-        # Batches are assembled before timing: the step, not the synthetic data, is under test.
-        iterator = iter(run.train_data)
-        times, cpu_times, losses = [], [], []
-        for _ in range(warmup + steps):
-            batch = global_batch(next(iterator), run.in_sharding)
-            jax.block_until_ready(batch)
-            start, cpu_start = time.perf_counter(), time.process_time()
-            state, metrics = compiled(state, batch)
-            jax.block_until_ready((state, metrics))
-            times.append(time.perf_counter() - start)
-            cpu_times.append(time.process_time() - cpu_start)
-            losses.append(float(metrics["loss"]))
+        times, cpu_times, losses = time_steps(compiled, state, run, warmup + steps)
     except ConfigError as e:
         return {"name": name, "refused": str(e)}
     except jax.errors.JaxRuntimeError as e:
