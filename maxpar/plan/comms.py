@@ -42,11 +42,10 @@ import dataclasses
 import math
 from collections.abc import Iterable
 
-from maxpar.config import Config
 from maxpar.plan.hlo import wire_bytes
 from maxpar.plan.layout import Layout, Tensor
 from maxpar.pipeline.spmd import manual_batch_axes
-from maxpar.plan.model_math import dtype_bytes, layer_split, tp_degrees
+from maxpar.plan.model_math import dtype_bytes, layer_split, regathers_in_backward, sequence_parallel, tp_degrees
 
 FORWARD, BACKWARD = "forward", "backward"
 
@@ -121,20 +120,6 @@ def _tp_axes(layout: Layout, tensor: Tensor | None, logical: str) -> tuple[str, 
     return layout.live(a for a in tensor.dim_axes(logical) if a not in layout.batch_axes)
 
 
-def regathers_in_backward(config: Config) -> bool:
-    """Whether the backward pass gathers again what the forward pass gathered (layer weights, TP-sequence inputs).
-
-    A scan's backward loop only sees what autodiff stacked per layer, not the partitioner's gathered copies,
-    and remat re-runs the forward; unscanned layers without remat keep the gathered arrays for the backward.
-    """
-    return config.scan_layers or config.remat_policy != "none"
-
-
-def _sequence_parallel(layout: Layout) -> bool:
-    """TP-sequence: the residual stream is split on its length by a non-batch axis."""
-    return bool(layout.live(a for a in layout.residual_axes[1] if a not in layout.batch_axes))
-
-
 def _sequence_axes(layout: Layout, tensor: Tensor) -> tuple[str, ...]:
     """Non-batch axes splitting the tokens a weight is applied to (TP-sequence: the residual stream's length).
 
@@ -205,7 +190,7 @@ def weight_comms(layout: Layout, microbatches: int) -> list[Comm]:
             elif t.layered:
                 # Under TP-sequence the backward's gathers name their replica groups differently from the
                 # forward's (mesh vs iota form), so XLA's CSE does not merge them even in unscanned layers.
-                kept = not regathers_in_backward(config) and not _sequence_parallel(layout)
+                kept = not regathers_in_backward(config) and not sequence_parallel(layout)
                 for phase in (FORWARD,) if kept else (FORWARD, BACKWARD):
                     comms += hierarchical(layout, f"FSDP weight all-gather ({phase})", gather, "all-gather",
                                           size, count=microbatches * per_iteration, phase=phase, dtype=dtype,
