@@ -3,8 +3,9 @@
     python end_to_end/plan_verify.py [--extended] [key=value ...]
 
 Compiles the real train step of a tiny model for DP(8), FSDP(8), FSDP(4)xTP(2), TP(8),
-DP(2)xFSDP(2)xTP(2) and the pipelines PP(2)xDP(2)xTP(2) circular and PP(4)xFSDP(2) gPipe (with
---extended also bf16, remat, gradient-accumulation and more pipeline variants),
+DP(2)xFSDP(2)xTP(2), TP-sequence FSDP(4)xTP(2) and the pipelines PP(2)xDP(2)xTP(2) circular and
+PP(4)xFSDP(2) gPipe (with --extended also bf16, remat, gradient-accumulation, unscanned, tied-embedding
+and more pipeline variants),
 compares the predicted collectives and memory with the compiled program, prints one PASS/FAIL
 line per strategy and exits non-zero if any fails. Extra key=value overrides apply to all.
 """
@@ -33,6 +34,7 @@ STRATEGIES = {
                                    "num_pipeline_microbatches=4"],
     "PP(4)xFSDP(2) gPipe": ["ici_stage_parallelism=4", "ici_fsdp_parallelism=2", "num_decoder_layers=4",
                             "num_pipeline_microbatches=8"],
+    "TP-sequence FSDP(4)xTP(2)": ["tp_sequence.yml", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"],
 }
 EXTENDED = {
     "FSDP(4)xTP(2) bf16": [*STRATEGIES["FSDP(4)xTP(2)"], "dtype=bfloat16"],
@@ -40,6 +42,11 @@ EXTENDED = {
                                                  "gradient_accumulation_steps=2"],
     "DP(2)xFSDP(2)xTP(2) remat=minimal unscanned": [*STRATEGIES["DP(2)xFSDP(2)xTP(2)"], "remat_policy=minimal",
                                                     "scan_layers=false"],
+    "FSDP(4)xTP(2) unscanned": [*STRATEGIES["FSDP(4)xTP(2)"], "scan_layers=false"],
+    "TP-sequence FSDP(4)xTP(2) unscanned": [*STRATEGIES["TP-sequence FSDP(4)xTP(2)"], "scan_layers=false"],
+    "TP-sequence FSDP(4)xTP(2) remat=minimal": [*STRATEGIES["TP-sequence FSDP(4)xTP(2)"], "remat_policy=minimal"],
+    "FSDP(8) tied embeddings": [*STRATEGIES["FSDP(8)"], "logits_via_embedding=true"],
+    "DP(2)xFSDP(2)xTP(2) tied embeddings": [*STRATEGIES["DP(2)xFSDP(2)xTP(2)"], "logits_via_embedding=true"],
     "PP(2)xFSDP(2)xTP(2) circular bf16": ["ici_stage_parallelism=2", "ici_fsdp_parallelism=2",
                                           "ici_tensor_parallelism=2", "num_decoder_layers=4",
                                           "num_pipeline_repeats=2", "num_pipeline_microbatches=4", "dtype=bfloat16"],
@@ -50,6 +57,13 @@ EXTENDED = {
                                              "ici_fsdp_parallelism=2", "num_pipeline_microbatches=2",
                                              "remat_policy=full"],
 }
+
+
+def config_and_overrides(case: list[str]) -> tuple[str, list[str]]:
+    """A case may name a strategy preset in configs/ first (e.g. tp_sequence.yml); base.yml otherwise."""
+    if case and case[0].endswith(".yml"):
+        return case[0], case[1:]
+    return "base.yml", case
 
 
 def main() -> int:
@@ -65,9 +79,10 @@ def main() -> int:
 
     cases = {**STRATEGIES, **(EXTENDED if args.extended else {})}
     failed = []
-    for name, overrides in cases.items():
+    for name, case in cases.items():
+        config_file, overrides = config_and_overrides(case)
         try:
-            result, _, status = run([str(REPO / "configs" / "base.yml"), *TINY, *overrides, *args.overrides,
+            result, _, status = run([str(REPO / "configs" / config_file), *TINY, *overrides, *args.overrides,
                                      "--verify"])
         except ConfigError as e:
             print(f"FAIL  {name}: config error: {e}")

@@ -33,6 +33,23 @@ STRATEGIES = {
                            "num_kv_heads=8", "per_device_batch_size=1"], {("tensor", "all-reduce")}),
     "FSDP-transpose(4x2)": ("fsdp_transpose.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"],
                             {("fsdp", "all-gather"), ("fsdp", "all-reduce"), ("tensor", "all-reduce")}),
+    # The residual stream sequence-sharded over tensor: gathered per block, and the vocab-sharded table and
+    # output projection gathered over tensor too (the logits' length takes that axis).
+    "TP-sequence(4x2)": ("tp_sequence.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"],
+                         {("fsdp", "all-gather"), ("fsdp", "all-reduce"), ("tensor", "all-gather"),
+                          ("tensor", "all-reduce")}),
+    # The table's lookup and projection gradients are reduced apart.
+    "FSDP(8) tied embeddings": ("base.yml", ["ici_fsdp_parallelism=-1", "logits_via_embedding=true"],
+                                {("fsdp", "all-gather"), ("fsdp", "all-reduce")}),
+}
+
+# Unscanned layers (no layer loop in the program): without remat the forward's gathered weights are kept for
+# the backward pass; with remat they are gathered again.
+UNSCANNED = {
+    "FSDP(4)xTP(2) unscanned": ("base.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
+    "FSDP(4)xTP(2) unscanned remat=minimal": ("base.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2",
+                                                           "remat_policy=minimal"]),
+    "TP-sequence(4x2) unscanned": ("tp_sequence.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
 }
 
 
@@ -49,6 +66,17 @@ def test_verify_passes(name):
     assert expected <= checked(v), text
     assert all(b["status"] != "MISMATCH" for b in v["buckets"])
     assert any("2 trips" in loop for loop in v["loops"])  # the layer scan, counted twice
+
+
+@pytest.mark.parametrize("name", list(UNSCANNED))
+def test_verify_passes_unscanned(name):
+    config_file, overrides = UNSCANNED[name]
+    result, text, status = run([str(REPO / "configs" / config_file), *SMALL, *overrides, "scan_layers=false",
+                                "--verify"])
+    v = result["verify"]
+    assert status == 0 and v["passed"], text
+    assert ("fsdp", "all-gather") in checked(v), text
+    assert not v["loops"]
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +135,11 @@ def test_cpu_conversions_are_explicit():
     assert size == 3 * 2 * 2 * 100 * 3 / 4 and "AllReduceReassociate" in notes[0]
     kind, size, notes = verify.on_backend(comm(dtype="bfloat16", top_level_gather=True, count=1), "cpu")
     assert size == 2 * 2 * 100 * 3 and any("float32" in n for n in notes) and any("twice" in n for n in notes)
+
+
+def test_known_mispredictions_are_named():
+    unscanned_full = load_config([BASE, *SMALL, "remat_policy=full", "scan_layers=false"])
+    assert any("unscanned layers with remat_policy=full" in n for n in verify.known_mispredictions(unscanned_full, False))
+    assert any("TP-sequence" in n for n in verify.known_mispredictions(load_config([BASE, *SMALL, "remat_policy=full"]),
+                                                                       True))
+    assert verify.known_mispredictions(load_config([BASE, *SMALL]), True) == []

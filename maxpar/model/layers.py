@@ -77,6 +77,9 @@ class Attention(nn.Module):
         wv = kernel(self, "value", (e, kv, d), ("embed", "kv_heads", "head_dim"), (0,), wdt)
         wo = kernel(self, "out", (h, d, e), ("heads", "head_dim", "embed"), (0, 1), wdt)
 
+        # Positions and segment ids follow q's length sharding: under TP-sequence the [B, L] inputs are
+        # gathered once (int32) rather than their rotary sin/cos and mask (float, per use) by the partitioner.
+        positions, segment_ids = constrain(positions, ATTN_Q[:2]), constrain(segment_ids, ATTN_Q[:2])
         q = constrain(jnp.einsum("ble,ehd->blhd", x, wq.astype(dt)), ATTN_Q)
         k = constrain(jnp.einsum("ble,ehd->blhd", x, wk.astype(dt)), ATTN_KV)
         v = constrain(jnp.einsum("ble,ehd->blhd", x, wv.astype(dt)), ATTN_KV)

@@ -5,8 +5,9 @@ real model through its shardings (a `Layout`), not to a two-matrix caricature:
 
 - FSDP (a weight sharded over an axis that also shards the batch): all-gather
   the weight before use, in the forward pass and again in the backward pass
-  (for the scanned layers; a top-level weight is gathered once per step), and
-  reduce-scatter its gradient.
+  (for the scanned or rematerialized layers; unscanned layers without remat,
+  and top-level weights, are gathered once per step), and reduce-scatter its
+  gradient.
 - DP (a batch axis that does not shard the weight): all-reduce the gradient
   (after the FSDP reduce-scatter, on the smaller shard).
 - TP, Megatron style (a non-batch axis sharding heads / mlp / vocab): per layer,
@@ -44,7 +45,7 @@ from collections.abc import Iterable
 from maxpar.plan.hlo import wire_bytes
 from maxpar.plan.layout import Layout, Tensor
 from maxpar.pipeline.spmd import manual_batch_axes
-from maxpar.plan.model_math import dtype_bytes, layer_split, tp_degrees
+from maxpar.plan.model_math import dtype_bytes, layer_split, regathers_in_backward, sequence_parallel, tp_degrees
 
 FORWARD, BACKWARD = "forward", "backward"
 
@@ -119,6 +120,29 @@ def _tp_axes(layout: Layout, tensor: Tensor | None, logical: str) -> tuple[str, 
     return layout.live(a for a in tensor.dim_axes(logical) if a not in layout.batch_axes)
 
 
+def _sequence_axes(layout: Layout, tensor: Tensor) -> tuple[str, ...]:
+    """Non-batch axes splitting the tokens a weight is applied to (TP-sequence: the residual stream's length).
+
+    Only the norm scales, the token table and the output projection see the residual stream itself; the
+    attention and MLP weights see activations whose length stays whole (activation_attn_length, _mlp_length).
+    """
+    if tensor.role not in ("norm", "embedding", "output"):
+        return ()
+    return layout.live(a for a in layout.residual_axes[1] if a not in layout.batch_axes)
+
+
+def _gather_chain(layout: Layout, pattern: str, groups: Iterable[tuple[str, ...]], size: float,
+                  **kwargs) -> list[Comm]:
+    """One all-gather per group of axes in turn, each on the previous one's output (the partitioner
+    gathers one sharded dimension at a time, so each group is a collective of its own)."""
+    comms: list[Comm] = []
+    for axes in groups:
+        if axes:
+            comms += hierarchical(layout, pattern, axes, "all-gather", size, **kwargs)
+            size *= math.prod(layout.degree(a) for a in axes)
+    return comms
+
+
 def pipeline_manual_axes(layout: Layout) -> tuple[str, ...]:
     """The batch axes a pipelined step runs per replica (maxpar.pipeline.spmd): reduced once per step."""
     gathered_once = layout.config.pipeline_fsdp_ag_once
@@ -152,7 +176,11 @@ def weight_comms(layout: Layout, microbatches: int) -> list[Comm]:
         size = elements * dtype_bytes(dtype)
         name = t.path.replace(".params", "").replace("['", "").replace("']", "/").rstrip("/")
         gather = _fsdp_axes(layout, t)
-        full = size * math.prod(layout.degree(a) for a in gather)
+        sequence = _sequence_axes(layout, t)
+        # A vocab dim sharded over an axis that splits the tokens cannot shard the lookup or the logits
+        # (that axis is taken by their length): the weight is gathered over it too, like FSDP.
+        sequence_gather = tuple(a for a in sequence if a in t.axes)
+        full = size * math.prod(layout.degree(a) for a in gather + sequence_gather)
         looped = microbatches * (per_iteration if t.layered and not once else 1.0)  # gradient reductions
         if gather:
             if t.layered and once:
@@ -160,38 +188,50 @@ def weight_comms(layout: Layout, microbatches: int) -> list[Comm]:
                                       gather, "all-gather", size, count=1, phase=FORWARD, dtype=dtype,
                                       scales=False, tensor=name)
             elif t.layered:
-                for phase in (FORWARD, BACKWARD):
+                # Under TP-sequence the backward's gathers name their replica groups differently from the
+                # forward's (mesh vs iota form), so XLA's CSE does not merge them even in unscanned layers.
+                kept = not regathers_in_backward(config) and not sequence_parallel(layout)
+                for phase in (FORWARD,) if kept else (FORWARD, BACKWARD):
                     comms += hierarchical(layout, f"FSDP weight all-gather ({phase})", gather, "all-gather",
                                           size, count=microbatches * per_iteration, phase=phase, dtype=dtype,
                                           scales=False, tensor=name)
-            else:
-                # Outside the layer scan the gathered weight is one array that the forward and the
-                # backward matmul share: one gather per step.
-                comms += hierarchical(layout, "FSDP weight all-gather (once per step)", gather,
-                                      "all-gather", size, count=1, phase=FORWARD, dtype=dtype, scales=False,
-                                      top_level_gather=t.role != "embedding", tensor=name)
-        token_axes = set(layout.weight_batch_axes(t))
-        if t.role == "norm":  # a norm's input is the residual stream: reduce over every axis splitting its tokens
-            token_axes |= set(layout.residual_axes[1])
-        reduce = layout.live(a for a in token_axes if a not in t.axes)
+        if (gather or sequence_gather) and not t.layered:
+            # Outside the layer scan the gathered weight is one array that the forward and the backward
+            # matmul share: one gather per step. The table's ("vocab", None) constraint gathers its embed
+            # shards first; the output projection is gathered on its vocab dim first.
+            order = (gather, sequence_gather) if t.role == "embedding" else (sequence_gather, gather)
+            comms += _gather_chain(layout, "FSDP weight all-gather (once per step)", order, size, count=1,
+                                   phase=FORWARD, dtype=dtype, scales=False,
+                                   top_level_gather=t.role != "embedding", tensor=name)
+        grad = dict(phase=BACKWARD, dtype=dtype, scales=False, tensor=name)
+        # A tied table (logits_via_embedding) has two partial gradients, the lookup's scatter-add and the
+        # output projection's; the partitioner reduces each where it is made, and sums them after.
+        tied = t.role == "embedding" and config.logits_via_embedding
+        if sequence:
+            # Its gradient sums partial results of the sequence shards: the partitioner all-reduces the whole
+            # gradient over them, separately from (and before) the batch axes' reduction.
+            comms += hierarchical(layout, "sequence-parallel gradient all-reduce", sequence, "all-reduce", full,
+                                  count=microbatches * (2 if tied else 1), **grad)
+        reduce = layout.live(a for a in layout.weight_batch_axes(t) if a not in t.axes)
+        pieces = 2 if tied else 1  # partial gradients reduced like a matmul weight's (FSDP, then DP)
         if gather and reduce and t.role == "embedding":
-            # The table's gradient is a scatter-add of the looked-up rows, unreduced on every batch
+            # The lookup's gradient is a scatter-add of the looked-up rows, unreduced on every batch
             # shard; the partitioner sums it over all batch axes at once and keeps its FSDP slice.
             comms += hierarchical(layout, "DP+FSDP gradient all-reduce", layout.live(gather + reduce),
-                                  "all-reduce", full, count=microbatches, phase=BACKWARD, dtype=dtype, scales=False,
-                                  tensor=name)
+                                  "all-reduce", full, count=microbatches, **grad)
+            pieces -= 1
+        if not pieces:
             continue
         if gather:
             comms += hierarchical(layout, "FSDP gradient reduce-scatter", gather, "reduce-scatter", full,
-                                  count=looped, phase=BACKWARD, dtype=dtype, scales=False, tensor=name)
+                                  count=looped * pieces, **grad)
         if pipe and t.layered:  # inside the loop over the axes it does not run per replica
             inner = tuple(a for a in reduce if a not in manual)
             comms += hierarchical(layout, "DP gradient all-reduce (per pipeline iteration)", inner, "all-reduce",
-                                  size, count=microbatches * per_iteration, phase=BACKWARD, dtype=dtype,
-                                  scales=False, tensor=name)
+                                  size, count=microbatches * per_iteration, **grad)
             reduce = tuple(a for a in reduce if a in manual)
         comms += hierarchical(layout, "DP gradient all-reduce", reduce, "all-reduce", size,
-                              count=microbatches, phase=BACKWARD, dtype=dtype, scales=False, tensor=name)
+                              count=microbatches * pieces, **grad)
     return comms
 
 
@@ -212,22 +252,30 @@ def activation_comms(layout: Layout, tokens: float, microbatches: int) -> list[C
     comms: list[Comm] = []
 
     def block(label: str, axes: tuple[str, ...], parts: int, count: float = count) -> None:
-        steps = [(FORWARD, "output all-reduce", 1),  # after the out / down projection
-                 (BACKWARD, "input-gradient all-reduce", parts)]  # of the partial sums of q,k,v (or gate, up)
+        # (phase, what, collective, operand, partial sums XLA:CPU reduces one by one)
+        if any(x in sequence_sharded for x in axes):  # sequence parallel: all-gather before, reduce-scatter after
+            shard = layer_residual / math.prod(layout.degree(x) for x in axes)
+            steps = [(FORWARD, "input all-gather", "all-gather", shard, 1),
+                     (FORWARD, "output reduce-scatter", "reduce-scatter", layer_residual, 1),
+                     (BACKWARD, "output-gradient all-gather", "all-gather", shard, 1),
+                     (BACKWARD, "input-gradient reduce-scatter", "reduce-scatter", layer_residual, parts)]
+            if regathers_in_backward(config):
+                # Autodiff saves the block's sequence-sharded input, not the partitioner's gathered copy:
+                # the weight gradients gather it again (as Megatron-SP does, to save memory).
+                steps.append((BACKWARD, "input all-gather again for the weight gradients", "all-gather", shard, 1))
+            recomputed = "reduce-scatter"
+        else:
+            steps = [(FORWARD, "output all-reduce", "all-reduce", layer_residual, 1),  # after the out / down projection
+                     # of the partial sums of q,k,v (or gate, up)
+                     (BACKWARD, "input-gradient all-reduce", "all-reduce", layer_residual, parts)]
+            recomputed = "all-reduce"
         if config.remat_policy == "full" and label == "attention":
             # remat=full re-runs the layer in the backward pass up to the MLP input, which needs the
             # attention block's output again (the MLP's own output is not needed).
-            steps.append((BACKWARD, "output all-reduce recomputed by remat=full", 1))
-        for phase, what, cpu_parts in steps:
-            if any(x in sequence_sharded for x in axes):  # sequence parallel: all-gather before, reduce-scatter after
-                for collective, size in (("all-gather", layer_residual / math.prod(layout.degree(x) for x in axes)),
-                                         ("reduce-scatter", layer_residual)):
-                    comms.extend(hierarchical(layout, f"TP {label} {collective} ({phase})", axes, collective, size,
-                                              count=count, phase=phase, dtype=config.dtype, scales=True))
-            else:
-                comms.extend(hierarchical(layout, f"TP {label} {what} ({phase})", axes, "all-reduce", layer_residual,
-                                          count=count, phase=phase, dtype=config.dtype, scales=True,
-                                          cpu_parts=cpu_parts))
+            steps.append((BACKWARD, f"output {recomputed} recomputed by remat=full", recomputed, layer_residual, 1))
+        for phase, what, collective, size, cpu_parts in steps:
+            comms.extend(hierarchical(layout, f"TP {label} {what} ({phase})", axes, collective, size, count=count,
+                                      phase=phase, dtype=config.dtype, scales=True, cpu_parts=cpu_parts))
 
     query = layout.param("['query']")
     attention_axes = _tp_axes(layout, query, "heads")
@@ -242,7 +290,7 @@ def activation_comms(layout: Layout, tokens: float, microbatches: int) -> list[C
         # MoE layers' experts have their own rule (maxpar.plan.moe_comms); the dense MLPs are the rest.
         block("MLP", mlp_axes, parts, count * (1 - config.num_moe_layers / config.num_decoder_layers))
     projection = layout.param("['output']") or layout.param("['token_embedding']")
-    vocab_axes = _tp_axes(layout, projection, "vocab")
+    vocab_axes = tuple(a for a in _tp_axes(layout, projection, "vocab") if a not in sequence_sharded)
     if vocab_axes:
         comms += hierarchical(layout, "TP loss max / sum / label-logit all-reduces (forward)", vocab_axes,
                               "all-reduce", 3 * tokens * 4, count=microbatches, phase=FORWARD, dtype="float32",
@@ -250,6 +298,12 @@ def activation_comms(layout: Layout, tokens: float, microbatches: int) -> list[C
         comms += hierarchical(layout, "TP output-projection input-gradient all-reduce (backward)", vocab_axes,
                               "all-reduce", residual, count=microbatches, phase=BACKWARD, dtype=config.dtype,
                               scales=True)
+    if sequence_sharded and not pipe:
+        # Attention constrains positions and segment ids to its whole-length q: gathered once per step.
+        length = math.prod(layout.degree(x) for x in sequence_sharded)
+        comms += hierarchical(layout, "TP-sequence positions and segment ids all-gather (forward)", sequence_sharded,
+                              "all-gather", 2 * tokens / length * 4, count=microbatches, phase=FORWARD,
+                              dtype="int32", scales=True)
     stage_axes = layout.live(("stage",))
     if pipe and stage_axes:
         tp = tp_degrees(layout)
@@ -279,7 +333,9 @@ def activation_comms(layout: Layout, tokens: float, microbatches: int) -> list[C
 def lookup_comms(layout: Layout, tokens: float, microbatches: int) -> list[Comm]:
     """A vocab-sharded token table: each shard looks up the ids it owns, then the rows are summed."""
     table = layout.param("['token_embedding']")
-    vocab_axes = _tp_axes(layout, table, "vocab")
+    # Under TP-sequence the table is gathered (weight_comms) and each sequence shard looks up its own tokens.
+    sequence = _sequence_axes(layout, table) if table else ()
+    vocab_axes = tuple(a for a in _tp_axes(layout, table, "vocab") if a not in sequence)
     if table is None or not vocab_axes:
         return []
     rows = tokens * layout.config.emb_dim * dtype_bytes(table.dtype)

@@ -123,8 +123,23 @@ def layer_split(layout: Layout) -> int:
     return 1
 
 
+def regathers_in_backward(config: Config) -> bool:
+    """Whether the backward pass gathers again what the forward pass gathered (layer weights, TP-sequence inputs).
+
+    A scan's backward loop only sees what autodiff stacked per layer, not the partitioner's gathered copies,
+    and remat re-runs the forward; unscanned layers without remat keep the gathered arrays for the backward.
+    """
+    return config.scan_layers or config.remat_policy != "none"
+
+
+def sequence_parallel(layout: Layout) -> bool:
+    """TP-sequence: the residual stream is split on its length by a non-batch axis."""
+    return bool(layout.live(a for a in layout.residual_axes[1] if a not in layout.batch_axes))
+
+
 def gathered_weight_bytes(config: Config, layout: Layout) -> float:
-    """FSDP-gathered copies alive at once: two decoder layers' (this and the next), and the top-level weights.
+    """FSDP-gathered copies alive at once: two decoder layers' (this and the next; all of them when kept for
+    the backward pass), and the top-level weights.
 
     With pipeline_fsdp_ag_once a pipeline keeps its stage's whole stack gathered through the loop.
     """
@@ -142,7 +157,9 @@ def gathered_weight_bytes(config: Config, layout: Layout) -> float:
         # The table is gathered in its own dtype, and so are the stage weights gathered before the pipeline loop.
         size = t.dtype if t.role == "embedding" or (whole_stage and t.layered) else config.dtype
         gathered = t.size / kept * dtype_bytes(size)
-        if t.layered:
+        # Unscanned layers without remat keep every layer's gathered weights for the backward pass.
+        kept = not regathers_in_backward(config) and not sequence_parallel(layout)
+        if t.layered and not kept:
             gathered = gathered / layer_split(layout) if whole_stage else gathered / config.num_decoder_layers * 2
         total += gathered
     return total

@@ -32,7 +32,7 @@ import jax
 from maxpar.config import Config, ConfigError
 from maxpar.mesh import MeshShape, mesh_shape_of
 from maxpar.plan import hlo
-from maxpar.plan.comms import Comm
+from maxpar.plan.comms import Comm, sequence_parallel
 from maxpar.plan.model_math import dtype_bytes, memory_per_device
 from maxpar.sharding import dim_axes, dim_degree
 from maxpar.train import setup_run
@@ -108,6 +108,20 @@ def measure(text: str, axis_sizes: dict[str, int]) -> list[dict[str, Any]]:
     return rows
 
 
+def known_mispredictions(config: Config, tp_sequence: bool) -> list[str]:
+    """Configurations whose compiled step is known to differ from the plan, and why (not hidden: they still FAIL)."""
+    known = []
+    if config.remat_policy == "full" and not config.scan_layers:
+        known.append("known misprediction: unscanned layers with remat_policy=full: XLA's temporaries come out "
+                     "about 1.8x the estimate (as large as with remat none): in the unrolled program the "
+                     "rematerialized activations are not freed as the per-layer estimate assumes; not modelled")
+    if config.remat_policy == "full" and tp_sequence:
+        known.append("known misprediction: TP-sequence with remat_policy=full: the backward pass gathers the "
+                     "attention and gate/up weights twice over the FSDP axes (the recomputation's gathers and "
+                     "the gradients' are not merged); the plan counts one backward gather")
+    return known
+
+
 def compare(plan: dict[str, Any], compiled: Compiled, config: Config) -> dict[str, Any]:
     """Predicted vs measured collectives and memory; `passed` is False on any difference over tolerance."""
     comms: list[Comm] = plan["_comms"]
@@ -147,6 +161,7 @@ def compare(plan: dict[str, Any], compiled: Compiled, config: Config) -> dict[st
         notes.append("'predicted (cpu)' is the prediction converted to what XLA:CPU emits; 'predicted on the "
                      "target' is what a TPU/GPU compile moves. Conversions:")
         notes += [f"  {n}" for n in sorted(backend_notes)]
+    notes += known_mispredictions(config, sequence_parallel(plan["_layout"]))
     if any(r["unknown_trip_count"] for r in measured):
         notes.append("some collectives sit in a loop without a known trip count; they are counted once per entry")
     return {
