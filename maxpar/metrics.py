@@ -60,15 +60,24 @@ def matmul_params(config: Config) -> int:
             + moe_layers * moe + e * config.vocab_size)
 
 
+def attended_keys_per_query(config: Config) -> float:
+    """Keys a query attends to on average: seq/2 for causal attention (the lower triangle); with a
+    sliding window w < seq, w - w^2 / (2 seq) (the triangle's band of width w)."""
+    seq, window = config.max_target_length, config.sliding_window
+    if window <= 0 or window >= seq:
+        return seq / 2
+    return window - window * window / (2 * seq)
+
+
 def training_flops_per_token(config: Config) -> float:
     """Forward + backward FLOPs per token: 6 * matmul params + causal attention.
 
     Attention scores (QK^T) and the weighted sum (PV) cost 2 * 2 * head_dim FLOPs per
-    query head per attended key. Causal attention is counted once: a query attends on
-    average seq/2 keys (the lower triangle), i.e. half of PaLM's 12*L*H*D*T term.
+    query head per attended key. Causal attention is counted once: with seq/2 keys per query
+    this is half of PaLM's 12*L*H*D*T term (less with a sliding window).
     Backward is twice forward, hence the factor 3 on both terms.
     """
-    per_layer_attention = 2 * config.max_target_length * config.num_query_heads * config.head_dim
+    per_layer_attention = 4 * attended_keys_per_query(config) * config.num_query_heads * config.head_dim
     return 6 * matmul_params(config) + 3 * config.num_decoder_layers * per_layer_attention
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from helpers import read_metrics, tiny_config, write_corpus
-from maxpar.metrics import METRIC_KEYS, peak_flops, training_flops_per_token
+from maxpar.metrics import METRIC_KEYS, matmul_params, peak_flops, training_flops_per_token
 from maxpar.train import train
 
 
@@ -43,6 +43,21 @@ def test_mfu_uses_configured_peak(tmp_path, corpus):
     assert row["mfu"] == pytest.approx(row["tflops_per_device"] * 1e12 / 1e12)
     assert row["tflops_per_device"] == pytest.approx(
         row["tokens_per_s"] * training_flops_per_token(config) / 1e12)
+
+
+def test_attention_flops_count_the_keys_each_query_attends():
+    """Causal: seq/2 keys per query on average; a sliding window of w counts only the keys inside it."""
+    def attention_flops(*overrides: str) -> float:
+        config = tiny_config("max_target_length=64", *overrides)
+        return training_flops_per_token(config) - 6 * matmul_params(config)
+
+    per_key = 3 * 2 * 4 * 4 * 16  # (fwd + bwd) x 2 layers x (QK^T + PV: 2 x 2 FLOPs) x 4 heads x head_dim 16
+    assert attention_flops() == pytest.approx(per_key * 64 / 2)
+    assert attention_flops("sliding_window=64") == attention_flops()  # a window as long as the row changes nothing
+    # Query i (1-based) attends min(i, 8) keys: the windowed share of the causal count, within the
+    # continuous approximation both use (seq/2 instead of (seq+1)/2).
+    exact_share = sum(min(i, 8) for i in range(1, 65)) / sum(range(1, 65))
+    assert attention_flops("sliding_window=8") / attention_flops() == pytest.approx(exact_share, rel=0.02)
 
 
 def test_peak_flops_table():

@@ -38,7 +38,7 @@ ASSUMPTIONS = (
     "ring (bandwidth-optimal) collectives: all-gather / reduce-scatter send (n-1)/n of the full array per device, "
     "all-reduce twice that; a mesh axis gets the ICI bandwidth of every torus axis it spans",
     "maxpar computes the full seq x seq attention score matrix and masks it: the chip does twice the causal "
-    "attention FLOPs that MFU counts",
+    "attention FLOPs that MFU counts (more with a sliding window, whose MFU counts only the keys inside it)",
     "HBM traffic counts weight reads (3 per matmul per microbatch) and one read/write of the state by the "
     "optimizer, which runs after the backward pass without overlap",
 )
