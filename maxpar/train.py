@@ -208,6 +208,7 @@ def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: 
 
     iterator = iter(run.train_data)
     manager = checkpoint.make_manager(run_dir, config) if config.enable_checkpointing else None
+    writer, bar = None, None
     try:
         with PreemptionWatch() as preemption, StepWatchdog(config.step_timeout_s) as watchdog:
             state = initial_state(run, manager, iterator, log)
@@ -268,9 +269,10 @@ def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: 
                 if row.get("step") == step:
                     window_start, window_steps = time.perf_counter(), 0
                 watchdog.progress(step)
-            bar.close()
-            writer.close()
     finally:
+        for closable in (bar, writer):  # also when a step raises (preemption, NaN, a lost peer)
+            if closable is not None:
+                closable.close()
         if manager:
             manager.wait_until_finished()
             manager.close()
