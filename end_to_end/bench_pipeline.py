@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from maxpar.host_devices import simulate_cpu_devices
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -73,8 +75,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per schedule (after one warm-up step)")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides for every schedule")
     args = parser.parse_args()
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    simulate_cpu_devices(8)
     sys.path.insert(0, str(REPO))
 
     s, m = args.stages, args.microbatches

@@ -17,15 +17,13 @@ Prints the figures and a final PASS/FAIL line; exits non-zero on FAIL.
 
 from __future__ import annotations
 
-import os
-import re
+from maxpar.host_devices import simulate_cpu_devices
 
-os.environ["XLA_FLAGS"] = (re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
-                           + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+simulate_cpu_devices(8)
 
 import argparse  # noqa: E402
 import random  # noqa: E402
+import re  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402

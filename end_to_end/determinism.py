@@ -9,12 +9,12 @@ logged losses bit for bit (float32 bit patterns), prints both and a PASS/FAIL li
 
 from __future__ import annotations
 
-import os
+from maxpar.host_devices import simulate_cpu_devices
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+simulate_cpu_devices(8)
 
 import argparse
+import os
 import sys
 import tempfile
 import time

@@ -13,9 +13,9 @@ line per strategy and exits non-zero if any fails. Extra key=value overrides app
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
+from maxpar.host_devices import simulate_cpu_devices
 from verdict import exit_with  # end_to_end/verdict.py: this script's folder is sys.path[0]
 
 REPO = Path(__file__).resolve().parent.parent
@@ -71,8 +71,7 @@ def main() -> int:
     parser.add_argument("--extended", action="store_true", help="also bf16, remat and accumulation variants")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides for every strategy")
     args = parser.parse_args()
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    simulate_cpu_devices(8)
     sys.path.insert(0, str(REPO))
     from maxpar.config import ConfigError
     from maxpar.plan.__main__ import run

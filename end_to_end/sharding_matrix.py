@@ -14,10 +14,9 @@ difference from the reference, then a PASS/FAIL line; exits non-zero on FAIL.
 
 from __future__ import annotations
 
-import os
+from maxpar.host_devices import simulate_cpu_devices
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+simulate_cpu_devices(8)
 
 import argparse
 import json

@@ -19,7 +19,6 @@ import argparse
 import ctypes
 import dataclasses
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -28,6 +27,8 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import IO
+
+from maxpar.host_devices import with_device_count
 
 LOCALHOST = "127.0.0.1"
 _PR_SET_PDEATHSIG = 1
@@ -75,13 +76,12 @@ def rank_env(base: Mapping[str, str], rank: int, num_processes: int, devices_per
              port: int) -> dict[str, str]:
     """The environment of process `rank`: the base plus the multi-slice contract and its CPU devices."""
     env = {k: v for k, v in base.items() if k not in _CONTRACT}
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", base.get("XLA_FLAGS", "")).split()
     env.update({
         "JAX_COORDINATOR_ADDRESS": f"{LOCALHOST}:{port}",
         "JAX_COORDINATOR_BIND_ADDRESS": f"{LOCALHOST}:{port}",  # JAX's default listens on every interface
         "MEGASCALE_NUM_SLICES": str(num_processes),
         "MEGASCALE_SLICE_ID": str(rank),
-        "XLA_FLAGS": " ".join(flags + [f"--xla_force_host_platform_device_count={devices_per_process}"]),
+        "XLA_FLAGS": with_device_count(base.get("XLA_FLAGS", ""), devices_per_process),
         "JAX_PLATFORMS": "cpu",
         "PYTHONUNBUFFERED": "1",
     })

@@ -34,6 +34,7 @@ from typing import Any
 
 from maxpar import bench_gpu
 from maxpar.bench_report import CPU_COLUMNS, GPU_COLUMNS, markdown_table, not_measured, write_chart
+from maxpar.host_devices import with_device_count
 
 REPO = Path(__file__).resolve().parent.parent
 BASE_CONFIG = REPO / "configs" / "base.yml"
@@ -85,8 +86,7 @@ def config_overrides(name: str, extra: Sequence[str]) -> list[str]:
 def cpu_env(devices: int) -> dict[str, str]:
     """The parent's environment with exactly `devices` simulated CPU devices (other XLA flags kept)."""
     env = dict(os.environ)
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")).split()
-    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
+    env["XLA_FLAGS"] = with_device_count(env.get("XLA_FLAGS", ""), devices)
     env.setdefault("JAX_PLATFORMS", "cpu")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     return env

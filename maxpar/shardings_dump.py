@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+from maxpar.host_devices import simulate_cpu_devices
+
 if "jax" not in sys.modules:  # run as a command: simulate the 8 devices before JAX initializes
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    simulate_cpu_devices(8)
 
 import jax
 

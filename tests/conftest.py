@@ -1,6 +1,5 @@
 """8 simulated CPU devices for every test, set before JAX initializes."""
 
-import os
+from maxpar.host_devices import simulate_cpu_devices
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+simulate_cpu_devices(8)
