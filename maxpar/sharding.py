@@ -41,7 +41,7 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def shard_count(sharding: NamedSharding) -> int:
     """Into how many distinct pieces the sharding cuts an array."""
     spec = sharding.spec
-    axes = [a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)]
+    axes = [a for entry in spec for a in entry_axes(entry)]
     return math.prod(sharding.mesh.shape[a] for a in axes)
 
 

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from maxpar.config import Config, ConfigError
+from maxpar.sharding import entry_axes
 
 Array = jax.Array
 Axes = tuple[str, ...]
@@ -45,12 +46,6 @@ DOWN_AXES = ("exp", "mlp", "embed")   # wo: [experts, mlp, emb]
 
 
 # ---------------------------------------------------------------- the mesh axes of the MoE computation
-
-def _entry_axes(entry) -> Axes:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
 
 @dataclasses.dataclass(frozen=True)
 class ExpertAxes:
@@ -77,9 +72,9 @@ class ExpertAxes:
 
 def expert_axes(sizes: dict[str, int]) -> ExpertAxes:
     """Read the axes from the rules (`nn.logical_axis_rules` context); `sizes` = mesh axis -> degree."""
-    tokens = _entry_axes(nn.logical_to_mesh_axes(TOKENS)[0])
-    gate = tuple(_entry_axes(e) for e in nn.logical_to_mesh_axes(GATE_AXES))
-    down = tuple(_entry_axes(e) for e in nn.logical_to_mesh_axes(DOWN_AXES))
+    tokens = entry_axes(nn.logical_to_mesh_axes(TOKENS)[0])
+    gate = tuple(entry_axes(e) for e in nn.logical_to_mesh_axes(GATE_AXES))
+    down = tuple(entry_axes(e) for e in nn.logical_to_mesh_axes(DOWN_AXES))
     hidden = tuple(a for a in gate[2] if a not in tokens)
     return ExpertAxes(tokens=tokens, experts=gate[0], hidden=hidden, gate=gate, down=down, sizes=dict(sizes))
 

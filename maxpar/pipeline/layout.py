@@ -15,6 +15,7 @@ import flax.linen as nn
 
 from maxpar.config import AxisRule, Config, ConfigError, check_pipeline
 from maxpar.pipeline.schedule import Schedule
+from maxpar.sharding import entry_axes
 
 STAGE_AXIS = "stage"        # the physical mesh axis whose degree is the number of stages S
 STAGED = "layers"           # logical axis of the stacked layers: the stages split it; activations follow it
@@ -33,10 +34,7 @@ def merge_repeats(x: Any) -> Any:
 
 def mesh_axes_of(logical: str, rules: Sequence[AxisRule]) -> tuple[str, ...]:
     """The mesh axes a logical axis name maps to under `rules` (first applicable rule wins)."""
-    entry = nn.logical_to_mesh_axes((logical,), list(rules))[0]
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
+    return entry_axes(nn.logical_to_mesh_axes((logical,), list(rules))[0])
 
 
 def resolve_schedule(config: Config, axis_sizes: Mapping[str, int], rules: Sequence[AxisRule]) -> Schedule | None:

@@ -46,25 +46,20 @@ from jax.sharding import PartitionSpec
 from maxpar.config import AxisRule
 from maxpar.pipeline.layout import STAGED, mesh_axes_of
 from maxpar.pipeline.schedule import Schedule, stage_task
+from maxpar.sharding import entry_axes
 
 Array = jax.Array
 StageFn = Callable[..., Array]
 
 
 def _spec_axes(spec: PartitionSpec | None) -> set[str]:
-    axes = set()
-    for entry in spec or ():
-        if entry is not None:
-            axes.update((entry,) if isinstance(entry, str) else entry)
-    return axes
+    return {a for entry in spec or () for a in entry_axes(entry)}
 
 
 def _without(spec: PartitionSpec, dropped: set[str]) -> PartitionSpec:
     """`spec` with the mesh axes in `dropped` removed (those dimensions gathered over them)."""
     def keep(entry):
-        if entry is None:
-            return None
-        kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a not in dropped)
+        kept = tuple(a for a in entry_axes(entry) if a not in dropped)
         return kept or None
     return PartitionSpec(*(keep(e) for e in spec))
 
