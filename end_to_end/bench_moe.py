@@ -14,7 +14,7 @@ machine are indicative only.
 
 from __future__ import annotations
 
-from maxpar.host_devices import simulate_cpu_devices
+from maxpar.tools.host_devices import simulate_cpu_devices
 
 simulate_cpu_devices(8)
 

@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from maxpar.host_devices import simulate_cpu_devices
+from maxpar.tools.host_devices import simulate_cpu_devices
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -37,7 +37,7 @@ def measure(overrides: list[str], steps: int) -> dict:
     """Compile and time one schedule with the trainer's own pieces; count its permutes."""
     import jax
 
-    from maxpar.bench import collective_counts, time_steps
+    from maxpar.tools.bench import collective_counts, time_steps
     from maxpar.config import load_config
     from maxpar.plan import hlo
     from maxpar.plan.hardware import load_hardware

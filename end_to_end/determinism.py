@@ -9,7 +9,7 @@ logged losses bit for bit (float32 bit patterns), prints both and a PASS/FAIL li
 
 from __future__ import annotations
 
-from maxpar.host_devices import simulate_cpu_devices
+from maxpar.tools.host_devices import simulate_cpu_devices
 
 simulate_cpu_devices(8)
 

@@ -16,7 +16,7 @@ Prints the figures and a final PASS/FAIL line; exits non-zero on FAIL.
 
 from __future__ import annotations
 
-from maxpar.host_devices import simulate_cpu_devices
+from maxpar.tools.host_devices import simulate_cpu_devices
 
 simulate_cpu_devices(8)
 

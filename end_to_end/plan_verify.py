@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from maxpar.host_devices import simulate_cpu_devices
+from maxpar.tools.host_devices import simulate_cpu_devices
 from verdict import exit_with  # end_to_end/verdict.py: this script's folder is sys.path[0]
 
 REPO = Path(__file__).resolve().parent.parent

@@ -8,6 +8,6 @@ for script in convergence determinism sharding_matrix checkpoint multislice plan
   python "end_to_end/$script.py" || { echo "=== $script: FAIL"; status=1; }
   echo "=== $script: $((SECONDS - start)) s"
 done
-echo "=== python -m maxpar.shardings_dump --check"
-python -m maxpar.shardings_dump --check || { echo "=== shardings_dump: FAIL"; status=1; }
+echo "=== python -m maxpar.tools.shardings_dump --check"
+python -m maxpar.tools.shardings_dump --check || { echo "=== shardings_dump: FAIL"; status=1; }
 exit $status

@@ -28,7 +28,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO
 
-from maxpar.host_devices import with_device_count
+from maxpar.tools.host_devices import with_device_count
 
 LOCALHOST = "127.0.0.1"
 _PR_SET_PDEATHSIG = 1

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from maxpar import bench, bench_gpu
-from maxpar.bench_report import GPU_COLUMNS, markdown_table
+from maxpar.tools import bench, bench_gpu
+from maxpar.tools.bench_report import GPU_COLUMNS, markdown_table
 
 
 def test_settings_parse_into_overrides_and_flag_sets():

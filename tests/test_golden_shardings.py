@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import copy
 
-from maxpar import shardings_dump
+from maxpar.tools import shardings_dump
 
 
 def test_shardings_match_golden():
     lines = shardings_dump.check()
     assert not lines, ("parameter shardings changed:\n  " + "\n  ".join(lines) +
                        "\nIf this change is intended, regenerate the golden file with "
-                       "`python -m maxpar.shardings_dump --update` and review the diff of tests/goldens/shardings.json.")
+                       "`python -m maxpar.tools.shardings_dump --update` and review the diff of tests/goldens/shardings.json.")
 
 
 def test_diff_names_the_changed_parameter():

@@ -1,8 +1,8 @@
 """Golden parameter shardings: every parameter's logical axes and mesh PartitionSpec per preset strategy.
 
-    python -m maxpar.shardings_dump            # print the JSON
-    python -m maxpar.shardings_dump --check    # compare with tests/goldens/shardings.json; exit 1 on a diff
-    python -m maxpar.shardings_dump --update   # rewrite the golden file (an intended change)
+    python -m maxpar.tools.shardings_dump            # print the JSON
+    python -m maxpar.tools.shardings_dump --check    # compare with tests/goldens/shardings.json; exit 1 on a diff
+    python -m maxpar.tools.shardings_dump --update   # rewrite the golden file (an intended change)
 
 The tiny default model on 8 simulated CPU devices (`jax.set_mesh`, which the trainer's tracing uses, needs a
 concrete Mesh, so an AbstractMesh will not do; only shapes are traced, nothing is computed).
@@ -19,7 +19,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from maxpar.host_devices import simulate_cpu_devices
+from maxpar.tools.host_devices import simulate_cpu_devices
 
 if "jax" not in sys.modules:  # run as a command: simulate the 8 devices before JAX initializes
     simulate_cpu_devices(8)
@@ -33,7 +33,7 @@ from maxpar.optimizer import make_optimizer
 from maxpar.sharding import logical_specs
 from maxpar.train_step import init_state, sharding_context, state_shardings
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "goldens" / "shardings.json"
 NUM_DEVICES = 8
 # The tiny model of tests/helpers.py (dims only).
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             print(line)
         if lines:
             print(f"FAIL: {len(lines)} sharding difference(s) from {GOLDEN.relative_to(REPO)}; if intended, "
-                  f"regenerate with `python -m maxpar.shardings_dump --update`")
+                  f"regenerate with `python -m maxpar.tools.shardings_dump --update`")
             return 1
         print(f"PASS: shardings of {len(STRATEGIES)} strategies match {GOLDEN.relative_to(REPO)}")
         return 0

@@ -1,4 +1,4 @@
-"""`python -m maxpar.bench_checkpoint --checkpoint`: what a checkpoint save costs the training loop.
+"""`python -m maxpar.tools.bench_checkpoint --checkpoint`: what a checkpoint save costs the training loop.
 
 The loop calls `checkpoint.save` right after a step. With async checkpointing the call returns once
 the state is copied off the device and the data position captured; the files are written while
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BASE_CONFIG = REPO / "configs" / "base.yml"
 RUN = ("dataset_type=synthetic", "eval_interval=-1", "enable_checkpointing=true", "max_checkpoints_to_keep=2")
 
@@ -90,7 +90,7 @@ def table(r: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m maxpar.bench_checkpoint", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m maxpar.tools.bench_checkpoint", description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", action="store_true", help="time checkpoint saves (the only mode)")
     parser.add_argument("--steps", type=int, default=48, help="timed steps")
     parser.add_argument("--period", type=int, default=4, help="save every N steps, alternately async and sync")

@@ -1,9 +1,9 @@
-"""`python -m maxpar.bench`: compile time, step time, tokens/s and peak memory per strategy.
+"""`python -m maxpar.tools.bench`: compile time, step time, tokens/s and peak memory per strategy.
 
 Default (CPU) mode: one fixed small model and one global batch (8 rows x 256
 tokens) for every parallelism strategy on simulated CPU devices, so that the
 rows compare layouts and nothing else. `--gpu` mode: the ~1B Llama of
-`maxpar.bench_gpu` on one GPU, one row per lever setting (remat, batch,
+`maxpar.tools.bench_gpu` on one GPU, one row per lever setting (remat, batch,
 attention implementation, XLA flags), with MFU.
 
 Each row runs in a fresh subprocess (`--worker NAME`) because XLA_FLAGS (the
@@ -32,11 +32,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from maxpar import bench_gpu
-from maxpar.bench_report import CPU_COLUMNS, GPU_COLUMNS, markdown_table, not_measured, write_chart
-from maxpar.host_devices import with_device_count
+from maxpar.tools import bench_gpu
+from maxpar.tools.bench_report import CPU_COLUMNS, GPU_COLUMNS, markdown_table, not_measured, write_chart
+from maxpar.tools.host_devices import with_device_count
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BASE_CONFIG = REPO / "configs" / "base.yml"
 RESULT_PREFIX = "BENCH_RESULT "
 DEFAULT_STRATEGIES = ("one", "fsdp8", "dp2_fsdp2_tp2")
@@ -229,7 +229,7 @@ def run_worker(name: str, overrides: Sequence[str], num_devices: int, steps: int
 
 def spawn(case: Case, args: argparse.Namespace) -> dict[str, Any]:
     """Run one row in a fresh Python; its JSON line, or an error row."""
-    command = [sys.executable, "-m", "maxpar.bench", "--worker", case.name, "--devices", str(case.devices),
+    command = [sys.executable, "-m", "maxpar.tools.bench", "--worker", case.name, "--devices", str(case.devices),
                "--steps", str(args.steps), "--warmup", str(args.warmup)] + [f"--set={item}" for item in case.overrides]
     start = time.perf_counter()
     try:
@@ -282,7 +282,7 @@ def write_outputs(out: Path, table: str, run: str, results: Sequence[dict[str, A
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m maxpar.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m maxpar.tools.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
                         help="CPU mode, comma-separated: one, or _-joined degrees such as fsdp8, dp2_fsdp2_tp2, dp8, "
                              "fsdp4_tp2")

@@ -1,4 +1,4 @@
-"""The GPU benchmark's levers: `python -m maxpar.bench --gpu` times one setting per row.
+"""The GPU benchmark's levers: `python -m maxpar.tools.bench --gpu` times one setting per row.
 
 The model is configs/models/llama-1b.yml (~1B parameters: 16 layers, emb 2048, 16 heads x 128,
 SwiGLU 5632) at sequence 2048 in bf16 on one device, synthetic data. A *setting* is `base` or a

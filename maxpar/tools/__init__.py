@@ -1,0 +1,1 @@
+"""Developer tools beside the training spine: benchmarks, golden shardings, simulated devices."""
