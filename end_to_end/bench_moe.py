@@ -32,7 +32,6 @@ import jax
 import numpy as np
 
 from maxpar.config import load_config
-from maxpar.mesh import mesh_shape_of
 from maxpar.metrics import parameter_counts
 from maxpar.plan import verify
 from maxpar.plan.hardware import load_hardware
@@ -49,7 +48,7 @@ def bench(ep: int, mode: str, steps: int, warmup: int, extra: list[str]) -> dict
     config = load_config([str(REPO / "configs" / "base.yml"), *RUN, f"ici_expert_parallelism={ep}",
                           "ici_fsdp_parallelism=-1", MODES[mode], f"steps={steps + warmup}", *extra])
     run = setup_run(config, jax.devices())
-    state = create_state(run.model, run.tx, config, run.mesh, run.state_shardings)
+    state = create_state(run.model, run.tx, run.layout, run.mesh)
     start = time.perf_counter()
     compiled = run.compile_train_step()
     compile_s = time.perf_counter() - start
@@ -68,7 +67,7 @@ def bench(ep: int, mode: str, steps: int, warmup: int, extra: list[str]) -> dict
         times.append(time.perf_counter() - start)
         losses.append(float(metrics["loss"]))
     step_s = statistics.median(times[warmup:])
-    return {"ep": ep, "mode": mode, "mesh": mesh_shape_of(run.mesh, config).describe(), "compile_s": compile_s,
+    return {"ep": ep, "mode": mode, "mesh": run.layout.mesh.describe(), "compile_s": compile_s,
             "step_s": step_s, "tokens_per_s": run.shape.tokens_per_step / step_s,
             "a2a_axes": sorted({r["axis"] for r in measured}), "a2a_bytes": sum(r["bytes"] for r in measured),
             "a2a_predicted": predicted, "losses": losses,

@@ -47,7 +47,7 @@ def measure(overrides: list[str], steps: int) -> dict:
 
     config = load_config([str(REPO / "configs" / "base.yml"), *overrides])
     run = setup_run(config, jax.devices())
-    state = create_state(run.model, run.tx, config, run.mesh, run.state_shardings)
+    state = create_state(run.model, run.tx, run.layout, run.mesh)
     start = time.perf_counter()
     compiled = run.compile_train_step()
     compile_s = time.perf_counter() - start

@@ -40,6 +40,7 @@ import numpy as np  # noqa: E402
 from helpers import (compilation_cache_env, logged_steps, read_metrics, start_training, tiny_config,  # noqa: E402
                      train_command, wait_for_step, wait_until, write_corpus)
 from maxpar import checkpoint  # noqa: E402
+from maxpar.model import stack  # noqa: E402
 from maxpar.guards import PREEMPTED_EXIT_STATUS
 from maxpar.train import setup_run, train  # noqa: E402
 
@@ -96,7 +97,7 @@ def restore_state(run_dir: Path, config, devices, step: int):
     run = setup_run(config, devices)
     manager = checkpoint.make_manager(run_dir, config)
     try:
-        target = checkpoint.Target(config, run.abstract_state, run.state_shardings, run.shape.global_rows)
+        target = run.restore_target()
         return jax.tree.map(np.asarray, checkpoint.resume_step(manager, step, target, iter(run.train_data)))
     finally:
         manager.close()
@@ -106,8 +107,8 @@ def canonical_host(state, config):
     """Host arrays in the canonical (stacked) layout, so scanned and unrolled restores compare leaf by leaf."""
     if config.scan_layers:
         return state
-    return state.replace(params=checkpoint.to_canonical(state.params, stack=np.stack),
-                         opt_state=checkpoint.to_canonical(state.opt_state, stack=np.stack))
+    return state.replace(params=stack.to_canonical(state.params, config, stack=np.stack),
+                         opt_state=stack.to_canonical(state.opt_state, config, stack=np.stack))
 
 
 def max_abs_difference(a, b) -> float:

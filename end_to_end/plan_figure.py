@@ -31,7 +31,7 @@ def sweep(overrides: list[str], rows_per_device: list[float]) -> list[dict]:
     """Plans for every batch size: global tokens, backward-pass matmul and ICI communication seconds."""
     from maxpar.config import load_config
     from maxpar.plan.hardware import load_hardware
-    from maxpar.plan.layout import abstract_model_state
+    from maxpar.train_step import trace_state
     from maxpar.plan.predict import Target, evaluate
 
     target = Target(load_hardware("tpu-v5p"), DEVICES, 1)
@@ -40,7 +40,7 @@ def sweep(overrides: list[str], rows_per_device: list[float]) -> list[dict]:
     for rows in rows_per_device:
         config = load_config([str(REPO / "configs" / "base.yml"), *MODEL, *overrides,
                               f"per_device_batch_size={rows}"])
-        state = state or abstract_model_state(config)
+        state = state or trace_state(config)
         result = evaluate(config, target, state)
         points.append({"tokens": result["global_batch_tokens"],
                         "compute": result["compute_time_by_phase_s"]["backward"],

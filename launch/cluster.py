@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from maxpar.config import ConfigError, load_config
 from maxpar.mesh import resolve_mesh_shape
+from maxpar.train_step import run_layout
 
 TRAINER = ("python3", "-m", "maxpar.train")
 
@@ -67,14 +68,15 @@ def parse_tpu_type(tpu_type: str) -> TpuSlice:
 
 def trainer_command(config_args: Sequence[str], num_devices: int, num_slices: int, job_name: str) -> list[str]:
     """`python3 -m maxpar.train CONFIG.yml key=value ...`, checked against the job's devices and slices
-    here, so that a bad override or a mesh that does not fit fails before anything is scheduled.
+    here (the whole run layout, every setup check the trainer makes before touching a device), so that a
+    bad override or a mesh that does not fit fails before anything is scheduled.
 
     Without a `run_name` the trainer would pick a fresh timestamped run at every start, so a restarted
     job (JobSet max_restarts, XPK --max-restarts) would train from step 0; the job's name is used instead,
     and every restart resumes from the newest checkpoint.
     """
     config = load_config(list(config_args))
-    resolve_mesh_shape(config, num_devices, 1 if config.num_slices == 1 else num_slices)
+    run_layout(config, resolve_mesh_shape(config, num_devices, 1 if config.num_slices == 1 else num_slices))
     if config.num_slices not in (-1, 1, num_slices):
         raise ConfigError(f"num_slices={config.num_slices} but the job has {num_slices} slice(s); use -1 to detect")
     run_name = [] if config.run_name else [f"run_name={job_name}"]

@@ -10,14 +10,9 @@ listed), holding the items
     data/       Grain iterator state, one process_I-of-N.json per process
     config/     JSON: the resolved config that wrote the checkpoint
 
-Canonical layout: the decoder layers are stacked on a leading axis of length
-num_decoder_layers under `decoder/layers` (the tree `scan_layers=true` uses;
-with MoE layers interleaved every moe_layer_interval layers, the stacked unit is
-a block of that many layers, `sublayer_0 ..`). An
-unrolled run (`layers_0 .. layers_{L-1}`) stacks them on save and unstacks on
-restore, so the files depend on neither the mesh nor the layer layout; a
-circular pipeline's [R, L/R, ...] stack (maxpar/pipeline) merges its two leading
-axes on save and splits them on restore (a gPipe run's stack is canonical as is).
+Canonical layout: the decoder's layers stacked on a leading axis, as `maxpar.model.stack` defines
+it; every save converts the run's layer layout (stacked, unrolled or circular) to it and every
+restore back, so the files depend on neither the mesh nor the layer layout.
 
 Why the care on restore: a run is resumed after crashes, preemptions and
 config edits. The newest checkpoint is validated by restoring it; if it cannot
@@ -30,7 +25,6 @@ because falling back would not help and silently training on would be wrong.
 from __future__ import annotations
 
 import dataclasses
-import re
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -42,18 +36,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-from jax.sharding import NamedSharding, PartitionSpec
 
 from maxpar import distributed
 from maxpar.config import Config, ConfigError
-from maxpar.model.transformer import decoder_unit
-from maxpar.pipeline.layout import merge_repeats, split_repeats
+from maxpar.model import stack
 from maxpar.train_step import TrainState
 
 LAYOUT = "maxpar/stacked-layers/v1"
 ARRAY_ITEMS = ("params", "opt_state")
-STACKED = "layers"
-_UNROLLED = re.compile(r"layers_(\d+)")
 
 # Keys that change the parameter tree or its dtype: every kind of load needs them equal.
 MODEL_KEYS = ("emb_dim", "num_query_heads", "num_kv_heads", "head_dim", "mlp_dim", "num_decoder_layers",
@@ -124,89 +114,12 @@ def save(manager: ocp.CheckpointManager, step: int, state: Any, data_iterator: A
     before it returns too, so the caller may donate `state` to the next step.
     """
     manager.save(step, args=ocp.args.Composite(
-        params=ocp.args.StandardSave(to_canonical(state.params, repeats=config.num_pipeline_repeats)),
-        opt_state=ocp.args.StandardSave(to_canonical(state.opt_state, repeats=config.num_pipeline_repeats)),
+        params=ocp.args.StandardSave(stack.to_canonical(state.params, config)),
+        opt_state=ocp.args.StandardSave(stack.to_canonical(state.opt_state, config)),
         meta=ocp.args.JsonSave(checkpoint_meta(step, global_rows)),
         data=grain.checkpoint.CheckpointSave(data_iterator),
         config=ocp.args.JsonSave(config.to_dict()),
     ))
-
-
-# ---------------------------------------------------------------- canonical layer layout
-
-def _layer_index(key: Any) -> int | None:
-    """i for an unrolled layer's key `layers_i`, else None."""
-    match = _UNROLLED.fullmatch(str(key))
-    return int(match[1]) if match else None
-
-
-def _is_unrolled(node: Any) -> bool:
-    return isinstance(node, Mapping) and any(_layer_index(key) is not None for key in node)
-
-
-def _is_stacked(node: Any) -> bool:
-    return isinstance(node, Mapping) and STACKED in node
-
-
-def stack_abstract(leaves: Sequence[jax.ShapeDtypeStruct]) -> jax.ShapeDtypeStruct:
-    """Abstract twin of jnp.stack: a new, unsharded leading axis in front of the layer's sharding."""
-    first = leaves[0]
-    sharding = first.sharding
-    if isinstance(sharding, NamedSharding):
-        sharding = NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
-    return jax.ShapeDtypeStruct((len(leaves), *first.shape), first.dtype, sharding=sharding)
-
-
-def merge_repeats_abstract(leaf: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-    """Abstract twin of `merge_repeats`: [R, L/R, ...] -> [L, ...] with an unsharded layer axis."""
-    sharding = leaf.sharding
-    if isinstance(sharding, NamedSharding):
-        sharding = NamedSharding(sharding.mesh, PartitionSpec(None, *tuple(sharding.spec)[2:]))
-    return jax.ShapeDtypeStruct((leaf.shape[0] * leaf.shape[1], *leaf.shape[2:]), leaf.dtype, sharding=sharding)
-
-
-def _merge_any(leaf: Any) -> Any:
-    return merge_repeats_abstract(leaf) if isinstance(leaf, jax.ShapeDtypeStruct) else merge_repeats(leaf)
-
-
-def to_canonical(tree: Any, stack: Callable[[Sequence[Any]], Any] = jnp.stack, repeats: int = 1) -> Any:
-    """Unrolled `layers_0 .. layers_{L-1}` entries -> one `layers` entry stacked on a leading axis;
-    with repeats > 1, a circular pipeline's `layers` [R, L/R, ...] -> [L, ...].
-
-    Applies to every dict in the tree (parameters and the optimizer's per-parameter moments
-    alike); a tree in the scan layout (repeats = 1) comes back unchanged.
-    """
-    def convert(node: Any) -> Any:
-        if _is_stacked(node) and repeats > 1:
-            return {**node, STACKED: jax.tree.map(_merge_any, node[STACKED])}
-        if not _is_unrolled(node):
-            return node
-        names = sorted((key for key in node if _layer_index(key) is not None), key=_layer_index)
-        if [_layer_index(name) for name in names] != list(range(len(names))):
-            raise ValueError(f"unrolled layers are not numbered 0..{len(names) - 1}: {names}")
-        rest = {key: value for key, value in node.items() if key not in names}
-        return {**rest, STACKED: jax.tree.map(lambda *xs: stack(xs), *[node[name] for name in names])}
-    return jax.tree.map(convert, tree, is_leaf=lambda node: _is_unrolled(node) or _is_stacked(node))
-
-
-def to_repeats(tree: Any, repeats: int) -> Any:
-    """The inverse of `to_canonical` for a circular pipeline: `layers` [L, ...] -> [R, L/R, ...]."""
-    def convert(node: Any) -> Any:
-        if not _is_stacked(node):
-            return node
-        return {**node, STACKED: jax.tree.map(lambda x: split_repeats(x, repeats), node[STACKED])}
-    return jax.tree.map(convert, tree, is_leaf=_is_stacked)
-
-
-def from_canonical(tree: Any, num_layers: int) -> Any:
-    """The inverse of `to_canonical` for an unrolled run: `layers` -> `layers_0 .. layers_{L-1}`."""
-    def convert(node: Any) -> Any:
-        if not _is_stacked(node):
-            return node
-        rest = {key: value for key, value in node.items() if key != STACKED}
-        layers = {f"layers_{i}": jax.tree.map(lambda x, i=i: x[i], node[STACKED]) for i in range(num_layers)}
-        return {**rest, **layers}
-    return jax.tree.map(convert, tree, is_leaf=_is_stacked)
 
 
 # ---------------------------------------------------------------- what a run restores into
@@ -224,15 +137,11 @@ class Target:
         """Restore target of `item` in the canonical layout, with this run's shardings."""
         abstract, shardings = getattr(self.abstract_state, item), getattr(self.shardings, item)
         tree = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-        return to_canonical(tree, stack=stack_abstract, repeats=self.config.num_pipeline_repeats)
+        return stack.to_canonical(tree, self.config, stack=stack.stack_abstract)
 
     def in_memory(self, item: str, restored: Any) -> Any:
         """A restored canonical `item` in this run's layer layout and shardings."""
-        if not self.config.scan_layers:
-            restored = from_canonical(restored, decoder_unit(self.config)[1])
-        elif self.config.num_pipeline_repeats > 1:
-            restored = to_repeats(restored, self.config.num_pipeline_repeats)
-        return jax.device_put(restored, getattr(self.shardings, item))
+        return jax.device_put(stack.from_canonical(restored, self.config), getattr(self.shardings, item))
 
     def state(self, step: int, params: Any, opt_state: Any) -> Any:
         step_array = jax.device_put(np.asarray(step, np.int32), self.shardings.step)

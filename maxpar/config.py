@@ -21,7 +21,8 @@ from typing import Any
 import omegaconf
 from omegaconf import OmegaConf
 
-PHYSICAL_AXES = ("data", "fsdp", "tensor", "expert", "stage")
+from maxpar.axes import PHYSICAL_AXES, Logical, unknown_logical
+
 DTYPES = ("float32", "bfloat16", "float16")
 SYNTHETIC_FIRST_TOKEN = 3  # synthetic data skips ids 0-2, the byte tokenizer's pad, bos and eos
 ATTENTION = ("dot_product", "xla", "cudnn_flash", "cudnn_flash_causal")
@@ -347,6 +348,9 @@ def _coerce_rules(name: str, value: Any) -> tuple[AxisRule, ...]:
         if unknown:
             raise ConfigError(f"{name}: rule {rule!r} names unknown mesh axis {unknown[0]!r}; "
                               f"mesh axes are {', '.join(PHYSICAL_AXES)}")
+        if unknown_logical([rule[0]]):
+            raise ConfigError(f"{name}: rule {rule!r} names unknown logical axis {rule[0]!r}; logical axes are "
+                              f"{', '.join(Logical)}")
         if len(set(axes)) != len(axes):
             raise ConfigError(f"{name}: rule {rule!r} names a mesh axis twice; an array dimension can be split "
                               f"over each mesh axis at most once")
@@ -392,8 +396,7 @@ def validate(config: Config) -> None:
     if config.dataset_type == "text" and not config.dataset_path:
         raise ConfigError("dataset_type=text needs dataset_path (a glob of text files)")
     _validate_attention(config)
-    stages = static_pipeline_stages(config)
-    check_pipeline(config, stages)
+    _validate_pipeline(config)
     if config.load_parameters_path and config.load_full_state_path:
         raise ConfigError(f"load_parameters_path={config.load_parameters_path!r} and load_full_state_path="
                           f"{config.load_full_state_path!r}: set at most one (parameters only, or the full state)")
@@ -430,54 +433,15 @@ def _validate_attention(config: Config) -> None:
                           f"attention=cudnn_flash (packed-document mask) or dataset_type=synthetic (one document per row)")
 
 
-def static_pipeline_stages(config: Config) -> int | None:
-    """S = ici x dcn stage degree when the config alone fixes it (None when one of them is -1, filled per mesh)."""
-    if -1 in (config.ici_stage_parallelism, config.dcn_stage_parallelism):
-        return None
-    return config.ici_stage_parallelism * config.dcn_stage_parallelism
-
-
-def check_pipeline(config: Config, stages: int | None) -> None:
-    """Pipeline keys against each other and the number of stages S (None: not known yet, checked again at setup).
-
-    The batch-dependent rules (microbatch rows divisible by M) need the device count and are checked
-    where the mesh is resolved (`maxpar.pipeline.layout.check_batch`).
-    """
-    layers, repeats, micro = config.num_decoder_layers, config.num_pipeline_repeats, config.num_pipeline_microbatches
+def _validate_pipeline(config: Config) -> None:
+    """Pipeline keys that must agree with each other whatever the mesh (the stages: `maxpar.layout`)."""
+    layers, repeats = config.num_decoder_layers, config.num_pipeline_repeats
     if repeats > 1 and layers % repeats:
         raise ConfigError(f"num_pipeline_repeats={repeats}: num_decoder_layers={layers} must be divisible by it "
                           f"(each stage runs {repeats} blocks of num_decoder_layers / (stages x repeats) layers)")
     if repeats > 1 and not config.scan_layers:
         raise ConfigError(f"num_pipeline_repeats={repeats} needs scan_layers=true (pipelining runs the scanned "
                           f"layer stack)")
-    if stages is None:
-        return
-    stage_keys = f"ici_stage_parallelism={config.ici_stage_parallelism} x dcn_stage_parallelism=" \
-                 f"{config.dcn_stage_parallelism} = {stages} stage(s)"
-    if stages == 1:
-        extra = [f"{key}={value}" for key, value, default in (
-            ("num_pipeline_repeats", repeats, 1), ("num_pipeline_microbatches", micro, -1),
-            ("pipeline_fsdp_ag_once", config.pipeline_fsdp_ag_once, False)) if value != default]
-        if extra:
-            raise ConfigError(f"{', '.join(extra)} need(s) pipeline stages, but {stage_keys}; set "
-                              f"ici_stage_parallelism (or dcn_stage_parallelism) > 1, or drop these keys")
-        return
-    if config.num_experts > 1:
-        raise ConfigError(f"num_experts={config.num_experts} with {stage_keys}: mixture-of-experts layers are not "
-                          f"pipelined yet (their load-balance loss and drop counts do not flow through the pipeline "
-                          f"loop); use ici_stage_parallelism=1 with MoE, or num_experts=1 with pipelining")
-    if not config.scan_layers:
-        raise ConfigError(f"{stage_keys} needs scan_layers=true: the pipeline runs the scanned layer stack "
-                          f"(scan_layers=false is not supported with pipelining)")
-    if stages > layers:
-        raise ConfigError(f"{stage_keys} exceeds num_decoder_layers={layers}: every stage needs at least one layer")
-    if layers % (stages * repeats):
-        raise ConfigError(f"num_decoder_layers={layers} must be divisible by stages x num_pipeline_repeats = "
-                          f"{stages} x {repeats} = {stages * repeats} ({stage_keys})")
-    if repeats > 1 and micro != -1 and micro < stages:
-        raise ConfigError(f"num_pipeline_repeats={repeats} (circular) needs num_pipeline_microbatches >= the "
-                          f"{stages} stages, got {micro}: a microbatch leaving the last stage must find stage 0 "
-                          f"free (the seed recommends 2 x stages)")
 
 
 def to_yaml(config: Config) -> str:

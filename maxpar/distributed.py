@@ -199,39 +199,6 @@ def same_on_all_processes(text: str, max_bytes: int = 256) -> str:
     return agreed.astype(np.uint8).tobytes().rstrip(b"\0").decode()
 
 
-# ---------------------------------------------------------------- which collectives cross processes
-
-@dataclasses.dataclass(frozen=True)
-class CrossProcessCollective:
-    """A collective of a compiled program with at least one replica group spanning several processes."""
-
-    name: str
-    kind: str
-    axes: str            # the mesh axes its groups run over, e.g. 'data' or 'data+fsdp' ('irregular' if none fit)
-    operand_bytes: int   # bytes each device contributes per execution
-    count: int           # executions per step
-
-
-def cross_process_collectives(hlo_text: str, axis_sizes: Mapping[str, int],
-                              process_of: Sequence[int]) -> list[CrossProcessCollective]:
-    """The collectives of `hlo_text` whose traffic leaves a process, labelled with the mesh axes they run over.
-
-    `axis_sizes` is the mesh's shape (axis order) and `process_of[i]` the process of partition id i,
-    the i-th device of the mesh in row-major order (`[d.process_index for d in mesh.devices.flat]`). On a hierarchical mesh these
-    are the DCN collectives, so their axes must include the DCN axes and nothing else may cross.
-    """
-    from maxpar.plan.hlo import axis_partitions, collectives, label_groups
-
-    partitions = axis_partitions(axis_sizes)
-    found = []
-    for collective in collectives(hlo_text, len(process_of)):
-        if any(len({process_of[i] for i in group}) > 1 for group in collective.groups):
-            found.append(CrossProcessCollective(collective.name, collective.kind,
-                                                label_groups(collective, axis_sizes, partitions),
-                                                collective.operand_bytes, collective.count))
-    return found
-
-
 # ---------------------------------------------------------------- data iterator state across process counts
 
 def resplit_iterator_states(saved: Sequence[Mapping[str, Any]], current: Mapping[str, Any], process_index: int,

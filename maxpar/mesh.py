@@ -89,12 +89,20 @@ def num_slices_for(config: Config, devices: Sequence[jax.Device]) -> int:
                       f"(TPU slices, or processes elsewhere); use -1 to detect or 1 for one flat mesh")
 
 
+def local_mesh_shape(config: Config, devices: Sequence[jax.Device]) -> MeshShape:
+    """The degrees of `config`'s mesh over these devices (slices detected or as configured)."""
+    return resolve_mesh_shape(config, len(devices), num_slices_for(config, devices))
+
+
 def create_mesh(config: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Build the Mesh; hierarchical (hybrid) when there is more than one slice."""
+    """Build the Mesh of `config` over `devices` (default: all)."""
     devices = list(jax.devices() if devices is None else devices)
-    num_slices = num_slices_for(config, devices)
-    shape = resolve_mesh_shape(config, len(devices), num_slices)
-    if num_slices == 1:
+    return build_mesh(local_mesh_shape(config, devices), devices)
+
+
+def build_mesh(shape: MeshShape, devices: Sequence[jax.Device]) -> Mesh:
+    """Lay out `devices` in a mesh of these degrees; hierarchical (hybrid) when there is more than one slice."""
+    if math.prod(shape.dcn) == 1:
         array = mesh_utils.create_device_mesh(shape.shape, devices, allow_split_physical_axes=True)
     else:
         _, by_process = slice_granules(devices)
@@ -103,6 +111,3 @@ def create_mesh(config: Config, devices: Sequence[jax.Device] | None = None) -> 
     return Mesh(np.asarray(array), shape.axis_names)
 
 
-def mesh_shape_of(mesh: Mesh, config: Config) -> MeshShape:
-    """The resolved degrees of an existing mesh (for printing and planning)."""
-    return resolve_mesh_shape(config, mesh.devices.size, num_slices_for(config, list(mesh.devices.flat)))

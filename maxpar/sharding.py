@@ -1,7 +1,8 @@
-"""Logical axes -> physical mesh shardings, driven by `logical_axis_rules` data.
+"""Logical axes -> physical mesh axes, driven by `logical_axis_rules` data.
 
-Model code names only logical axes; this module is the one place that turns
-them into `NamedSharding`s for a given mesh and rule set.
+Model code names only logical axes (`maxpar.axes.Logical`); this module is the one place that turns
+them into mesh axes (`mesh_axes`, used by `maxpar.layout` to resolve every decision once) and into
+`NamedSharding`s for a mesh and rule set.
 """
 
 from __future__ import annotations
@@ -14,9 +15,33 @@ import flax.linen as nn
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from maxpar.axes import BATCH_INPUT, unknown_logical
 from maxpar.config import AxisRule, ConfigError
 
-BATCH_AXES = ("activation_batch", "activation_length")
+Axes = tuple[str, ...]
+
+
+def entry_axes(entry: None | str | Sequence[str]) -> Axes:
+    """The mesh axes of one PartitionSpec entry: None, an axis name, or a tuple of names."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def mesh_axes(logical: Sequence[str | None], rules: Sequence[AxisRule]) -> list[Axes]:
+    """The mesh axes of each dim of an array with these logical axes (first applicable rule wins;
+    a rule applies when all its mesh axes are still free for the array)."""
+    spec = tuple(nn.logical_to_mesh_axes(tuple(logical), list(rules)))
+    return [entry_axes(entry) for entry in spec + (None,) * (len(logical) - len(spec))]
+
+
+def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+    """Sharding constraint by logical axes (under the mesh and rules in context); an unknown name is an error,
+    never a silently unsharded dimension."""
+    unknown = unknown_logical(logical)
+    if unknown:
+        raise ValueError(f"unknown logical axis name(s) {unknown}: define them in maxpar.axes.Logical")
+    return nn.with_logical_constraint(x, tuple(logical))
 
 
 def logical_specs(boxed_tree: Any) -> Any:
@@ -31,7 +56,7 @@ def mesh_shardings(logical_spec_tree: Any, mesh: Mesh, rules: Sequence[AxisRule]
 
 def batch_sharding(mesh: Mesh, rules: Sequence[AxisRule]) -> NamedSharding:
     """Sharding of [batch, length] input arrays."""
-    return NamedSharding(mesh, nn.logical_to_mesh_axes(BATCH_AXES, list(rules)))
+    return NamedSharding(mesh, nn.logical_to_mesh_axes(BATCH_INPUT, list(rules)))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -40,19 +65,11 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def shard_count(sharding: NamedSharding) -> int:
     """Into how many distinct pieces the sharding cuts an array."""
-    spec = sharding.spec
-    axes = [a for entry in spec for a in entry_axes(entry)]
+    axes = [a for entry in sharding.spec for a in entry_axes(entry)]
     return math.prod(sharding.mesh.shape[a] for a in axes)
 
 
-def entry_axes(entry: None | str | Sequence[str]) -> tuple[str, ...]:
-    """The mesh axes of one PartitionSpec entry: None, an axis name, or a tuple of names."""
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def dim_axes(sharding: NamedSharding, ndim: int) -> list[tuple[str, ...]]:
+def dim_axes(sharding: NamedSharding, ndim: int) -> list[Axes]:
     """The mesh axes that split each of an array's `ndim` dimensions (() where none does)."""
     spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
     return [entry_axes(entry) for entry in spec]

@@ -7,6 +7,7 @@ checkpoints. Everything device-dependent starts here, never while parsing config
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -21,72 +22,18 @@ from jax.sharding import Mesh, NamedSharding
 from tqdm import tqdm
 
 from maxpar import checkpoint, distributed
+from maxpar.cadence import cadence
 from maxpar.guards import PREEMPTED_EXIT_STATUS, Preempted, PreemptionWatch, StepWatchdog, stop_on_nonfinite
 from maxpar.config import Config, ConfigError, describe_keys, load_config, to_yaml
 from maxpar.data.pipeline import make_datasets
-from maxpar.mesh import create_mesh, mesh_shape_of
+from maxpar.layout import BatchShape, RunLayout, check_devices
+from maxpar.mesh import build_mesh, local_mesh_shape
 from maxpar.metrics import (MetricsWriter, parameter_counts, peak_flops, rewind_metrics, throughput,
                             training_flops_per_token)
 from maxpar.model import Transformer
-from maxpar.model.attention import check_attention_backend
-from maxpar.model.moe_dispatch import check_expert_layout
 from maxpar.optimizer import make_optimizer
-from maxpar.pipeline.layout import pipeline_for_run
 from maxpar.pipeline.schedule import Schedule
-from maxpar.sharding import batch_sharding, dim_axes, dim_degree
-from maxpar.train_step import BATCH_KEYS, create_state, jit_eval_step, jit_train_step, state_shardings
-
-
-@dataclasses.dataclass(frozen=True)
-class BatchShape:
-    """Rows per optimizer step and per microbatch for a device count."""
-
-    global_rows: int
-    microbatch_rows: int
-    tokens_per_step: int
-
-
-def batch_shape(config: Config, num_devices: int) -> BatchShape:
-    """Global batch = per_device_batch_size x devices x gradient_accumulation_steps rows."""
-    product = config.per_device_batch_size * num_devices
-    micro = round(product)
-    if abs(product - micro) > 1e-6 * max(product, 1.0) or micro < 1:  # tolerate float rounding of e.g. 512/8960
-        raise ConfigError(f"per_device_batch_size={config.per_device_batch_size} x {num_devices} devices = {product} "
-                          f"rows per microbatch; it must be a whole number >= 1")
-    rows = micro * config.gradient_accumulation_steps
-    return BatchShape(rows, micro, rows * config.max_target_length)
-
-
-def process_batch_block(sharding: NamedSharding, batch_shape: tuple[int, int]) -> tuple[int, int]:
-    """(index, count) of this process's contiguous block of batch rows.
-
-    The data pipeline produces block `index` of `count` equal blocks; this
-    checks that the mesh gives each process such a block.
-    """
-    global_rows = batch_shape[0]
-    owned = set()
-    for index in sharding.addressable_devices_indices_map(batch_shape).values():
-        owned.update(range(global_rows)[index[0]])
-    count = global_rows // len(owned)
-    first = min(owned)
-    if len(owned) * count != global_rows or owned != set(range(first, first + len(owned))) or first % len(owned):
-        raise ConfigError("this process's devices do not hold one contiguous block of the batch; put the "
-                          "cross-process (DCN) degree on the data or fsdp axis, outermost in mesh_axes")
-    return first // len(owned), count
-
-
-def check_batch_layout(config: Config, sharding: NamedSharding, shape: BatchShape) -> None:
-    """A microbatch [rows, length] must split evenly over the mesh axes that shard its rows and its sequence."""
-    rows_axes, length_axes = dim_axes(sharding, 2)
-    rows_degree, length_degree = dim_degree(sharding, rows_axes), dim_degree(sharding, length_axes)
-    if shape.microbatch_rows % rows_degree:
-        raise ConfigError(f"per_device_batch_size={config.per_device_batch_size} gives {shape.microbatch_rows} rows per "
-                          f"microbatch, which the batch-sharding mesh axes {rows_axes} (degree {rows_degree}) cannot "
-                          f"split evenly; use a per_device_batch_size that makes it a multiple of {rows_degree}")
-    if config.max_target_length % length_degree:
-        raise ConfigError(f"max_target_length={config.max_target_length} cannot be split evenly over the "
-                          f"sequence-sharding mesh axes {length_axes} (degree {length_degree}); use a multiple of "
-                          f"{length_degree}")
+from maxpar.train_step import compile_train_step, create_state, jit_eval_step, run_layout
 
 
 def global_batch(local: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
@@ -110,52 +57,66 @@ def _evaluate(eval_step, params, dataset_factory, steps: int, sharding) -> float
 
 @dataclasses.dataclass(frozen=True)
 class RunSetup:
-    """Everything a run builds before its first step (shared by the loop and the benchmark)."""
+    """A run layout bound to real devices, with its data, model and optimizer (shared by the loop and the benchmark)."""
 
-    config: Config
+    layout: RunLayout
     devices: list[jax.Device]
     mesh: Mesh
-    shape: BatchShape
-    in_sharding: NamedSharding
     model: Transformer
     tx: optax.GradientTransformation
-    abstract_state: Any
-    state_shardings: Any
     train_data: grain.IterDataset
     eval_data: Callable[[], grain.IterDataset] | None
-    pipeline: Schedule | None = None    # None: one stage, no pipelining
+
+    @property
+    def config(self) -> Config:
+        return self.layout.config
+
+    @property
+    def shape(self) -> BatchShape:
+        return self.layout.batch
+
+    @property
+    def pipeline(self) -> Schedule | None:
+        return self.layout.pipeline
+
+    @property
+    def abstract_state(self) -> Any:
+        return self.layout.state.abstract
+
+    @functools.cached_property
+    def in_sharding(self) -> NamedSharding:
+        return self.layout.input_sharding(self.mesh)
+
+    @functools.cached_property
+    def state_shardings(self) -> Any:
+        return self.layout.state_shardings(self.mesh)
+
+    def restore_target(self) -> checkpoint.Target:
+        return checkpoint.Target(self.config, self.abstract_state, self.state_shardings, self.shape.global_rows)
 
     def compile_train_step(self) -> Any:
         """Ahead-of-time compiled train step for this run's state and batch layout."""
-        batch = {key: jax.ShapeDtypeStruct((self.shape.global_rows, self.config.max_target_length), np.int32,
-                                           sharding=self.in_sharding) for key in BATCH_KEYS}
-        step = jit_train_step(self.model, self.tx, self.config, self.mesh, self.state_shardings)
-        return step.lower(self.abstract_state, batch).compile()
+        return compile_train_step(self.model, self.tx, self.layout, self.mesh)
 
 
 def setup_run(config: Config, devices: Sequence[jax.Device] | None = None) -> RunSetup:
-    """Mesh, batch layout, data, model, optimizer and state shardings for `config`."""
+    """The run layout of `config` on `devices` (every setup check), bound to them, with data, model and optimizer."""
     devices = list(jax.devices() if devices is None else devices)
-    mesh = create_mesh(config, devices)
-    check_attention_backend(config, mesh)
-    shape = batch_shape(config, len(devices))
-    in_sharding = batch_sharding(mesh, config.axis_rules)
-    check_batch_layout(config, in_sharding, shape)
-    check_expert_layout(config, dict(mesh.shape))
-    schedule = pipeline_for_run(config, dict(mesh.shape), shape.microbatch_rows)
-    block_index, block_count = process_batch_block(in_sharding, (shape.global_rows, config.max_target_length))
-    train_data, eval_data = make_datasets(config, global_rows=shape.global_rows, eval_rows=shape.microbatch_rows,
-                                          shard_index=block_index, shard_count=block_count)
-    model, tx = Transformer(config), make_optimizer(config)
-    abstract, shardings = state_shardings(model, tx, config, mesh)
-    return RunSetup(config, devices, mesh, shape, in_sharding, model, tx, abstract, shardings, train_data, eval_data,
-                    schedule)
+    layout = run_layout(config, local_mesh_shape(config, devices))
+    check_devices(config, devices)
+    mesh = build_mesh(layout.mesh, devices)
+    block_index, block_count = layout.process_block(mesh)
+    train_data, eval_data = make_datasets(config, global_rows=layout.batch.global_rows,
+                                          eval_rows=layout.batch.microbatch_rows, shard_index=block_index,
+                                          shard_count=block_count)
+    return RunSetup(layout, devices, mesh, Transformer(config, layout.model), make_optimizer(config), train_data,
+                    eval_data)
 
 
 def _print_header(run: RunSetup, run_dir: Path, peak: float | None, log: Callable[[str], None]) -> None:
     config, devices = run.config, run.devices
     counts = parameter_counts(run.abstract_state.params, config.num_experts_per_tok)
-    mesh_desc = mesh_shape_of(run.mesh, config).describe()
+    mesh_desc = run.layout.mesh.describe()
     log(f"maxpar: run {run_dir}" + ("" if config.run_name else f" (to resume it later: run_name={run_dir.name})"))
     log(f"  model {config.model_name or 'custom'}: {counts['total']:,} parameters "
         f"({counts['non_embedding']:,} non-embedding, {counts['active']:,} active per token), "
@@ -178,7 +139,7 @@ def initial_state(run: RunSetup, manager: Any, iterator: Any, log: Callable[[str
     """Where training starts: this run's newest usable checkpoint (restoring `iterator` too), else
     load_full_state_path, else load_parameters_path (fresh optimizer), else a fresh init."""
     config = run.config
-    target = checkpoint.Target(config, run.abstract_state, run.state_shardings, run.shape.global_rows)
+    target = run.restore_target()
     warn = checkpoint.warn_stderr if jax.process_index() == 0 else (lambda _: None)
     state = checkpoint.resume(manager, target, iterator, warn) if manager else None
     if state is not None:
@@ -193,7 +154,7 @@ def initial_state(run: RunSetup, manager: Any, iterator: Any, log: Callable[[str
         params = checkpoint.load_parameters(config.load_parameters_path, target, warn)
         log(f"  started from the parameters of {config.load_parameters_path}; fresh optimizer state, step 0")
         return checkpoint.state_from_params(params, run.tx, run.state_shardings)
-    return create_state(run.model, run.tx, config, run.mesh, run.state_shardings)
+    return create_state(run.model, run.tx, run.layout, run.mesh)
 
 
 def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: Path | None = None) -> dict[str, Any]:
@@ -219,7 +180,7 @@ def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: 
             compile_start = time.perf_counter()
             step_fn = run.compile_train_step()
             log(f"  compiled the train step in {time.perf_counter() - compile_start:.1f} s")
-            eval_fn = jit_eval_step(run.model, config, run.mesh, run.state_shardings.params) if run.eval_data else None
+            eval_fn = jit_eval_step(run.model, run.layout, run.mesh) if run.eval_data else None
 
             writer = MetricsWriter(run_dir, enabled=lead)
             if lead:
@@ -227,6 +188,7 @@ def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: 
             bar = tqdm(total=config.steps, initial=start, disable=None if lead else True, unit="step",
                        dynamic_ncols=True)
             row: dict[str, Any] = {}
+            when = cadence(config, has_eval_data=eval_fn is not None, checkpointing=manager is not None)
             window_start, window_steps = time.perf_counter(), 0
             unchecked: list[tuple[int, jax.Array]] = []  # losses not yet checked for NaN/Inf (checked in batches)
             for step in range(start + 1, config.steps + 1):
@@ -235,38 +197,28 @@ def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: 
                     unchecked.append((step, metrics["loss"]))
                 window_steps += 1
                 bar.update(1)
-                last = step == config.steps
-                eval_due = eval_fn is not None and config.eval_interval >= 0 and (
-                    last or (config.eval_interval > 0 and step % config.eval_interval == 0))
-                log_due = step % config.log_period == 0 or last or eval_due
-                save_due = manager is not None and (step % config.checkpoint_period == 0 or last)
-                stop = preemption.requested(step)
-                if unchecked and (log_due or save_due or stop):
+                due = when.after(step, stop=preemption.requested(step))
+                if unchecked and due.check_losses:
                     stop_on_nonfinite(unchecked, manager)
                     unchecked.clear()
-                if log_due:
-                    metrics = jax.device_get(metrics)
-                    elapsed = (time.perf_counter() - window_start) / window_steps
-                    row = {"step": step, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
-                           "learning_rate": float(metrics["learning_rate"]), "eval_loss": None,
-                           **throughput(config, tokens_per_step=run.shape.tokens_per_step, step_time_s=elapsed,
-                                        num_devices=len(devices), peak=peak),
-                           **{key: float(value) for key, value in metrics.items() if key.startswith("moe_")}}
-                    if eval_due:
+                if due.log:
+                    row = _metrics_row(run, step, jax.device_get(metrics),
+                                       (time.perf_counter() - window_start) / window_steps, peak)
+                    if due.eval:
                         row["eval_loss"] = _evaluate(eval_fn, state.params, run.eval_data, config.eval_steps,
                                                      run.in_sharding)
                     writer.write(row)
                     bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
                     log(_format_row(row))
-                if manager and (save_due or stop):
+                if due.save:
                     checkpoint.save(manager, step, state, iterator, config, run.shape.global_rows)
-                if stop:
+                if due.stop:
                     if manager:
                         manager.wait_until_finished()  # synchronous: the process may be killed soon
                     raise Preempted(step, saved=manager is not None,
                                     rerun="rerun the same command" if config.run_name else
                                     f"rerun with run_name={run_dir.name}")
-                if row.get("step") == step:
+                if due.log:  # the next window starts after this step's eval and save
                     window_start, window_steps = time.perf_counter(), 0
                 watchdog.progress(step)
     finally:
@@ -277,6 +229,16 @@ def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: 
             manager.wait_until_finished()
             manager.close()
     return row
+
+
+def _metrics_row(run: RunSetup, step: int, metrics: dict[str, Any], step_time_s: float,
+                 peak: float | None) -> dict[str, Any]:
+    """One metrics.jsonl line (eval_loss filled in by the caller on eval steps)."""
+    return {"step": step, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
+            "learning_rate": float(metrics["learning_rate"]), "eval_loss": None,
+            **throughput(run.config, tokens_per_step=run.shape.tokens_per_step, step_time_s=step_time_s,
+                         num_devices=len(run.devices), peak=peak),
+            **{key: float(value) for key, value in metrics.items() if key.startswith("moe_")}}
 
 
 def _format_row(row: dict[str, Any]) -> str:

@@ -1,10 +1,10 @@
-"""Train state, loss, and the jitted train and eval steps with explicit shardings."""
+"""Train state, loss, and the jitted train and eval steps with the run layout's shardings."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -15,10 +15,13 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from maxpar.config import Config
+from maxpar.config import AxisRule, Config
+from maxpar.layout import RunLayout, TracedState, resolve_layout, split_microbatches
+from maxpar.mesh import MeshShape
+from maxpar.model import Transformer
 from maxpar.model.moe import MOE_STATS, moe_totals
-from maxpar.optimizer import learning_rate_schedule
-from maxpar.sharding import batch_sharding, check_divisible, logical_specs, mesh_shardings, replicated
+from maxpar.optimizer import learning_rate_schedule, make_optimizer
+from maxpar.sharding import logical_specs, replicated
 
 Batch = dict[str, jax.Array]
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions")
@@ -32,20 +35,20 @@ class TrainState:
 
 
 @contextlib.contextmanager
-def sharding_context(mesh: Mesh, config: Config) -> Iterator[None]:
+def sharding_context(mesh: Mesh, rules: Sequence[AxisRule]) -> Iterator[None]:
     """Mesh and logical rules that model tracing needs for its sharding constraints.
 
     Without them flax turns every activation constraint into a silent no-op.
     """
-    with jax.set_mesh(mesh), nn.logical_axis_rules(list(config.axis_rules)):
+    with jax.set_mesh(mesh), nn.logical_axis_rules(list(rules)):
         yield
 
 
-def _traced_with_rules(fn: Callable, mesh: Mesh, config: Config) -> Callable:
+def traced_under(fn: Callable, mesh: Mesh, rules: Sequence[AxisRule]) -> Callable:
     """`fn` that enters the (abstract) mesh and rules while it is traced, whoever calls it."""
     @functools.wraps(fn)
     def wrapped(*args):
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(list(config.axis_rules)):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(list(rules)):
             return fn(*args)
     return wrapped
 
@@ -57,21 +60,27 @@ def init_state(model: nn.Module, tx: optax.GradientTransformation, config: Confi
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
 
-def state_shardings(model: nn.Module, tx: optax.GradientTransformation, config: Config, mesh: Mesh) -> tuple[Any, Any]:
-    """(abstract unboxed state, its NamedShardings) from the logical axis rules."""
-    with sharding_context(mesh, config):
-        boxed = jax.eval_shape(partial(init_state, model, tx, config), jax.random.key(0))
-    shardings = mesh_shardings(logical_specs(boxed), mesh, config.axis_rules)
-    abstract = nn.unbox(boxed)
-    check_divisible(abstract, shardings)
-    return abstract, shardings
+def trace_state(config: Config, tx: optax.GradientTransformation | None = None) -> TracedState:
+    """The abstract train state of `config` with its logical axes: no devices, no memory.
+
+    Initialization runs the layers in order whatever the layout, so the model needs none here.
+    """
+    tx = make_optimizer(config) if tx is None else tx
+    boxed = jax.eval_shape(partial(init_state, Transformer(config), tx, config), jax.random.key(0))
+    return TracedState(abstract=nn.unbox(boxed), specs=logical_specs(boxed))
 
 
-def create_state(model: nn.Module, tx: optax.GradientTransformation, config: Config, mesh: Mesh,
-                 shardings: Any) -> TrainState:
+def run_layout(config: Config, mesh: MeshShape, tx: optax.GradientTransformation | None = None, *,
+               check_batch: bool = True) -> RunLayout:
+    """`config`'s run layout on a mesh of these degrees (`maxpar.layout.resolve_layout` on its traced state)."""
+    return resolve_layout(config, mesh, trace_state(config, tx), check_batch=check_batch)
+
+
+def create_state(model: nn.Module, tx: optax.GradientTransformation, layout: RunLayout, mesh: Mesh) -> TrainState:
     """Initialize directly into the sharded layout: no device ever holds the full model."""
-    init = jax.jit(_traced_with_rules(lambda rng: nn.unbox(init_state(model, tx, config, rng)), mesh, config),
-                   out_shardings=shardings)
+    config = layout.config
+    init = jax.jit(traced_under(lambda rng: nn.unbox(init_state(model, tx, config, rng)), mesh, layout.rules),
+                   out_shardings=layout.state_shardings(mesh))
     return init(jax.random.key(config.seed))
 
 
@@ -108,11 +117,6 @@ def objective(params: Any, batch: Batch, *, model: nn.Module, config: Config) ->
     return loss_sum + config.load_balance_loss_weight * balance * count, sums
 
 
-def _split_microbatches(batch: Batch, num: int) -> Batch:
-    """[G, L] -> [num, G/num, L], keeping each device's rows on that device."""
-    return jax.tree.map(lambda x: x.reshape(x.shape[0] // num, num, *x.shape[1:]).swapaxes(0, 1), batch)
-
-
 def _grads(params: Any, model: nn.Module, batch: Batch, config: Config) -> tuple[Any, dict[str, jax.Array]]:
     """Gradient of the summed objective and the metric sums, accumulated over microbatches with a scan."""
     grad_fn = jax.value_and_grad(partial(objective, model=model, config=config), has_aux=True)
@@ -126,7 +130,7 @@ def _grads(params: Any, model: nn.Module, batch: Batch, config: Config) -> tuple
         grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
         return (grads_acc, jax.tree.map(jnp.add, sums_acc, sums)), None
 
-    micro = _split_microbatches(batch, config.gradient_accumulation_steps)
+    micro = jax.tree.map(lambda x: split_microbatches(x, config.gradient_accumulation_steps), batch)
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     sums_shape = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro))[0][1]
     init = (zeros, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape))
@@ -165,15 +169,26 @@ def eval_step(params: Any, batch: Batch, *, model: nn.Module) -> dict[str, jax.A
     return {"loss_sum": loss_sum, "tokens": count}
 
 
-def jit_train_step(model: nn.Module, tx: optax.GradientTransformation, config: Config, mesh: Mesh,
-                   shardings: Any):
-    """The train step with explicit in/out shardings; the input state is donated."""
-    return jax.jit(_traced_with_rules(partial(train_step, model=model, tx=tx, config=config), mesh, config),
-                   in_shardings=(shardings, batch_sharding(mesh, config.axis_rules)),
+def jit_train_step(model: nn.Module, tx: optax.GradientTransformation, layout: RunLayout, mesh: Mesh):
+    """The train step with the layout's in/out shardings on `mesh`; the input state is donated."""
+    shardings = layout.state_shardings(mesh)
+    return jax.jit(traced_under(partial(train_step, model=model, tx=tx, config=layout.config), mesh, layout.rules),
+                   in_shardings=(shardings, layout.input_sharding(mesh)),
                    out_shardings=(shardings, replicated(mesh)), donate_argnums=0)
 
 
-def jit_eval_step(model: nn.Module, config: Config, mesh: Mesh, param_shardings: Any):
-    return jax.jit(_traced_with_rules(partial(eval_step, model=model), mesh, config),
-                   in_shardings=(param_shardings, batch_sharding(mesh, config.axis_rules)),
+def compile_train_step(model: nn.Module, tx: optax.GradientTransformation, layout: RunLayout, mesh: Mesh) -> Any:
+    """The train step compiled ahead of time for the layout's state and global batch on `mesh`."""
+    shardings = layout.state_shardings(mesh)
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), layout.state.abstract,
+                         shardings)
+    rows, length = layout.batch.global_rows, layout.config.max_target_length
+    batch = {key: jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=layout.input_sharding(mesh))
+             for key in BATCH_KEYS}
+    return jit_train_step(model, tx, layout, mesh).lower(state, batch).compile()
+
+
+def jit_eval_step(model: nn.Module, layout: RunLayout, mesh: Mesh):
+    return jax.jit(traced_under(partial(eval_step, model=model), mesh, layout.rules),
+                   in_shardings=(layout.state_shardings(mesh).params, layout.input_sharding(mesh)),
                    out_shardings=replicated(mesh))

@@ -23,6 +23,18 @@ def tiny_config(*overrides: str, config_file: str = "configs/base.yml") -> Confi
     return load_config([config_file, *TINY, *overrides])
 
 
+def layout_on(config: Config, devices=None, tx=None):
+    """(run layout, mesh) of `config` on `devices` (default: all), resolved and bound as the trainer does."""
+    import jax
+
+    from maxpar.mesh import build_mesh, local_mesh_shape
+    from maxpar.train_step import run_layout
+
+    devices = list(jax.devices() if devices is None else devices)
+    layout = run_layout(config, local_mesh_shape(config, devices), tx, check_batch=False)
+    return layout, build_mesh(layout.mesh, devices)
+
+
 def write_corpus(directory: Path, num_files: int = 12, seed: int = 0) -> str:
     """Small English-like documents of varied length; returns a glob for dataset_path."""
     rng = np.random.default_rng(seed)

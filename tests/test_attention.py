@@ -10,7 +10,7 @@ import pytest
 from helpers import tiny_config
 from maxpar.config import ConfigError
 from maxpar.model import Transformer
-from maxpar.model.attention import cudnn_sharding_problems
+from maxpar.layout import check_attention_sharding
 from maxpar.train import setup_run
 
 LENGTH = 32
@@ -89,7 +89,9 @@ def test_cudnn_config_initializes_abstractly_on_cpu():
 def test_cudnn_refuses_sequence_or_head_dim_sharding():
     sequence = tiny_config("attention=cudnn_flash", "dtype=bfloat16", "ici_tensor_parallelism=2",
                            "extra_logical_axis_rules=[[activation_attn_length, [tensor]]]")
-    assert cudnn_sharding_problems(sequence, {"fsdp": 4, "tensor": 2}) == [("activation_attn_length", ["tensor"])]
-    assert cudnn_sharding_problems(sequence, {"fsdp": 8, "tensor": 1}) == []  # a size-1 axis shards nothing
+    sizes = {"data": 1, "stage": 1, "fsdp": 4, "expert": 1, "tensor": 2}
+    with pytest.raises(ConfigError, match="cannot shard activation_attn_length \\(here over tensor\\)"):
+        check_attention_sharding(sequence, sequence.axis_rules, sizes)
+    check_attention_sharding(sequence, sequence.axis_rules, {**sizes, "fsdp": 8, "tensor": 1})  # size 1 shards nothing
     heads = tiny_config("attention=cudnn_flash", "dtype=bfloat16", "ici_tensor_parallelism=2")
-    assert cudnn_sharding_problems(heads, {"fsdp": 4, "tensor": 2}) == []  # heads over tensor is fine
+    check_attention_sharding(heads, heads.axis_rules, sizes)  # heads over tensor is fine

@@ -15,6 +15,7 @@ import pytest
 
 from helpers import TINY, read_metrics, tiny_config, write_corpus
 from maxpar import checkpoint
+from maxpar.model import stack
 from maxpar.config import ConfigError
 from maxpar.data.pipeline import make_datasets
 from maxpar.guards import first_nonfinite
@@ -67,7 +68,7 @@ def restore(run_dir: Path, config, devices, step=None):
     """(run, state, data iterator, warnings): the newest usable checkpoint (or `step`) restored onto `devices`."""
     run = setup_run(config, devices)
     iterator = iter(run.train_data)
-    target = checkpoint.Target(config, run.abstract_state, run.state_shardings, run.shape.global_rows)
+    target = run.restore_target()
     manager = checkpoint.make_manager(run_dir, config)
     warnings: list[str] = []
     try:
@@ -103,21 +104,21 @@ def losses(run_dir: Path) -> list[float]:
 def test_unrolled_layers_stack_into_the_canonical_layout_and_back():
     unrolled = {"decoder": {"layers_0": {"w": np.zeros((2, 3))}, "layers_1": {"w": np.ones((2, 3))}},
                 "final": np.ones(3)}
-    canonical = checkpoint.to_canonical(unrolled, stack=np.stack)
+    config = tiny_config("scan_layers=false")  # 2 layers
+    canonical = stack.to_canonical(unrolled, config, stack=np.stack)
     assert set(canonical["decoder"]) == {"layers"}
     np.testing.assert_array_equal(canonical["decoder"]["layers"]["w"], np.stack([np.zeros((2, 3)), np.ones((2, 3))]))
-    jax.tree.map(np.testing.assert_array_equal, checkpoint.from_canonical(canonical, 2), unrolled)
-    jax.tree.map(np.testing.assert_array_equal, checkpoint.to_canonical(canonical, stack=np.stack), canonical)
+    jax.tree.map(np.testing.assert_array_equal, stack.from_canonical(canonical, config), unrolled)
+    jax.tree.map(np.testing.assert_array_equal, stack.to_canonical(canonical, config, stack=np.stack), canonical)
     with pytest.raises(ValueError, match="numbered"):
-        checkpoint.to_canonical({"layers_0": 1, "layers_2": 2}, stack=np.stack)
+        stack.to_canonical({"layers_0": 1, "layers_2": 2}, config, stack=np.stack)
 
 
 def test_scan_and_unrolled_models_have_one_on_disk_layout(corpus):
     scanned = setup_run(run_config(corpus), jax.devices())
     unrolled = setup_run(run_config(corpus, "scan_layers=false"), jax.devices())
     for item in checkpoint.ARRAY_ITEMS:
-        scanned_target = checkpoint.Target(scanned.config, scanned.abstract_state, scanned.state_shardings, 8)
-        unrolled_target = checkpoint.Target(unrolled.config, unrolled.abstract_state, unrolled.state_shardings, 8)
+        scanned_target, unrolled_target = scanned.restore_target(), unrolled.restore_target()
         assert checkpoint.structure_differences(unrolled_target.on_disk(item), scanned_target.on_disk(item)) == []
 
 

@@ -86,7 +86,7 @@ KILLED_SAVE = textwrap.dedent("""
     from maxpar.train_step import create_state
     config = tiny_config(*sys.argv[2:])
     run = setup_run(config)
-    state, iterator = create_state(run.model, run.tx, config, run.mesh, run.state_shardings), iter(run.train_data)
+    state, iterator = create_state(run.model, run.tx, run.layout, run.mesh), iter(run.train_data)
     manager = checkpoint.make_manager(Path(sys.argv[1]), config)
     checkpoint.save(manager, 1, state, iterator, config, run.shape.global_rows)
     manager.wait_until_finished()
@@ -109,7 +109,7 @@ def test_save_killed_mid_write_is_never_restored(corpus, tmp_path):
     run = setup_run(config)
     manager = checkpoint.make_manager(tmp_path, config)
     warnings: list[str] = []
-    target = checkpoint.Target(config, run.abstract_state, run.state_shardings, run.shape.global_rows)
+    target = run.restore_target()
     state = checkpoint.resume(manager, target, iter(run.train_data), warnings.append)
     manager.close()
     assert int(state.step) == 1 and warnings == []

@@ -446,7 +446,7 @@ def test_loading_in_process_leaves_environ_unchanged():
 # ---------------------------------------------------------------- batch_shape
 
 def _batch_shape(*overrides: str, devices: int):
-    from maxpar.train import batch_shape
+    from maxpar.layout import batch_shape
     return batch_shape(load(*overrides), devices)
 
 

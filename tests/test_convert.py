@@ -22,7 +22,7 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, M
                           MixtralForCausalLM,
                           MistralForCausalLM)
 
-from helpers import REPO, write_corpus
+from helpers import REPO, layout_on, write_corpus
 from maxpar import checkpoint
 from maxpar.config import load_config
 from maxpar.convert.__main__ import OVERRIDES_FILE, main
@@ -30,10 +30,9 @@ from maxpar.convert.architectures import ARCHITECTURES
 from maxpar.convert.hf_config import ConversionError, hf_config, model_keys, resolve_config, training_overrides
 from maxpar.convert.layout import hf_tensor, maxpar_block
 from maxpar.convert.safetensors_io import HFTensors
-from maxpar.mesh import create_mesh
 from maxpar.model import Transformer
 from maxpar.train import setup_run, train
-from maxpar.train_step import sharding_context, state_shardings
+from maxpar.train_step import sharding_context
 
 BASE = REPO / "configs" / "base.yml"
 VOCAB = 264  # >= the byte tokenizer's 259, so the text pipeline can train these models
@@ -101,13 +100,13 @@ def maxpar_logits(converted: Path, tokens: np.ndarray, devices, *overrides: str,
     """Logits of the converted checkpoint, loaded as load_parameters_path= loads it, on `devices`."""
     config = load_config([str(BASE), *overrides_of(converted), "dtype=float32",
                           f"max_target_length={tokens.shape[1]}", *overrides])
-    mesh = create_mesh(config, devices)
-    model = Transformer(config)
-    abstract, shardings = state_shardings(model, optax.identity(), config, mesh)
-    params = checkpoint.load_parameters(config.load_parameters_path, checkpoint.Target(config, abstract, shardings, 0))
+    layout, mesh = layout_on(config, devices, optax.identity())
+    model = Transformer(config, layout.model)
+    target = checkpoint.Target(config, layout.state.abstract, layout.state_shardings(mesh), 0)
+    params = checkpoint.load_parameters(config.load_parameters_path, target)
     positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
     segments = np.ones_like(tokens) if segment_ids is None else segment_ids
-    with sharding_context(mesh, config):
+    with sharding_context(mesh, config.axis_rules):
         logits = jax.jit(lambda p, *xs: model.apply({"params": p}, *xs))(params, tokens, positions, segments)
     return np.asarray(logits)
 
@@ -379,10 +378,10 @@ def test_missing_tensor_exits_2(capsys, hf_dirs, tmp_path):
 
 def test_full_state_of_a_converted_checkpoint_is_refused(converted):
     config = load_config([str(BASE), *overrides_of(converted["llama"])])
-    model, tx = Transformer(config), optax.adamw(1e-3)
-    abstract, shardings = state_shardings(model, tx, config, create_mesh(config, jax.devices()))
+    layout, mesh = layout_on(config, tx=optax.adamw(1e-3))
+    target = checkpoint.Target(config, layout.state.abstract, layout.state_shardings(mesh), 8)
     with pytest.raises(checkpoint.IncompatibleCheckpoint, match="holds no opt_state .* load_parameters_path="):
-        checkpoint.load_full_state(str(converted["llama"]), checkpoint.Target(config, abstract, shardings, 8))
+        checkpoint.load_full_state(str(converted["llama"]), target)
 
 
 def test_template_of_another_model_exits_2(capsys, hf_dirs, converted, tmp_path):

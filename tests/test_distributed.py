@@ -30,8 +30,8 @@ from launch.local import rank_env  # noqa: E402
 from maxpar import train as train_module  # noqa: E402
 from maxpar.config import ConfigError, load_config  # noqa: E402
 from maxpar.data.pipeline import make_datasets  # noqa: E402
-from maxpar.distributed import (cross_process_collectives, distributed_spec, env_topology,  # noqa: E402
-                                resplit_iterator_states)
+from maxpar.distributed import distributed_spec, env_topology, resplit_iterator_states  # noqa: E402
+from maxpar.plan.hlo import cross_process_collectives  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = str(REPO / "configs" / "base.yml")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from maxpar.config import ConfigError, load_config
-from maxpar.mesh import MeshShape, create_mesh, mesh_shape_of, num_slices_for, resolve_mesh_shape, slice_granules
+from maxpar.mesh import MeshShape, create_mesh, local_mesh_shape, num_slices_for, resolve_mesh_shape, slice_granules
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = str(REPO / "configs" / "base.yml")
@@ -138,7 +138,7 @@ def test_create_mesh(overrides, expected):
     assert dict(mesh.shape) == {axis: expected.get(axis, 1) for axis in config.mesh_axes}
     assert mesh.devices.shape == tuple(expected.get(axis, 1) for axis in config.mesh_axes)
     assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in jax.devices())
-    assert mesh_shape_of(mesh, config) == resolve_mesh_shape(config, 8)
+    assert local_mesh_shape(config, list(mesh.devices.flat)) == resolve_mesh_shape(config, 8)
 
 
 def test_tensor_axis_is_fastest_varying():

@@ -15,6 +15,7 @@ import pytest
 
 from helpers import read_metrics, tiny_config, write_corpus
 from maxpar import checkpoint
+from maxpar.model import stack
 from maxpar.config import ConfigError
 from maxpar.model.moe import MOE_STATS
 from maxpar.plan import hlo
@@ -65,7 +66,7 @@ def logits_and_grads(mesh: tuple[int, list[str]], params, *extra):
         grads, _ = jax.grad(objective, has_aux=True)(p, b, model=run.model, config=config)
         return logits, grads, stats
 
-    with sharding_context(run.mesh, config):
+    with sharding_context(run.mesh, config.axis_rules):
         p = jax.device_put(params, run.state_shardings.params)
         b = jax.device_put(batch, run.in_sharding)
         compiled = jax.jit(step).lower(p, b).compile()
@@ -77,7 +78,7 @@ def logits_and_grads(mesh: tuple[int, list[str]], params, *extra):
 def params():
     config = tiny_config(*MOE, *ONE[1])
     run = setup_run(config, jax.devices()[:1])
-    return jax.device_get(create_state(run.model, run.tx, config, run.mesh, run.state_shardings).params)
+    return jax.device_get(create_state(run.model, run.tx, run.layout, run.mesh).params)
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +166,7 @@ def test_interleaved_moe_layers_have_one_on_disk_layout_scanned_or_unrolled():
         config = tiny_config("model_name=tiny-moe", "dataset_type=synthetic", "num_decoder_layers=4",
                              "moe_layer_interval=2", *extra)
         run = setup_run(config, jax.devices())
-        return checkpoint.Target(config, run.abstract_state, run.state_shardings, 8)
+        return run.restore_target()
     scanned, unrolled = target(), target("scan_layers=false")
     for item in checkpoint.ARRAY_ITEMS:
         assert checkpoint.structure_differences(unrolled.on_disk(item), scanned.on_disk(item)) == []
@@ -173,7 +174,7 @@ def test_interleaved_moe_layers_have_one_on_disk_layout_scanned_or_unrolled():
     assert layers["sublayer_1"]["moe"]["wi_gate"].shape == (2, 8, 64, 128)   # 2 blocks of (dense, MoE)
     # Restoring unstacks the 2 blocks (not 4 layers) into layers_0, layers_1.
     stacked = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), scanned.on_disk("params"))
-    unstacked = checkpoint.from_canonical(stacked, 2)
+    unstacked = stack.from_canonical(stacked, unrolled.config)
     assert set(unstacked["decoder"]) == set(unrolled.abstract_state.params["decoder"]) == {"layers_0", "layers_1"}
 
 

@@ -21,14 +21,13 @@ import optax
 import pytest
 
 from helpers import tiny_config
-from maxpar import checkpoint
+from maxpar.model import stack
 from maxpar.model import Transformer
 from maxpar.model.transformer import REMAT_POLICIES
 from maxpar.pipeline.spmd import through_stage_vmap
 from maxpar.plan import hlo
-from maxpar.sharding import batch_sharding
 from maxpar.train import setup_run
-from maxpar.train_step import _traced_with_rules
+from maxpar.train_step import traced_under
 
 LAYERS, ROWS, LENGTH = 8, 16, 32
 BASE = ("dataset_type=synthetic", f"num_decoder_layers={LAYERS}", "per_device_batch_size=2")
@@ -101,13 +100,12 @@ def outcomes(reference):
                                  f"num_pipeline_repeats={repeats}", *mesh)
             run = setup_run(config, jax.devices())
             assert run.pipeline is not None and run.pipeline.num_microbatches == micro
-            layout = checkpoint.to_repeats(params, repeats) if repeats > 1 else params
-            placed = jax.device_put(layout, run.state_shardings.params)
-            batch = jax.device_put(make_batch(), batch_sharding(run.mesh, config.axis_rules))
-            step = jax.jit(_traced_with_rules(logits_and_grads(run.model), run.mesh, config))
+            placed = jax.device_put(stack.from_canonical(params, config), run.state_shardings.params)
+            batch = jax.device_put(make_batch(), run.in_sharding)
+            step = jax.jit(traced_under(logits_and_grads(run.model), run.mesh, config.axis_rules))
             compiled = step.lower(placed, batch).compile()
             logits, grads = compiled(placed, batch)
-            cache[name] = Outcome(np.asarray(logits), jax.device_get(checkpoint.to_canonical(grads, repeats=repeats)),
+            cache[name] = Outcome(np.asarray(logits), jax.device_get(stack.to_canonical(grads, config)),
                                   compiled.as_text(), dict(run.mesh.shape), run.pipeline.num_iterations)
         return cache[name]
     return get
@@ -172,7 +170,7 @@ def test_circular_layout_initializes_the_canonical_weights(reference):
     tokens = jnp.zeros((1, LENGTH), jnp.int32)
     circular = nn.unbox(jax.jit(Transformer(config).init)(jax.random.key(0), tokens, tokens, tokens)["params"])
     assert circular["decoder"]["layers"]["mlp"]["wo"].shape == (2, LAYERS // 2, 128, 64)
-    jax.tree.map(np.testing.assert_array_equal, jax.device_get(checkpoint.to_canonical(circular, repeats=2)),
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(stack.to_canonical(circular, config)),
                  jax.device_get(params))
 
 

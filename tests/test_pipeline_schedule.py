@@ -10,7 +10,9 @@ import pytest
 from helpers import tiny_config
 from maxpar.config import ConfigError
 from maxpar.pipeline.schedule import Schedule, stage_task
+from maxpar.mesh import resolve_mesh_shape
 from maxpar.train import main, setup_run
+from maxpar.train_step import run_layout
 
 
 def simulate(stages: int, microbatches: int, repeats: int, layers: int) -> dict[tuple[int, int], int]:
@@ -102,9 +104,12 @@ def test_gpipe_table():
      r"num_pipeline_microbatches=4, pipeline_fsdp_ag_once=True need\(s\) pipeline stages"),
     (["num_decoder_layers=3", "num_pipeline_repeats=2"], r"num_decoder_layers=3 must be divisible by it"),
 ])
-def test_impossible_pipelines_fail_at_config_time(overrides, message):
+def test_impossible_pipelines_fail_before_any_device_is_used(overrides, message):
+    """Keys that cannot pipeline on any mesh: refused by the config or, where the stage count matters, by the
+    run layout on an abstract mesh."""
     with pytest.raises(ConfigError, match=message):
-        tiny_config(*overrides)
+        config = tiny_config(*overrides)
+        run_layout(config, resolve_mesh_shape(config, 8))
 
 
 @pytest.mark.parametrize("overrides,message", [

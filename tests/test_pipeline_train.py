@@ -10,6 +10,7 @@ import pytest
 
 from helpers import read_metrics, tiny_config, write_corpus
 from maxpar import checkpoint
+from maxpar.model import stack
 from maxpar.train import setup_run, train
 
 STEPS = 5
@@ -72,13 +73,11 @@ def test_run_header_prints_schedule_and_bubble(runs):
 def restored(run_dir: Path, config, devices) -> tuple[object, object]:
     """(state restored from the run's newest checkpoint into `config`'s layout, that layout's shardings)."""
     run = setup_run(config, devices)
-    target = checkpoint.Target(config, run.abstract_state, run.state_shardings, run.shape.global_rows)
-    return checkpoint.load_full_state(str(run_dir), target), run.state_shardings
+    return checkpoint.load_full_state(str(run_dir), run.restore_target()), run.state_shardings
 
 
 def canonical(state, config):
-    return jax.device_get(checkpoint.to_canonical({"params": state.params, "opt_state": state.opt_state},
-                                                  repeats=config.num_pipeline_repeats))
+    return jax.device_get(stack.to_canonical({"params": state.params, "opt_state": state.opt_state}, config))
 
 
 @pytest.mark.parametrize("source,destination", [("reference", "circular"), ("circular", "reference"),

@@ -16,7 +16,7 @@ from maxpar.plan.__main__ import main, resolve_target
 from maxpar.plan.comms import expert_all_to_all_bytes
 from maxpar.plan.hardware import (HARDWARE_DIR, available, ici_axis_shares, load_hardware, slice_shape_exists,
                                   torus_shape)
-from maxpar.plan.layout import abstract_model_state
+from maxpar.train_step import trace_state
 from maxpar.plan.predict import Target, evaluate, make_plan
 from maxpar.plan.recommend import recommend
 
@@ -207,7 +207,7 @@ def test_expert_axis_of_a_dense_model_acts_as_fsdp_and_the_ep_all_to_all_formula
 def test_recommend_ranks_feasible_ready_to_paste_meshes():
     base = config(*LLAMA70, "per_device_batch_size=0.125")
     target = Target(V5P, 4096, 1)
-    state = abstract_model_state(base)
+    state = trace_state(base)
     rec = recommend(base, target, state, top=3)
     assert len(rec["best"]) == 3 and rec["feasible"] >= 3
     times = [b["step_time_s"] for b in rec["best"]]

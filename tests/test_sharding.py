@@ -15,14 +15,16 @@ import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from helpers import layout_on
+from maxpar.axes import ATTN_KV, ATTN_Q, MLP_HIDDEN, RESIDUAL
 from maxpar.config import ConfigError, load_config
 from maxpar.mesh import create_mesh
 from maxpar.model import Transformer
-from maxpar.model.layers import ATTN_KV, ATTN_Q, MLP_HIDDEN, RESIDUAL, Mlp
+from maxpar.model.layers import Mlp
 from maxpar.model.transformer import DecoderLayer
 from maxpar.optimizer import make_optimizer
 from maxpar.sharding import batch_sharding, check_divisible, shard_count
-from maxpar.train_step import create_state, sharding_context, state_shardings
+from maxpar.train_step import create_state, sharding_context
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -119,16 +121,16 @@ def adam_states(opt_state) -> list:
 def built(request):
     preset, overrides = STRATEGIES[request.param]
     config = config_for(preset, *overrides)
-    mesh = create_mesh(config)
-    model, tx = Transformer(config), make_optimizer(config)
-    abstract, shardings = state_shardings(model, tx, config, mesh)
+    layout, mesh = layout_on(config)
+    model, tx = Transformer(config, layout.model), make_optimizer(config)
+    abstract, shardings = layout.state.abstract, layout.state_shardings(mesh)
     if request.param == "fsdp4_tp2":
-        state = create_state(model, tx, config, mesh, shardings)  # the default (threefry) PRNG, as in training
+        state = create_state(model, tx, layout, mesh)  # the default (threefry) PRNG, as in training
     else:
         # Layouts do not depend on the PRNG; the XLA RngBitGenerator compiles in half the time of a
         # partitioned threefry, which keeps this file fast on 2 CPU cores.
         with jax.default_prng_impl("rbg"):
-            state = create_state(model, tx, config, mesh, shardings)
+            state = create_state(model, tx, layout, mesh)
     return SimpleNamespace(name=request.param, config=config, mesh=mesh, model=model, abstract=abstract,
                            shardings=shardings, state=state)
 
@@ -275,8 +277,7 @@ def test_hand_written_shard_shapes(built):
 
 def test_unscanned_layers_have_no_stage_axis():
     config = config_for("base.yml", *FSDP4_TP2, "scan_layers=false")
-    mesh = create_mesh(config)
-    abstract, shardings = state_shardings(Transformer(config), make_optimizer(config), config, mesh)
+    abstract, shardings = _state_shardings(config)
     gate = shardings.params["decoder"]["layers_1"]["mlp"]["wi_gate"]
     assert normalize(gate.spec, 2) == (FE, ("tensor",))
     assert abstract.params["decoder"]["layers_1"]["mlp"]["wi_gate"].shape == (64, 128)
@@ -284,7 +285,7 @@ def test_unscanned_layers_have_no_stage_axis():
 
 def test_tied_embedding_has_no_output_param():
     config = config_for("base.yml", *FSDP4_TP2, "logits_via_embedding=true")
-    abstract, shardings = state_shardings(Transformer(config), make_optimizer(config), config, create_mesh(config))
+    abstract, shardings = _state_shardings(config)
     assert "output" not in shardings.params
     assert normalize(shardings.params["token_embedding"].spec, 2) == (("tensor",), FE)
 
@@ -292,17 +293,23 @@ def test_tied_embedding_has_no_output_param():
 def test_rules_are_data_not_code():
     """A rule given on the command line changes the layout: replicate everything but the vocab."""
     config = config_for("base.yml", *FSDP4_TP2, "logical_axis_rules=[[vocab,[fsdp,tensor]]]")
-    _, shardings = state_shardings(Transformer(config), make_optimizer(config), config, create_mesh(config))
+    _, shardings = _state_shardings(config)
     assert normalize(shardings.params["token_embedding"].spec, 2) == (("fsdp", "tensor"), None)
     assert normalize(shardings.params["decoder"]["layers"]["mlp"]["wi_gate"].spec, 3) == (None, None, None)
 
 
 # ---------------------------------------------------------------- check_divisible
 
+def _state_shardings(config):
+    """(abstract train state, its NamedShardings on the 8 devices) from the run layout."""
+    layout, mesh = layout_on(config)
+    return layout.state.abstract, layout.state_shardings(mesh)
+
+
 def _shardings_error(preset: str, *overrides: str) -> str:
     config = config_for(preset, *overrides)
     with pytest.raises(ConfigError) as info:
-        state_shardings(Transformer(config), make_optimizer(config), config, create_mesh(config))
+        _state_shardings(config)
     return str(info.value)
 
 
@@ -324,8 +331,7 @@ def test_embed_not_divisible_by_fsdp():
 
 def test_divisibility_depends_on_the_rules():
     # mlp_dim=132 splits over tensor=2 but not over fsdp*tensor=8 (fsdp_transpose).
-    config = config_for("base.yml", *FSDP4_TP2, "mlp_dim=132")
-    state_shardings(Transformer(config), make_optimizer(config), config, create_mesh(config))
+    _state_shardings(config_for("base.yml", *FSDP4_TP2, "mlp_dim=132"))
     message = _shardings_error("fsdp_transpose.yml", *FSDP4_TP2, "mlp_dim=132")
     assert "['mlp']['wi_gate']" in message and "132" in message
 
@@ -367,7 +373,7 @@ def _constraints(preset: str) -> dict[tuple[int, ...], set[tuple[frozenset, ...]
     layer = DecoderLayer(config)
     x = jax.ShapeDtypeStruct((4, 16, 64), jnp.float32)
     ids = jax.ShapeDtypeStruct((4, 16), jnp.int32)
-    with sharding_context(mesh, config):
+    with sharding_context(mesh, config.axis_rules):
         params = jax.eval_shape(lambda: nn.unbox(layer.init(jax.random.key(0), jnp.zeros(x.shape), jnp.zeros(
             ids.shape, jnp.int32), jnp.ones(ids.shape, jnp.int32))))
         text = jax.jit(layer.apply).lower(params, x, ids, ids).as_text()
@@ -399,7 +405,7 @@ def test_tp_sequence_compiled_mlp_output_is_split_on_length(preset, local_shape)
     mesh = create_mesh(config)
     mlp = Mlp(config)
     x = jax.ShapeDtypeStruct((4, 16, 64), jnp.float32)
-    with sharding_context(mesh, config):
+    with sharding_context(mesh, config.axis_rules):
         params = jax.eval_shape(lambda: nn.unbox(mlp.init(jax.random.key(0), jnp.zeros(x.shape))))
         compiled = jax.jit(mlp.apply).lower(params, x).compile()
     assert compiled.output_shardings.shard_shape(x.shape) == local_shape

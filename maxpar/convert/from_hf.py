@@ -25,9 +25,8 @@ from maxpar.convert.hf_config import (ConversionError, architecture_of, model_ke
                                       resolve_config)
 from maxpar.convert.layout import maxpar_block
 from maxpar.convert.safetensors_io import HFTensors
-from maxpar.mesh import create_mesh
-from maxpar.model import Transformer
-from maxpar.train_step import state_shardings
+from maxpar.mesh import build_mesh, local_mesh_shape
+from maxpar.train_step import run_layout
 
 
 def path_name(path: tuple[Any, ...]) -> str:
@@ -38,9 +37,9 @@ def path_name(path: tuple[Any, ...]) -> str:
 def parameter_targets(config: Config, devices: Sequence[jax.Device]) -> dict[str, jax.ShapeDtypeStruct]:
     """Every parameter of `config`'s model in the canonical layout, with its sharding on `devices`'
     mesh (the one the config's parallelism keys describe), by path."""
-    mesh = create_mesh(config, devices)
-    abstract, shardings = state_shardings(Transformer(config), optax.identity(), config, mesh)  # no optimizer state
-    target = checkpoint.Target(config, abstract, shardings, global_rows=0).on_disk("params")
+    layout = run_layout(config, local_mesh_shape(config, devices), optax.identity(), check_batch=False)  # no optimizer
+    shardings = layout.state_shardings(build_mesh(layout.mesh, devices))
+    target = checkpoint.Target(config, layout.state.abstract, shardings, global_rows=0).on_disk("params")
     return {path_name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(target)}
 
 

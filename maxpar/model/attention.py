@@ -16,25 +16,18 @@ recent `sliding_window` positions (Mistral), GQA, softmax in float32, q pre-scal
   traffic (and its gradient, which the JAX wrapper always computes).
 - cudnn_flash_causal: the same kernel with the causal mask only, no bias. Exact only
   when every row is one document (`validate` refuses it for dataset_type=text).
+
+The device and sharding checks of the cuDNN choices are in `maxpar.layout`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
 
-from maxpar.config import CUDNN_ATTENTION, Config, ConfigError
-from maxpar.sharding import entry_axes
+from maxpar.config import CUDNN_ATTENTION
 
 Array = jax.Array
-
-# Logical axes of q and of k/v ([batch, length, heads, head_dim]).
-ATTN_Q = ("activation_batch", "activation_attn_length", "activation_heads", "activation_head_dim")
-ATTN_KV = ("activation_batch", "activation_attn_length", "activation_kv_heads", "activation_head_dim")
 
 
 def document_mask(segment_ids: Array) -> Array:
@@ -84,42 +77,3 @@ def attend(q: Array, k: Array, v: Array, segment_ids: Array, choice: str, window
     if choice in CUDNN_ATTENTION:
         return fused_attention(q, k, v, segment_ids, "cudnn", documents=choice == "cudnn_flash", window=window)
     raise ValueError(f"unknown attention implementation {choice!r}")
-
-
-def check_attention_backend(config: Config, mesh: Mesh) -> None:
-    """Device-dependent checks of `attention` (at setup, before anything is traced).
-
-    cuDNN flash attention needs NVIDIA GPUs (head_dim <= 128 before Hopper, <= 256 from
-    Hopper on) and refuses q/k/v sharded along the sequence or head_dim.
-    """
-    if config.attention not in CUDNN_ATTENTION:
-        return
-    devices = mesh.devices.flat
-    platforms = sorted({d.platform for d in devices})
-    if platforms != ["gpu"]:
-        raise ConfigError(f"attention={config.attention}: cuDNN flash attention needs GPU devices, these are "
-                          f"{', '.join(platforms)}; use attention=dot_product or attention=xla here")
-    capability = getattr(mesh.devices.flat[0], "compute_capability", "")
-    major = int(str(capability).split(".")[0]) if capability else 0
-    if major and major < 9 and config.head_dim > 128:
-        raise ConfigError(f"attention={config.attention} with head_dim={config.head_dim}: cuDNN flash attention "
-                          f"supports head_dim <= 128 on compute capability {capability} (256 from Hopper, 9.0)")
-    problems = cudnn_sharding_problems(config, dict(zip(mesh.axis_names, mesh.devices.shape)))
-    if problems:
-        name, axes = problems[0]
-        raise ConfigError(f"attention={config.attention}: cuDNN flash attention cannot shard {name} (here over "
-                          f"{', '.join(axes)}); change logical_axis_rules or the mesh, or use attention=dot_product")
-
-
-def cudnn_sharding_problems(config: Config, axis_sizes: Mapping[str, int]) -> list[tuple[str, list[str]]]:
-    """(logical axis, mesh axes of size > 1) for each q/k/v length or head_dim dimension the rules shard."""
-    problems = []
-    for logical in (ATTN_Q, ATTN_KV):
-        spec = tuple(nn.logical_to_mesh_axes(logical, list(config.axis_rules)))
-        spec += (None,) * (len(logical) - len(spec))
-        for dim in (1, 3):  # length, head_dim
-            entry = spec[dim]
-            axes = [a for a in entry_axes(entry) if axis_sizes.get(a, 1) > 1]
-            if axes and (logical[dim], axes) not in problems:
-                problems.append((logical[dim], axes))
-    return problems

@@ -12,41 +12,51 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from maxpar.axes import ATTN_KV, ATTN_Q, MLP_HIDDEN, RESIDUAL, Logical
 from maxpar.config import Config
-from maxpar.model.attention import ATTN_KV, ATTN_Q, attend
+from maxpar.layout import ModelLayout
+from maxpar.model.attention import attend
+from maxpar.sharding import constrain
 
 Array = jax.Array
-
-# Logical axes of activations (attention's ATTN_Q and ATTN_KV live beside its kernels).
-RESIDUAL = ("activation_batch", "activation_length", "activation_embed")
-# The feed-forward hidden layer has its own length name: under TP-sequence the residual stream is split on
-# sequence, but the hidden [batch, length, mlp] stays split on mlp like its weights (all-gather in, reduce-scatter out).
-MLP_HIDDEN = ("activation_batch", "activation_mlp_length", "activation_mlp")
+# The feed-forward hidden layer (MLP_HIDDEN) has its own length name: under TP-sequence the residual stream is
+# split on sequence, but the hidden [batch, length, mlp] stays split on mlp like its weights (all-gather in,
+# reduce-scatter out).
 
 
-def constrain(x: Array, logical_axes: Sequence[str]) -> Array:
-    return nn.with_logical_constraint(x, tuple(logical_axes))
+class ModelModule(nn.Module):
+    """A module of the model: the run's config, the layout it runs under (None: one device, no mesh), and
+    the dtypes it computes in (`dtype`) and stores its parameters in (`weight_dtype`)."""
+
+    config: Config
+    layout: ModelLayout | None = None
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.config.dtype)
+
+    @property
+    def weight_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.config.weight_dtype)
 
 
-def kernel(module: nn.Module, name: str, shape: Sequence[int], axes: Sequence[str],
-           fan_in_axes: Sequence[int], weight_dtype: jnp.dtype) -> Array:
+def kernel(module: ModelModule, name: str, shape: Sequence[int], axes: Sequence[str],
+           fan_in_axes: Sequence[int]) -> Array:
     """A matmul weight with fan-in-scaled truncated-normal init and logical axes."""
     fan_out_axes = tuple(i for i in range(len(shape)) if i not in tuple(fan_in_axes))
     init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal",
                                             in_axis=tuple(fan_in_axes), out_axis=fan_out_axes)
-    return module.param(name, nn.with_logical_partitioning(init, tuple(axes)), tuple(shape), weight_dtype)
+    return module.param(name, nn.with_logical_partitioning(init, tuple(axes)), tuple(shape), module.weight_dtype)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(ModelModule):
     """Root-mean-square norm, computed in float32."""
-
-    config: Config
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
         cfg = self.config
-        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
-                           (x.shape[-1],), jnp.dtype(cfg.weight_dtype))
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, (Logical.NORM,)),
+                           (x.shape[-1],), self.weight_dtype)
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.normalization_layer_epsilon)
         return (normed * scale.astype(jnp.float32)).astype(cfg.dtype)
@@ -62,20 +72,17 @@ def apply_rope(x: Array, positions: Array, theta: float) -> Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-class Attention(nn.Module):
+class Attention(ModelModule):
     """Causal grouped-query attention with RoPE; softmax in float32; the core per `config.attention`."""
-
-    config: Config
 
     @nn.compact
     def __call__(self, x: Array, positions: Array, segment_ids: Array) -> Array:
-        cfg = self.config
-        wdt, dt = jnp.dtype(cfg.weight_dtype), jnp.dtype(cfg.dtype)
+        cfg, dt = self.config, self.dtype
         e, h, kv, d = cfg.emb_dim, cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
-        wq = kernel(self, "query", (e, h, d), ("embed", "heads", "head_dim"), (0,), wdt)
-        wk = kernel(self, "key", (e, kv, d), ("embed", "kv_heads", "head_dim"), (0,), wdt)
-        wv = kernel(self, "value", (e, kv, d), ("embed", "kv_heads", "head_dim"), (0,), wdt)
-        wo = kernel(self, "out", (h, d, e), ("heads", "head_dim", "embed"), (0, 1), wdt)
+        wq = kernel(self, "query", (e, h, d), (Logical.EMBED, Logical.HEADS, Logical.HEAD_DIM), (0,))
+        wk = kernel(self, "key", (e, kv, d), (Logical.EMBED, Logical.KV_HEADS, Logical.HEAD_DIM), (0,))
+        wv = kernel(self, "value", (e, kv, d), (Logical.EMBED, Logical.KV_HEADS, Logical.HEAD_DIM), (0,))
+        wo = kernel(self, "out", (h, d, e), (Logical.HEADS, Logical.HEAD_DIM, Logical.EMBED), (0, 1))
 
         # Positions and segment ids follow q's length sharding: under TP-sequence the [B, L] inputs are
         # gathered once (int32) rather than their rotary sin/cos and mask (float, per use) by the partitioner.
@@ -92,19 +99,16 @@ class Attention(nn.Module):
         return constrain(jnp.einsum("blhd,hde->ble", out, wo.astype(dt)), RESIDUAL)
 
 
-class Mlp(nn.Module):
+class Mlp(ModelModule):
     """SwiGLU feed-forward: silu(x W_gate) * (x W_up) W_down."""
-
-    config: Config
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        cfg = self.config
-        wdt, dt = jnp.dtype(cfg.weight_dtype), jnp.dtype(cfg.dtype)
+        cfg, dt = self.config, self.dtype
         e, m = cfg.emb_dim, cfg.mlp_dim
-        w_gate = kernel(self, "wi_gate", (e, m), ("embed", "mlp"), (0,), wdt)
-        w_up = kernel(self, "wi_up", (e, m), ("embed", "mlp"), (0,), wdt)
-        w_down = kernel(self, "wo", (m, e), ("mlp", "embed"), (0,), wdt)
+        w_gate = kernel(self, "wi_gate", (e, m), (Logical.EMBED, Logical.MLP), (0,))
+        w_up = kernel(self, "wi_up", (e, m), (Logical.EMBED, Logical.MLP), (0,))
+        w_down = kernel(self, "wo", (m, e), (Logical.MLP, Logical.EMBED), (0,))
         gate = constrain(x @ w_gate.astype(dt), MLP_HIDDEN)
         up = constrain(x @ w_up.astype(dt), MLP_HIDDEN)
         return constrain((nn.silu(gate) * up) @ w_down.astype(dt), RESIDUAL)

@@ -19,8 +19,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from maxpar.config import Config
-from maxpar.model.layers import RESIDUAL, constrain, kernel
+from maxpar.axes import RESIDUAL, Logical
+from maxpar.model.layers import ModelModule, kernel
+from maxpar.sharding import constrain
 from maxpar.model.moe_dispatch import capacity_local, dropless_local, expert_parallel, on_token_shards
 from maxpar.model.routing import capacity_slots, expert_capacity, load_balance_loss, route
 
@@ -30,37 +31,35 @@ MOE_STATS = "moe_stats"
 STATS = ("load_balance_loss", "dropped", "routed")
 
 
-class MoeBlock(nn.Module):
+class MoeBlock(ModelModule):
     """Router, top-k, SwiGLU experts: x [B, L, emb], valid [B, L] (False = padding) -> [B, L, emb]."""
-
-    config: Config
 
     @nn.compact
     def __call__(self, x: Array, valid: Array) -> Array:
-        cfg = self.config
-        wdt, dt = jnp.dtype(cfg.weight_dtype), jnp.dtype(cfg.dtype)
+        cfg, dt = self.config, self.dtype
+        axes = self.layout.experts if self.layout else None
         e, m, n, k = cfg.emb_dim, cfg.mlp_dim, cfg.num_experts, cfg.num_experts_per_tok
-        router = kernel(self, "router", (e, n), ("embed", None), (0,), wdt)
-        w_gate = kernel(self, "wi_gate", (n, e, m), ("exp", "embed", "mlp"), (1,), wdt)
-        w_up = kernel(self, "wi_up", (n, e, m), ("exp", "embed", "mlp"), (1,), wdt)
-        w_down = kernel(self, "wo", (n, m, e), ("exp", "mlp", "embed"), (1,), wdt)
+        router = kernel(self, "router", (e, n), (Logical.EMBED, None), (0,))
+        w_gate = kernel(self, "wi_gate", (n, e, m), (Logical.EXP, Logical.EMBED, Logical.MLP), (1,))
+        w_up = kernel(self, "wi_up", (n, e, m), (Logical.EXP, Logical.EMBED, Logical.MLP), (1,))
+        w_down = kernel(self, "wo", (n, m, e), (Logical.EXP, Logical.MLP, Logical.EMBED), (1,))
         if self.is_initializing():  # init needs the parameters only (and its 1-row batch would not shard)
             return jnp.zeros_like(x)
 
         logits = jnp.einsum("ble,ex->blx", x, router.astype(dt), preferred_element_type=jnp.float32)
-        routing = on_token_shards(functools.partial(route, k=k), logits)
+        routing = on_token_shards(functools.partial(route, k=k), axes, logits)
         weights = (w_gate.astype(dt), w_up.astype(dt), w_down.astype(dt))
         routed = jnp.sum(valid).astype(jnp.float32) * k
         if cfg.capacity_factor > 0:
             capacity = expert_capacity(x.shape[1], k, n, cfg.capacity_factor)
             slots, kept = on_token_shards(functools.partial(capacity_slots, num_experts=n, capacity=capacity),
-                                          routing.experts, valid)
+                                          axes, routing.experts, valid)
             combine = jnp.where(kept, routing.weights, 0.0)
-            y = expert_parallel(capacity_local, x, (routing.experts, slots, combine), *weights, flat_tokens=False,
+            y = expert_parallel(capacity_local, axes, x, (routing.experts, slots, combine), *weights, flat_tokens=False,
                                 num_experts=n, capacity=capacity)
             dropped = routed - jnp.sum(kept).astype(jnp.float32)
         else:
-            y = expert_parallel(dropless_local, x, (routing.experts, routing.weights), *weights, flat_tokens=True,
+            y = expert_parallel(dropless_local, axes, x, (routing.experts, routing.weights), *weights, flat_tokens=True,
                                 num_experts=n)
             dropped = jnp.zeros((), jnp.float32)
         self.sow(MOE_STATS, "load_balance_loss", load_balance_loss(routing, valid))

@@ -18,14 +18,12 @@ fixed-size chunks: each device sends every peer a chunk of
 it), of which only the routed rows are real. Capacity mode sends its buffers,
 `capacity_factor x` the routed rows.
 
-The mesh axes are read from the logical axis rules (`expert_axes`); no physical
-axis name is written here.
+The mesh axes come resolved from the run layout (`maxpar.layout.ExpertAxes`); no
+physical axis name is written here.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -34,75 +32,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from maxpar.config import Config, ConfigError
-from maxpar.sharding import entry_axes
+from maxpar.layout import EXPERT_DOWN, EXPERT_GATE, ExpertAxes
 
 Array = jax.Array
 Axes = tuple[str, ...]
-
-TOKENS = ("activation_batch",)
-GATE_AXES = ("exp", "embed", "mlp")   # wi_gate, wi_up: [experts, emb, mlp]
-DOWN_AXES = ("exp", "mlp", "embed")   # wo: [experts, mlp, emb]
-
-
-# ---------------------------------------------------------------- the mesh axes of the MoE computation
-
-@dataclasses.dataclass(frozen=True)
-class ExpertAxes:
-    """Mesh axes of the MoE computation, from the logical axis rules in force."""
-
-    tokens: Axes                # split the tokens (activation_batch)
-    experts: Axes               # split the expert dim of the expert weights: expert parallelism
-    hidden: Axes                # split the mlp dim but not the tokens: tensor parallelism, partial sums
-    gate: tuple[Axes, ...]      # per dim of wi_gate / wi_up
-    down: tuple[Axes, ...]      # per dim of wo
-    sizes: dict[str, int]
-
-    def degree(self, axes: Axes) -> int:
-        return math.prod(self.sizes[a] for a in axes)
-
-    def live(self, axes: Axes) -> Axes:
-        return tuple(a for a in axes if self.sizes[a] > 1)
-
-    def gathered(self, dims: tuple[Axes, ...], logical: tuple[str, ...]) -> tuple[Axes, ...]:
-        """Per weight dim, the axes to all-gather before use: all but the EP axes (exp) and TP axes (mlp)."""
-        keep = {"exp": self.experts, "mlp": self.hidden}
-        return tuple(tuple(a for a in self.live(axes) if a not in keep.get(name, ())) for axes, name in zip(dims, logical))
-
-
-def expert_axes(sizes: dict[str, int]) -> ExpertAxes:
-    """Read the axes from the rules (`nn.logical_axis_rules` context); `sizes` = mesh axis -> degree."""
-    tokens = entry_axes(nn.logical_to_mesh_axes(TOKENS)[0])
-    gate = tuple(entry_axes(e) for e in nn.logical_to_mesh_axes(GATE_AXES))
-    down = tuple(entry_axes(e) for e in nn.logical_to_mesh_axes(DOWN_AXES))
-    hidden = tuple(a for a in gate[2] if a not in tokens)
-    return ExpertAxes(tokens=tokens, experts=gate[0], hidden=hidden, gate=gate, down=down, sizes=dict(sizes))
-
-
-def check_expert_layout(config: Config, sizes: dict[str, int]) -> None:
-    """Setup-time checks of a MoE config against the mesh (ConfigError naming keys and values)."""
-    if config.num_experts == 1:
-        return
-    with nn.logical_axis_rules(list(config.axis_rules)):
-        axes = expert_axes(sizes)
-    ep = axes.degree(axes.experts)
-    if config.num_experts % ep:
-        degrees = ", ".join(f"{a}={sizes[a]}" for a in axes.experts)
-        raise ConfigError(f"num_experts={config.num_experts} is not divisible by the expert-parallel degree {ep} "
-                          f"(mesh axes {degrees} split the experts; ici_expert_parallelism x dcn_expert_parallelism): "
-                          f"use an EP degree that divides {config.num_experts}")
-    stray = [a for a in axes.live(axes.experts) if a not in axes.tokens]
-    if stray:
-        raise ConfigError(f"logical_axis_rules: the experts are split over {stray}, which does not split the "
-                          f"tokens (activation_batch -> {list(axes.tokens)}); expert parallelism exchanges tokens "
-                          f"over the axes that split both")
-    for name, dims, logical in (("wi_gate/wi_up", axes.gate, GATE_AXES), ("wo", axes.down, DOWN_AXES)):
-        for dim_axes, dim in zip(axes.gathered(dims, logical), logical):
-            stray = [a for a in dim_axes if a not in axes.tokens]
-            if stray:
-                raise ConfigError(f"logical_axis_rules: the {dim} dim of the expert weights {name} is split over "
-                                  f"{stray}, which neither splits the tokens (FSDP) nor is a tensor-parallel mlp "
-                                  f"axis; map {dim} to batch axes or leave it unsplit")
 
 
 # ---------------------------------------------------------------- the experts' SwiGLU
@@ -189,31 +122,29 @@ def capacity_local(x: Array, experts: Array, slots: Array, weights: Array, w_gat
 
 # ---------------------------------------------------------------- running it on the mesh
 
-def on_token_shards(fn: Callable[..., Any], *arrays: Array) -> Any:
+def on_token_shards(fn: Callable[..., Any], axes: ExpertAxes | None, *arrays: Array) -> Any:
     """fn applied to each device's tokens: for per-token (per-row) work such as routing.
 
     The partitioner would all-gather top_k's operand across the batch shards;
     under shard_map each device routes its own tokens, with no collective.
+    axes None: no mesh (one device, or a reference), fn runs on the whole arrays.
     """
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+    if axes is None:
         return fn(*arrays)
-    axes = expert_axes(dict(mesh.shape))
     spec = PartitionSpec(axes.live(axes.tokens) or None)
     return jax.shard_map(fn, in_specs=tuple(spec for _ in arrays), out_specs=spec)(*arrays)
 
 
-def expert_parallel(local: Callable[..., Array], x: Array, per_token: tuple[Array, ...], w_gate: Array,
-                    w_up: Array, w_down: Array, *, flat_tokens: bool, **static) -> Array:
+def expert_parallel(local: Callable[..., Array], axes: ExpertAxes | None, x: Array, per_token: tuple[Array, ...],
+                    w_gate: Array, w_up: Array, w_down: Array, *, flat_tokens: bool, **static) -> Array:
     """Run a dispatch function on every device's tokens with its experts; [B, L, emb] in x's dtype.
 
-    Without a mesh in context (model.init, a single-device reference) it runs on
-    the whole arrays. With one: tokens split over the `activation_batch` axes,
+    With axes None (model.init, a single-device reference) it runs on the whole
+    arrays. With the layout's axes: tokens split over the `activation_batch` axes,
     expert weights over `exp` (EP) and `mlp` (TP), their other dims all-gathered
     here (FSDP; the gradient is reduce-scattered back), TP partial sums added.
     """
     batch, length, emb = x.shape
-    mesh = jax.sharding.get_abstract_mesh()
 
     def run(x, per_token, w_gate, w_up, w_down, **axes):
         if flat_tokens:
@@ -222,9 +153,8 @@ def expert_parallel(local: Callable[..., Array], x: Array, per_token: tuple[Arra
         y = local(x, *per_token, w_gate, w_up, w_down, **static, **axes)
         return y.reshape(-1, length, emb).astype(x.dtype)
 
-    if mesh.empty:
+    if axes is None:
         return run(x, per_token, w_gate, w_up, w_down)
-    axes = expert_axes(dict(mesh.shape))
     # Axes of size 1 are left out: they split nothing, and shard_map would count them as varying.
     token_spec = PartitionSpec(axes.live(axes.tokens) or None)
     gate_spec = PartitionSpec(*(axes.live(a) or None for a in axes.gate))
@@ -240,8 +170,8 @@ def expert_parallel(local: Callable[..., Array], x: Array, per_token: tuple[Arra
         return w
 
     def body(x, per_token, w_gate, w_up, w_down):
-        w_gate, w_up = gather(w_gate, axes.gate, GATE_AXES), gather(w_up, axes.gate, GATE_AXES)
-        w_down = gather(w_down, axes.down, DOWN_AXES)
+        w_gate, w_up = gather(w_gate, axes.gate, EXPERT_GATE), gather(w_up, axes.gate, EXPERT_GATE)
+        w_down = gather(w_down, axes.down, EXPERT_DOWN)
         ep, hidden = axes.live(axes.experts), axes.live(axes.hidden)
         if hidden:  # TP: one all-reduce of the input gradient in the backward pass, not one per use
             x = jax.lax.pcast(x, hidden, to="varying")

@@ -23,7 +23,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
-from maxpar.plan.rooflines import pipeline_bubble
+
+
+def pipeline_bubble(stages: int, microbatches: int, repeats: int = 1) -> float:
+    """Idle fraction of a pipeline: (S - 1) / (R x M + S - 1); gPipe is R = 1."""
+    if stages <= 1:
+        return 0.0
+    return (stages - 1) / (repeats * microbatches + stages - 1)
 
 
 class Task(NamedTuple):

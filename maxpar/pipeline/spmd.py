@@ -3,7 +3,7 @@
 What it pipelines is generic: `stage_fn(block_params, x, *side) -> x` runs one
 block of layers (the model passes its scanned layer unit applied to stacked
 params), and `params` is that unit's stacked parameter tree, leaves
-[L, ...] (gPipe) or [R, L / R, ...] (circular; `maxpar.pipeline.layout.REPEATS`).
+[L, ...] (gPipe) or [R, L / R, ...] (circular; `maxpar.model.stack`).
 Which block each stage runs at each iteration comes from
 `maxpar.pipeline.schedule.stage_task`, evaluated on the array of stage indices.
 
@@ -43,10 +43,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from maxpar.axes import Logical
 from maxpar.config import AxisRule
-from maxpar.pipeline.layout import STAGED, mesh_axes_of
+from maxpar.layout import ModelLayout, merge_microbatches, split_microbatches
 from maxpar.pipeline.schedule import Schedule, stage_task
-from maxpar.sharding import entry_axes
+from maxpar.sharding import constrain, entry_axes
+
+STAGED = Logical.LAYERS  # the stages are the stacked layers' axis, and the loop's activations follow it
 
 Array = jax.Array
 StageFn = Callable[..., Array]
@@ -99,17 +102,17 @@ def through_stage_vmap(policy: Callable[..., bool]) -> Callable[..., bool]:
 
 
 def pipeline(stage_fn: StageFn, params: Any, param_specs: Any, x: Array, side: Sequence[Array], *,
-             schedule: Schedule, rules: Sequence[AxisRule], x_axes: Sequence[str], side_axes: Sequence[str],
-             gather_once: bool) -> Array:
-    """Run `stage_fn` over every layer block, pipelined; same result as applying the blocks in order.
+             layout: ModelLayout, x_axes: Sequence[str], side_axes: Sequence[str], gather_once: bool) -> Array:
+    """Run `stage_fn` over every layer block, pipelined per `layout.pipeline`; same result as applying the
+    blocks in order.
 
     params / param_specs: the stacked unit's parameters and their logical PartitionSpecs.
     x: [B, ...] activations with logical axes `x_axes`; side: per-row inputs every block reads
-    (e.g. positions), [B, ...] with logical axes `side_axes`. Traced under the mesh and rules in context.
+    (e.g. positions), [B, ...] with logical axes `side_axes`. Traced under the mesh in context.
     """
     mesh = jax.sharding.get_abstract_mesh()
-    stage_axes = mesh_axes_of(STAGED, rules)
-    batch_axes = tuple(a for a in mesh_axes_of(x_axes[0], rules) if a not in stage_axes)  # the loop's batch axes
+    schedule, rules = layout.pipeline, layout.rules
+    stage_axes, batch_axes = layout.stage_axes, layout.loop_batch_axes
     weight_specs = jax.tree.map(lambda spec: nn.logical_to_mesh_axes(spec, list(rules)), param_specs,
                                 is_leaf=lambda s: isinstance(s, PartitionSpec))
     is_spec = lambda s: isinstance(s, PartitionSpec)  # noqa: E731
@@ -146,24 +149,13 @@ def _blocks(params: Any, schedule: Schedule) -> Any:
     return jax.tree.map(lambda p: p.reshape(r, s, n, *p.shape[lead:]), params)
 
 
-def _split(x: Array, num: int) -> Array:
-    """[B, ...] -> [num, B/num, ...]: microbatch m = rows m, m + num, ... (each device keeps its rows)."""
-    return x.reshape(x.shape[0] // num, num, *x.shape[1:]).swapaxes(0, 1)
-
-
-def _merge(x: Array) -> Array:
-    """Inverse of `_split`."""
-    return x.swapaxes(0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
-
-
 def _loop(stage_fn: StageFn, params: Any, x: Array, side: Sequence[Array], schedule: Schedule,
           stage_axes: tuple[str, ...], x_axes: Sequence[str], side_axes: Sequence[str]) -> Array:
     """The M x R + S - 1 iterations, under rules that name no manual axis."""
     s_count, m_count, r_count = schedule.num_stages, schedule.num_microbatches, schedule.num_repeats
-    constrain = nn.with_logical_constraint
     blocks = _blocks(params, schedule)
-    micro_x = constrain(_split(x, m_count), (None, *x_axes))
-    micro_side = [constrain(_split(a, m_count), (None, *side_axes)) for a in side]
+    micro_x = constrain(split_microbatches(x, m_count), (None, *x_axes))
+    micro_side = [constrain(split_microbatches(a, m_count), (None, *side_axes)) for a in side]
     buffer = constrain(jnp.broadcast_to(micro_x, (s_count, *micro_x.shape)), (STAGED, None, *x_axes))
     state = constrain(jnp.zeros((s_count, *micro_x.shape[1:]), x.dtype), (STAGED, *x_axes))
     stages = jnp.arange(s_count)
@@ -192,4 +184,4 @@ def _loop(stage_fn: StageFn, params: Any, x: Array, side: Sequence[Array], sched
         return (passed, buffer), None
 
     (_, buffer), _ = jax.lax.scan(iteration, (state, buffer), jnp.arange(schedule.num_iterations))
-    return constrain(_merge(buffer[0]), tuple(x_axes))
+    return constrain(merge_microbatches(buffer[0]), tuple(x_axes))

@@ -18,9 +18,9 @@ from maxpar.config import Config, ConfigError, load_config
 from maxpar.mesh import num_slices_for, resolve_mesh_shape
 from maxpar.plan import report, verify
 from maxpar.plan.hardware import available, default_num_slices, hardware_for_device_kind, load_hardware
-from maxpar.plan.layout import abstract_model_state
 from maxpar.plan.predict import Target, make_plan
 from maxpar.plan.recommend import recommend
+from maxpar.train_step import trace_state
 
 FALLBACK_HARDWARE = "tpu-v5p"  # the seeds' reference chip, used (and said) when nothing else names one
 USAGE = __doc__.strip().splitlines()[0]
@@ -103,7 +103,7 @@ def run(argv: Sequence[str]) -> tuple[dict[str, object], str, int]:
         raise ConfigError(f"--verify compiles on the local devices: num_devices={config.num_devices} but there are "
                           f"{len(devices)} (set num_devices=0, or XLA_FLAGS=--xla_force_host_platform_device_count=N)")
     target = resolve_target(config, *local)
-    state = abstract_model_state(config)
+    state = trace_state(config)
     try:
         result = make_plan(config, target, state)
         text = [report.render_plan(result)]

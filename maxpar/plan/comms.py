@@ -42,6 +42,7 @@ import dataclasses
 import math
 from collections.abc import Iterable
 
+from maxpar.axes import Logical
 from maxpar.plan.hlo import wire_bytes
 from maxpar.plan.layout import Layout, Tensor
 from maxpar.pipeline.spmd import manual_batch_axes
@@ -278,19 +279,19 @@ def activation_comms(layout: Layout, tokens: float, microbatches: int) -> list[C
                                       phase=phase, dtype=config.dtype, scales=True, cpu_parts=cpu_parts))
 
     query = layout.param("['query']")
-    attention_axes = _tp_axes(layout, query, "heads")
+    attention_axes = _tp_axes(layout, query, Logical.HEADS)
     if attention_axes:
-        parts = sum(1 for name, dim in (("['query']", "heads"), ("['key']", "kv_heads"), ("['value']", "kv_heads"))
+        parts = sum(1 for name, dim in (("['query']", Logical.HEADS), ("['key']", Logical.KV_HEADS), ("['value']", Logical.KV_HEADS))
                     if set(_tp_axes(layout, layout.param(name), dim)) & set(attention_axes))
         block("attention", attention_axes, parts)
-    mlp_axes = _tp_axes(layout, layout.param("['mlp']['wi_gate']"), "mlp")
+    mlp_axes = _tp_axes(layout, layout.param("['mlp']['wi_gate']"), Logical.MLP)
     if mlp_axes:
         parts = sum(1 for name in ("['mlp']['wi_gate']", "['mlp']['wi_up']")
-                    if set(_tp_axes(layout, layout.param(name), "mlp")) & set(mlp_axes))
+                    if set(_tp_axes(layout, layout.param(name), Logical.MLP)) & set(mlp_axes))
         # MoE layers' experts have their own rule (maxpar.plan.moe_comms); the dense MLPs are the rest.
         block("MLP", mlp_axes, parts, count * (1 - config.num_moe_layers / config.num_decoder_layers))
     projection = layout.param("['output']") or layout.param("['token_embedding']")
-    vocab_axes = tuple(a for a in _tp_axes(layout, projection, "vocab") if a not in sequence_sharded)
+    vocab_axes = tuple(a for a in _tp_axes(layout, projection, Logical.VOCAB) if a not in sequence_sharded)
     if vocab_axes:
         comms += hierarchical(layout, "TP loss max / sum / label-logit all-reduces (forward)", vocab_axes,
                               "all-reduce", 3 * tokens * 4, count=microbatches, phase=FORWARD, dtype="float32",
@@ -335,7 +336,7 @@ def lookup_comms(layout: Layout, tokens: float, microbatches: int) -> list[Comm]
     table = layout.param("['token_embedding']")
     # Under TP-sequence the table is gathered (weight_comms) and each sequence shard looks up its own tokens.
     sequence = _sequence_axes(layout, table) if table else ()
-    vocab_axes = tuple(a for a in _tp_axes(layout, table, "vocab") if a not in sequence)
+    vocab_axes = tuple(a for a in _tp_axes(layout, table, Logical.VOCAB) if a not in sequence)
     if table is None or not vocab_axes:
         return []
     rows = tokens * layout.config.emb_dim * dtype_bytes(table.dtype)

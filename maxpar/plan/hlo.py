@@ -12,7 +12,7 @@ import dataclasses
 import itertools
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -370,4 +370,35 @@ def while_loops(hlo_text: str) -> list[tuple[str, int | None, int]]:
             body = re.search(r"\bbody=%([\w.\-]+)", line)
             if body and " while(" in line:
                 found.append((body.group(1), _trip_count(line), direct.get(body.group(1), 0)))
+    return found
+
+
+# ---------------------------------------------------------------- which collectives cross processes
+
+@dataclasses.dataclass(frozen=True)
+class CrossProcessCollective:
+    """A collective of a compiled program with at least one replica group spanning several processes."""
+
+    name: str
+    kind: str
+    axes: str            # the mesh axes its groups run over, e.g. 'data' or 'data+fsdp' ('irregular' if none fit)
+    operand_bytes: int   # bytes each device contributes per execution
+    count: int           # executions per step
+
+
+def cross_process_collectives(hlo_text: str, axis_sizes: Mapping[str, int],
+                              process_of: Sequence[int]) -> list[CrossProcessCollective]:
+    """The collectives of `hlo_text` whose traffic leaves a process, labelled with the mesh axes they run over.
+
+    `axis_sizes` is the mesh's shape (axis order) and `process_of[i]` the process of partition id i,
+    the i-th device of the mesh in row-major order (`[d.process_index for d in mesh.devices.flat]`). On a hierarchical mesh these
+    are the DCN collectives, so their axes must include the DCN axes and nothing else may cross.
+    """
+    partitions = axis_partitions(axis_sizes)
+    found = []
+    for collective in collectives(hlo_text, len(process_of)):
+        if any(len({process_of[i] for i in group}) > 1 for group in collective.groups):
+            found.append(CrossProcessCollective(collective.name, collective.kind,
+                                                label_groups(collective, axis_sizes, partitions),
+                                                collective.operand_bytes, collective.count))
     return found

@@ -1,12 +1,10 @@
-"""Where every array of a run lives: the train state's shardings and the activations' mesh axes.
+"""The planner's view of a run layout: every train-state tensor with its mesh axes, and the activations'.
 
-The planner must reason about exactly the shardings the trainer would use, so
-it builds them with the trainer's own pieces (`init_state`, `logical_specs`,
-`mesh_shardings`, `check_divisible`, `batch_sharding`) on a
-`jax.sharding.AbstractMesh`: no devices are needed, and a mesh the trainer
-would reject (a dimension that does not divide) is rejected here with the same
-message. The model is traced once (`abstract_model_state`) and re-sharded
-cheaply for every candidate mesh (`build_layout`), which `--recommend` relies on.
+The planner must reason about exactly the shardings the trainer would use, so it takes the trainer's
+own run layout (`maxpar.layout.resolve_layout` on an abstract mesh: no devices needed; a mesh the
+trainer would reject is rejected with the same message). The model is traced once
+(`train_step.trace_state`) and re-laid out cheaply for every candidate mesh (`build_layout`), which
+`--recommend` relies on.
 """
 
 from __future__ import annotations
@@ -14,41 +12,19 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable
-from functools import partial
-from typing import Any
 
-import flax.linen as nn
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh
 
+from maxpar.axes import STAGE_AXIS, Logical
 from maxpar.config import Config
+from maxpar.layout import RunLayout, TracedState, resolve_layout
 from maxpar.mesh import MeshShape
-from maxpar.model import Transformer
-from maxpar.model.layers import RESIDUAL
-from maxpar.optimizer import make_optimizer
-from maxpar.pipeline.layout import STAGE_AXIS, resolve_schedule
 from maxpar.pipeline.schedule import Schedule
-from maxpar.sharding import batch_sharding, check_divisible, dim_axes, entry_axes, logical_specs, mesh_shardings
-from maxpar.train_step import init_state
+from maxpar.sharding import entry_axes
 
 ROLES = ("attention", "mlp", "experts", "norm", "embedding", "output")
 EXPERT_WEIGHTS = ("['wi_gate']", "['wi_up']", "['wo']")
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelState:
-    """The abstract train state of a config, traced once: its logical specs and shapes."""
-
-    specs: Any      # logical PartitionSpecs of the TrainState
-    abstract: Any   # ShapeDtypeStructs of the TrainState
-
-
-def abstract_model_state(config: Config) -> ModelState:
-    """Trace the trainer's `init_state` abstractly (no devices, no memory)."""
-    boxed = jax.eval_shape(partial(init_state, Transformer(config), make_optimizer(config), config),
-                           jax.random.key(0))
-    return ModelState(specs=logical_specs(boxed), abstract=nn.unbox(boxed))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,14 +59,33 @@ class Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """A config on a mesh: degrees per axis and level, state tensors, activation shardings."""
+    """A run layout (config on a mesh: degrees per axis and level) with its state tensors listed."""
 
-    config: Config
-    mesh: MeshShape
+    run: RunLayout
     tensors: tuple[Tensor, ...]
-    batch_axes: tuple[str, ...]         # mesh axes sharding the batch (activation_batch)
-    length_axes: tuple[str, ...]        # mesh axes sharding the sequence of input rows
-    residual_axes: tuple[tuple[str, ...], ...]  # per dim of [batch, length, embed] activations
+
+    @property
+    def config(self) -> Config:
+        return self.run.config
+
+    @property
+    def mesh(self) -> MeshShape:
+        return self.run.mesh
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """Mesh axes sharding the batch (activation_batch)."""
+        return self.run.input_axes[0]
+
+    @property
+    def length_axes(self) -> tuple[str, ...]:
+        """Mesh axes sharding the sequence of input rows."""
+        return self.run.input_axes[1]
+
+    @property
+    def residual_axes(self) -> tuple[tuple[str, ...], ...]:
+        """Per dim of [batch, length, embed] activations."""
+        return self.run.residual_axes
 
     def degree(self, axis: str) -> int:
         return self.mesh.degree(axis)
@@ -123,7 +118,7 @@ class Layout:
     @property
     def pipeline(self) -> Schedule | None:
         """The pipeline schedule the trainer would run on this mesh (None: one stage)."""
-        return resolve_schedule(self.config, dict(zip(self.mesh.axis_names, self.mesh.shape)), self.config.axis_rules)
+        return self.run.pipeline
 
     def weight_batch_axes(self, tensor: Tensor) -> tuple[str, ...]:
         """The batch axes whose shards use `tensor` on different rows (its gradient sums over them, FSDP
@@ -159,25 +154,21 @@ def _role(path: str) -> str:
 
 
 
-def build_layout(config: Config, mesh: MeshShape, state: ModelState) -> Layout:
-    """Shard the traced state on an abstract mesh of these degrees (ConfigError if it cannot split)."""
-    abstract_mesh = AbstractMesh(mesh.shape, mesh.axis_names)
-    shardings = mesh_shardings(state.specs, abstract_mesh, config.axis_rules)
-    check_divisible(state.abstract, shardings)
+def build_layout(config: Config, mesh: MeshShape, state: TracedState) -> Layout:
+    """The run layout of the traced state on an abstract mesh of these degrees (ConfigError if it cannot run);
+    the batch may be one the trainer would refuse (`predict.plan_batch` says so)."""
+    run = resolve_layout(config, mesh, state, check_batch=False)
+    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
     leaves = jax.tree_util.tree_leaves_with_path(state.abstract)
-    spec_leaves = jax.tree_util.tree_leaves(state.specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     tensors = []
-    for (path, leaf), sharding, logical in zip(leaves, jax.tree_util.tree_leaves(shardings), spec_leaves):
+    for (path, leaf), logical, spec in zip(leaves, jax.tree_util.tree_leaves(state.specs, is_leaf=is_spec),
+                                           jax.tree_util.tree_leaves(run.state_specs, is_leaf=is_spec)):
         name = jax.tree_util.keystr(path)
         group = "params" if name.startswith(".params") else "optimizer" if name.startswith(".opt_state") else "step"
-        mesh_axes = tuple(dim_axes(sharding, len(leaf.shape)))
+        padded = tuple(spec) + (None,) * (len(leaf.shape) - len(spec))
+        mesh_axes = tuple(entry_axes(e) for e in padded)
         logical_names = tuple(logical) + (None,) * (len(leaf.shape) - len(logical))
         tensors.append(Tensor(path=name, group=group, role=_role(name), shape=tuple(leaf.shape),
                               dtype=str(leaf.dtype), logical=logical_names, mesh_axes=mesh_axes,
-                              layered="layers" in logical_names or "['layers_" in name))
-    spec = batch_sharding(abstract_mesh, config.axis_rules).spec
-    residual = nn.logical_to_mesh_axes(RESIDUAL, list(config.axis_rules))
-    return Layout(config=config, mesh=mesh, tensors=tuple(tensors),
-                  batch_axes=entry_axes(spec[0]) if len(spec) > 0 else (),
-                  length_axes=entry_axes(spec[1]) if len(spec) > 1 else (),
-                  residual_axes=tuple(entry_axes(residual[i]) if i < len(residual) else () for i in range(3)))
+                              layered=Logical.LAYERS in logical_names or "['layers_" in name))
+    return Layout(run=run, tensors=tuple(tensors))

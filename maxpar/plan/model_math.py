@@ -11,13 +11,15 @@ import math
 
 import numpy as np
 
+from maxpar.axes import Logical
 from maxpar.config import Config
 from maxpar.metrics import matmul_params, parameter_counts, training_flops_per_token
 from maxpar.model.routing import expert_capacity
-from maxpar.plan.layout import Layout, ModelState
+from maxpar.layout import TracedState
+from maxpar.plan.layout import Layout
 
 
-def param_breakdown(state: ModelState, layout: Layout) -> dict[str, int]:
+def param_breakdown(state: TracedState, layout: Layout) -> dict[str, int]:
     """total, embedding (token table), attention, mlp (dense MLPs and routers), experts, output projection,
     norms, and active: what one token uses (of each MoE layer's experts, only num_experts_per_tok)."""
     counts = parameter_counts(state.abstract.params, layout.config.num_experts_per_tok)
@@ -47,8 +49,9 @@ def tp_degrees(layout: Layout) -> dict[str, int]:
             return 1
         return _degree(layout, [a for a in tensor.dim_axes(logical) if a not in layout.batch_axes])
     table = layout.param("['output']") or layout.param("['token_embedding']")
-    return {"heads": of("['query']", "heads"), "kv_heads": of("['key']", "kv_heads"), "mlp": of("['wi_gate']", "mlp"),
-            "vocab": _degree(layout, [a for a in table.dim_axes("vocab") if a not in layout.batch_axes]),
+    return {"heads": of("['query']", Logical.HEADS), "kv_heads": of("['key']", Logical.KV_HEADS),
+            "mlp": of("['wi_gate']", Logical.MLP),
+            "vocab": _degree(layout, [a for a in table.dim_axes(Logical.VOCAB) if a not in layout.batch_axes]),
             "length": _degree(layout, [a for a in layout.residual_axes[1] if a not in layout.batch_axes]),
             "embed": _degree(layout, [a for a in layout.residual_axes[2] if a not in layout.batch_axes])}
 
@@ -85,7 +88,7 @@ def moe_rows_per_token(config: Config, layout: Layout) -> float:
         capacity = expert_capacity(config.max_target_length, k, n, config.capacity_factor)
         return n * capacity / config.max_target_length
     experts = layout.params("experts")[0]
-    ep = _degree(layout, experts.dim_axes("exp"))
+    ep = _degree(layout, experts.dim_axes(Logical.EXP))
     return k if ep == 1 else ep * min(k, n // ep)
 
 
@@ -111,15 +114,15 @@ def moe_activation_bytes_per_token(config: Config, layout: Layout, masked_ragged
     masked = 0.0
     if masked_ragged_dot and config.capacity_factor == 0:
         experts = layout.params("experts")[0]
-        masked = n / _degree(layout, experts.dim_axes("exp")) * rows * (2 * e + m) * a
+        masked = n / _degree(layout, experts.dim_axes(Logical.EXP)) * rows * (2 * e + m) * a
     return {"none": none + masked - 4 * m * a, "minimal": n * 4 - 2 * m * a, "full": 0.0, "working": masked}
 
 
 def layer_split(layout: Layout) -> int:
     """Into how many pieces the mesh splits the layer stack (the `stage` axis under the default rules)."""
     for t in layout.params():
-        if "layers" in t.logical:
-            return _degree(layout, t.dim_axes("layers"))
+        if Logical.LAYERS in t.logical:
+            return _degree(layout, t.dim_axes(Logical.LAYERS))
     return 1
 
 
@@ -148,12 +151,12 @@ def gathered_weight_bytes(config: Config, layout: Layout) -> float:
     for t in layout.params():
         batch = layout.weight_batch_axes(t)
         # An axis splitting a weight and the batch is gathered, except the experts' own (EP keeps them split).
-        gathered_axes = [a for dim, axes in zip(t.logical, t.mesh_axes) if dim not in ("layers", "exp")
+        gathered_axes = [a for dim, axes in zip(t.logical, t.mesh_axes) if dim not in (Logical.LAYERS, Logical.EXP)
                          for a in axes if a in batch and layout.degree(a) > 1]
         if not gathered_axes:
             continue  # nothing to gather
-        kept = _degree(layout, [a for dim, axes in zip(t.logical, t.mesh_axes) if dim != "layers"
-                                for a in axes if a not in batch or dim == "exp"])
+        kept = _degree(layout, [a for dim, axes in zip(t.logical, t.mesh_axes) if dim != Logical.LAYERS
+                                for a in axes if a not in batch or dim == Logical.EXP])
         # The table is gathered in its own dtype, and so are the stage weights gathered before the pipeline loop.
         size = t.dtype if t.role == "embedding" or (whole_stage and t.layered) else config.dtype
         gathered = t.size / kept * dtype_bytes(size)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from maxpar.axes import Logical
 from maxpar.config import Config
 from maxpar.model.routing import expert_capacity
 from maxpar.plan.comms import BACKWARD, FORWARD, Comm, expert_all_to_all_bytes, hierarchical
@@ -39,7 +40,7 @@ def _name(t: Tensor) -> str:
 
 def gathered_axes(layout: Layout, t: Tensor) -> tuple[str, ...]:
     """Axes an expert weight is all-gathered over: the batch axes of its dims other than `exp`."""
-    return layout.live(a for dim, axes in zip(t.logical, t.mesh_axes) if dim not in ("exp", "layers")
+    return layout.live(a for dim, axes in zip(t.logical, t.mesh_axes) if dim not in (Logical.EXP, Logical.LAYERS)
                        for a in axes if a in layout.batch_axes)
 
 
@@ -97,8 +98,8 @@ def expert_activation_comms(layout: Layout, tokens: float, microbatches: int) ->
     if config.num_moe_layers == 0:
         return []
     experts = next(iter(layout.params("experts")))
-    ep_axes = layout.live(experts.dim_axes("exp"))
-    hidden = layout.live(a for a in experts.dim_axes("mlp") if a not in layout.batch_axes)
+    ep_axes = layout.live(experts.dim_axes(Logical.EXP))
+    hidden = layout.live(a for a in experts.dim_axes(Logical.MLP) if a not in layout.batch_axes)
     count = config.num_moe_layers / layer_split(layout) * microbatches
     recomputed = 0 if config.remat_policy == "none" else 2
     comms: list[Comm] = []

@@ -25,10 +25,11 @@ from maxpar.plan import rooflines
 from maxpar.plan.comms import BACKWARD, FORWARD, Comm, predict_comms
 from maxpar.plan.moe_comms import predict_moe_comms
 from maxpar.plan.hardware import Hardware, ici_axis_shares, slice_shape_exists, torus_shape
-from maxpar.plan.layout import Layout, ModelState, abstract_model_state, build_layout
+from maxpar.layout import TracedState, batch_shape
+from maxpar.plan.layout import Layout, build_layout
 from maxpar.plan.model_math import (attention_flops_per_token, dtype_bytes, memory_per_device,
                                     param_breakdown, tp_degrees)
-from maxpar.train import batch_shape
+from maxpar.train_step import trace_state
 
 PHASES = (FORWARD, BACKWARD)
 ASSUMPTIONS = (
@@ -68,7 +69,7 @@ class Batch:
 
 
 def plan_batch(config: Config, layout: Layout) -> Batch:
-    """`train.batch_shape` when the trainer accepts the batch, else the fractional planning batch + why."""
+    """`layout.batch_shape` when the trainer accepts the batch, else the fractional planning batch + why."""
     warnings = []
     shardable = True
     try:
@@ -181,7 +182,7 @@ def _axis_table(comms: list[Comm], times: list[float], flops: dict[str, float], 
     return rows
 
 
-def evaluate(config: Config, target: Target, state: ModelState) -> dict[str, Any]:
+def evaluate(config: Config, target: Target, state: TracedState) -> dict[str, Any]:
     """Everything but the searches (TP limit, recommendations): one config on one target."""
     hardware = target.hardware
     mesh = resolve_mesh_shape(config, target.num_devices, target.num_slices)
@@ -292,7 +293,7 @@ def _reason(bound: str, totals: dict[str, float], axes: list[dict[str, Any]], to
     return text
 
 
-def tensor_parallelism_limit(config: Config, target: Target, state: ModelState, mesh: MeshShape) -> int | None:
+def tensor_parallelism_limit(config: Config, target: Target, state: TracedState, mesh: MeshShape) -> int | None:
     """Largest ICI tensor degree whose collectives stay hidden behind compute (other degrees fixed, FSDP absorbs)."""
     ici = dict(zip(mesh.axis_names, mesh.ici))
     product = ici["fsdp"] * ici["tensor"]
@@ -339,9 +340,9 @@ def rules_of_thumb(config: Config, hardware: Hardware, result: dict[str, Any]) -
     }
 
 
-def make_plan(config: Config, target: Target, state: ModelState | None = None) -> dict[str, Any]:
+def make_plan(config: Config, target: Target, state: TracedState | None = None) -> dict[str, Any]:
     """The full plan of one config on one target, as a JSON-ready dict (private `_` keys excepted)."""
-    state = state or abstract_model_state(config)
+    state = state or trace_state(config)
     result = evaluate(config, target, state)
     mesh = resolve_mesh_shape(config, target.num_devices, target.num_slices)
     result["tensor_parallelism_limit"] = tensor_parallelism_limit(config, target, state, mesh)

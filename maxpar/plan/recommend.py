@@ -15,7 +15,7 @@ from typing import Any
 
 from maxpar.config import Config, ConfigError
 from maxpar.mesh import resolve_mesh_shape
-from maxpar.plan.layout import ModelState
+from maxpar.layout import TracedState
 from maxpar.plan.predict import Target, evaluate
 
 REMAT_POLICIES = ("none", "minimal", "full")
@@ -41,7 +41,7 @@ def candidate_overrides(config: Config, target: Target) -> list[dict[str, Any]]:
     return found
 
 
-def recommend(config: Config, target: Target, state: ModelState, top: int = 5) -> dict[str, Any]:
+def recommend(config: Config, target: Target, state: TracedState, top: int = 5) -> dict[str, Any]:
     """The `top` fastest feasible candidates, with ready-to-paste overrides."""
     mesh = resolve_mesh_shape(config, target.num_devices, target.num_slices)
     fixed = {f"ici_{a}_parallelism": d for a, d in zip(mesh.axis_names, mesh.ici) if a in ("expert", "stage")}

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 
+from maxpar.pipeline.schedule import pipeline_bubble  # noqa: F401  (a rule of thumb of the seeds, defined with the schedule)
+
 
 def network_intensity(peak_flops: float, bandwidth: float) -> float:
     """alpha = C / W: FLOPs a device must do per byte it sends to hide the transfer (2550 on v5p ICI)."""
@@ -42,13 +44,6 @@ def dcn_critical_batch_per_slice(peak_flops: float, devices_per_slice: int, dcn_
     """Per-slice batch below which data parallelism across slices is DCN-bound: C_pod / W_dcn,pod."""
     hosts = devices_per_slice / devices_per_host
     return peak_flops * devices_per_slice / (dcn_bandwidth_per_host * hosts)
-
-
-def pipeline_bubble(stages: int, microbatches: int, repeats: int = 1) -> float:
-    """Idle fraction of a pipeline: (PP-1) / (repeats * microbatches + PP-1); gPipe is repeats=1."""
-    if stages <= 1:
-        return 0.0
-    return (stages - 1) / (repeats * microbatches + stages - 1)
 
 
 def max_params_pure_dp(hbm_bytes: float, bytes_per_param: float = 10) -> float:

@@ -29,14 +29,16 @@ from typing import Any
 
 import jax
 
+from maxpar import train_step
 from maxpar.config import Config, ConfigError
-from maxpar.mesh import MeshShape, mesh_shape_of
+from maxpar.layout import RunLayout, check_devices
+from maxpar.mesh import MeshShape, build_mesh, local_mesh_shape
+from maxpar.model import Transformer
+from maxpar.optimizer import make_optimizer
 from maxpar.plan import hlo
 from maxpar.plan.comms import Comm, sequence_parallel
 from maxpar.plan.model_math import dtype_bytes, memory_per_device
-from maxpar.sharding import dim_axes, dim_degree
-from maxpar.train import setup_run
-from maxpar.train_step import BATCH_KEYS
+from maxpar.train_step import run_layout
 
 TOLERANCE = 0.10          # on collective bytes per mesh axis and kind, and on the train state
 NEGLIGIBLE = 0.01         # buckets under 1% of the step's measured bytes (scalars: loss, token count, grad norm)
@@ -49,22 +51,21 @@ class Compiled:
 
     text: str
     memory: Any
-    mesh: Any
+    layout: RunLayout
     batch_bytes_per_device: float
     platform: str
 
 
 def compile_train_step(config: Config, devices: Sequence[jax.Device]) -> Compiled:
-    """The trainer's step, compiled for `devices` by the trainer's own `setup_run(...).compile_train_step()`.
-
-    The input pipeline does not enter the compiled step, so the run is set up with
-    synthetic data (no corpus is read or tokenized).
-    """
-    run = setup_run(dataclasses.replace(config, dataset_type="synthetic"), devices)
-    compiled = run.compile_train_step()
-    shards = dim_degree(run.in_sharding, dim_axes(run.in_sharding, 2)[0])
-    per_device = len(BATCH_KEYS) * run.shape.global_rows * config.max_target_length * 4 / shards
-    return Compiled(text=compiled.as_text(), memory=compiled.memory_analysis(), mesh=run.mesh,
+    """The trainer's step for `config`'s run layout on `devices`, compiled by the trainer's own
+    `train_step.compile_train_step` (the input pipeline does not enter the compiled step)."""
+    layout = run_layout(config, local_mesh_shape(config, devices))
+    check_devices(config, devices)
+    mesh = build_mesh(layout.mesh, devices)
+    compiled = train_step.compile_train_step(Transformer(config, layout.model), make_optimizer(config), layout, mesh)
+    shards = math.prod(layout.axis_sizes[a] for a in layout.input_axes[0])
+    per_device = len(train_step.BATCH_KEYS) * layout.batch.global_rows * config.max_target_length * 4 / shards
+    return Compiled(text=compiled.as_text(), memory=compiled.memory_analysis(), layout=layout,
                     batch_bytes_per_device=per_device, platform=devices[0].platform)
 
 
@@ -125,7 +126,7 @@ def known_mispredictions(config: Config, tp_sequence: bool) -> list[str]:
 def compare(plan: dict[str, Any], compiled: Compiled, config: Config) -> dict[str, Any]:
     """Predicted vs measured collectives and memory; `passed` is False on any difference over tolerance."""
     comms: list[Comm] = plan["_comms"]
-    axis_sizes = dict(compiled.mesh.shape)
+    axis_sizes = compiled.layout.axis_sizes
     measured = measure(compiled.text, axis_sizes)
     notes: list[str] = []
     predicted: dict[tuple[str, str], dict[str, Any]] = defaultdict(
@@ -165,8 +166,8 @@ def compare(plan: dict[str, Any], compiled: Compiled, config: Config) -> dict[st
     if any(r["unknown_trip_count"] for r in measured):
         notes.append("some collectives sit in a loop without a known trip count; they are counted once per entry")
     return {
-        "mesh_description": mesh_shape_of(compiled.mesh, config).describe(),
-        "num_devices": compiled.mesh.devices.size, "platform": compiled.platform,
+        "mesh_description": compiled.layout.mesh.describe(),
+        "num_devices": math.prod(compiled.layout.mesh.shape), "platform": compiled.platform,
         "backend_note": "compiled for the local devices; byte counts per device per step",
         "tolerance": TOLERANCE, "notes": notes, "buckets": buckets,
         "loops": [f"{body}: {'unknown' if trips is None else trips} trips, {n} collective(s) in its body"
@@ -182,7 +183,8 @@ def memory_rows(plan: dict[str, Any], compiled: Compiled) -> list[dict[str, Any]
     if compiled.platform == "cpu" and (layout.config.dtype in ("bfloat16", "float16") or layout.config.num_moe_layers):
         # XLA:CPU keeps bf16/f16 activations in float32, and lowers ragged_dot as masked dense dots.
         config = dataclasses.replace(layout.config, dtype="float32")
-        mem = memory_per_device(config, dataclasses.replace(layout, config=config), plan["_batch"].tokens_per_shard,
+        cpu_layout = dataclasses.replace(layout, run=dataclasses.replace(layout.run, config=config))
+        mem = memory_per_device(config, cpu_layout, plan["_batch"].tokens_per_shard,
                                 masked_ragged_dot=True)
     analysis = compiled.memory
     state_measured = analysis.argument_size_in_bytes - compiled.batch_bytes_per_device

@@ -172,7 +172,6 @@ def run_worker(name: str, overrides: Sequence[str], num_devices: int, steps: int
     import jax
 
     from maxpar.config import ConfigError, load_config
-    from maxpar.mesh import mesh_shape_of
     from maxpar.metrics import parameter_counts, peak_flops, throughput
     from maxpar.train import setup_run
     from maxpar.train_step import create_state
@@ -183,7 +182,7 @@ def run_worker(name: str, overrides: Sequence[str], num_devices: int, steps: int
     try:
         config = load_config([str(BASE_CONFIG), *overrides, f"steps={warmup + steps}"])
         run = setup_run(config, devices)
-        state = create_state(run.model, run.tx, config, run.mesh, run.state_shardings)
+        state = create_state(run.model, run.tx, run.layout, run.mesh)
         start = time.perf_counter()
         compiled = run.compile_train_step()
         compile_s = time.perf_counter() - start
@@ -202,7 +201,7 @@ def run_worker(name: str, overrides: Sequence[str], num_devices: int, steps: int
     return {
         "name": name,
         "device_kind": devices[0].device_kind,
-        "mesh": mesh_shape_of(run.mesh, config).describe(),
+        "mesh": run.layout.mesh.describe(),
         "devices": len(devices),
         "parameters": parameter_counts(run.abstract_state.params)["total"],
         "tokens_per_step": run.shape.tokens_per_step,

@@ -42,7 +42,7 @@ def time_steps(steps: int, period: int, warmup: int, extra: Sequence[str]) -> di
 
     config = load_config([str(BASE_CONFIG), *RUN, f"steps={warmup + steps}", *extra])
     run = setup_run(config)
-    state = create_state(run.model, run.tx, config, run.mesh, run.state_shardings)
+    state = create_state(run.model, run.tx, run.layout, run.mesh)
     step_fn = run.compile_train_step()
     iterator = iter(run.train_data)
     times: dict[str, list[float]] = collections.defaultdict(list)

@@ -4,10 +4,10 @@
     python -m maxpar.tools.shardings_dump --check    # compare with tests/goldens/shardings.json; exit 1 on a diff
     python -m maxpar.tools.shardings_dump --update   # rewrite the golden file (an intended change)
 
-The tiny default model on 8 simulated CPU devices (`jax.set_mesh`, which the trainer's tracing uses, needs a
-concrete Mesh, so an AbstractMesh will not do; only shapes are traced, nothing is computed).
-The shardings come from the trainer's own code (`train_step.state_shardings`, `sharding.logical_specs`),
-so a change to the rules, the presets or the model's logical axes shows up as a golden diff.
+The tiny default model on a mesh of 8 devices: the shardings are the run layout's
+(`maxpar.layout.resolve_layout`, the trainer's and the planner's one source), resolved on an abstract
+mesh, so a change to the rules, the presets or the model's logical axes shows up as a golden diff and no
+device is needed.
 """
 
 from __future__ import annotations
@@ -15,23 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from functools import partial
 from pathlib import Path
 from typing import Any
-
-from maxpar.tools.host_devices import simulate_cpu_devices
-
-if "jax" not in sys.modules:  # run as a command: simulate the 8 devices before JAX initializes
-    simulate_cpu_devices(8)
 
 import jax
 
 from maxpar.config import Config, load_config
-from maxpar.mesh import create_mesh, resolve_mesh_shape
-from maxpar.model import Transformer
-from maxpar.optimizer import make_optimizer
-from maxpar.sharding import logical_specs
-from maxpar.train_step import init_state, sharding_context, state_shardings
+from maxpar.mesh import resolve_mesh_shape
+from maxpar.train_step import run_layout
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "goldens" / "shardings.json"
@@ -61,24 +52,16 @@ def _spec(spec: Any) -> list[Any]:
 
 def strategy_shardings(config: Config) -> dict[str, Any]:
     """{mesh: {axis: degree}, params: {path: {shape, logical, mesh}}} for `config` on 8 devices."""
-    devices = jax.devices()
-    if len(devices) < NUM_DEVICES:
-        raise RuntimeError(f"needs {NUM_DEVICES} devices, found {len(devices)}; set "
-                           f"XLA_FLAGS=--xla_force_host_platform_device_count={NUM_DEVICES} before importing jax")
     shape = resolve_mesh_shape(config, NUM_DEVICES)
-    mesh = create_mesh(config, devices[:NUM_DEVICES])
-    model, tx = Transformer(config), make_optimizer(config)
-    abstract, shardings = state_shardings(model, tx, config, mesh)
-    with sharding_context(mesh, config):
-        boxed = jax.eval_shape(partial(init_state, model, tx, config), jax.random.key(0))
-    logical = logical_specs(boxed.params)
-    leaves = jax.tree_util.tree_leaves_with_path(abstract.params)
-    logical_leaves = jax.tree_util.tree_leaves(logical, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-    mesh_leaves = jax.tree_util.tree_leaves(shardings.params)
+    layout = run_layout(config, shape)
+    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
+    leaves = jax.tree_util.tree_leaves_with_path(layout.state.abstract.params)
+    logical_leaves = jax.tree_util.tree_leaves(layout.state.specs.params, is_leaf=is_spec)
+    mesh_leaves = jax.tree_util.tree_leaves(layout.state_specs.params, is_leaf=is_spec)
     params = {}
-    for (path, leaf), logical_spec, sharding in zip(leaves, logical_leaves, mesh_leaves, strict=True):
+    for (path, leaf), logical_spec, mesh_spec in zip(leaves, logical_leaves, mesh_leaves, strict=True):
         name = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
-        params[name] = {"shape": list(leaf.shape), "logical": _spec(logical_spec), "mesh": _spec(sharding.spec)}
+        params[name] = {"shape": list(leaf.shape), "logical": _spec(logical_spec), "mesh": _spec(mesh_spec)}
     return {"mesh": {a: d for a, d in zip(shape.axis_names, shape.shape) if d > 1}, "params": params}
 
 

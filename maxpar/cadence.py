@@ -1,0 +1,64 @@
+"""When the training loop logs, evaluates, saves and checks losses: small every-N policies.
+
+Kept out of the loop so that `train()` reads as a plain loop and each rule is tested on its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from maxpar.config import Config
+
+
+@dataclasses.dataclass(frozen=True)
+class Every:
+    """Due at every `period`-th step (period 0: never by count) and, if `at_last`, at step `last`."""
+
+    period: int
+    last: int
+    at_last: bool = True
+
+    def __call__(self, step: int) -> bool:
+        return (self.period > 0 and step % self.period == 0) or (self.at_last and step == self.last)
+
+
+NEVER = Every(period=0, last=0, at_last=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Due:
+    """What the loop does after one step."""
+
+    log: bool          # a metrics line (and TensorBoard scalars)
+    eval: bool         # an evaluation, logged on that line
+    save: bool         # a checkpoint
+    stop: bool         # preempted: save (if checkpointing) and stop
+    check_losses: bool  # look for NaN/Inf among the losses not checked yet, before any of the above
+
+
+@dataclasses.dataclass(frozen=True)
+class Cadence:
+    log: Every
+    eval: Every
+    save: Every
+    checkpointing: bool
+
+    def after(self, step: int, stop: bool = False) -> Due:
+        """Due after `step`; `stop` = a preemption was requested. Every logged step also evaluates when an
+        evaluation is due, and nothing is logged or saved before its losses are checked."""
+        evaluate = self.eval(step)
+        log = self.log(step) or evaluate
+        save = self.checkpointing and (self.save(step) or stop)
+        return Due(log=log, eval=evaluate, save=save, stop=stop, check_losses=log or save or stop)
+
+
+def cadence(config: Config, *, has_eval_data: bool, checkpointing: bool) -> Cadence:
+    """The loop's policies from the config: log every log_period steps; evaluate every eval_interval steps
+    (0: only at the end, -1: never) when data is held out; save every checkpoint_period steps; all three at the
+    last step."""
+    last = config.steps
+    evaluates = has_eval_data and config.eval_interval >= 0
+    return Cadence(log=Every(config.log_period, last),
+                   eval=Every(config.eval_interval, last) if evaluates else NEVER,
+                   save=Every(config.checkpoint_period, last) if checkpointing else NEVER,
+                   checkpointing=checkpointing)

@@ -1,0 +1,353 @@
+"""One resolved run layout: every sharding decision of a run, made once, before any device is touched.
+
+`resolve_layout(config, mesh_shape, state)` is pure: from the config, the mesh degrees and the traced
+(abstract) train state it works out which mesh axes shard every logical axis, the batch and its
+blocks, the pipeline schedule, the expert axes and the state's shardings, and it runs every setup
+check in one place, raising `ConfigError`s that name keys and values. The trainer binds the result to
+real devices (`state_shardings(mesh)`, `process_block(mesh)`); the planner builds the same object on
+an abstract mesh; the model is handed `layout.model` instead of inspecting the mesh while it is traced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+
+from maxpar.axes import ATTN_KV, ATTN_Q, BATCH_INPUT, RESIDUAL, STAGE_AXIS, Logical
+from maxpar.config import CUDNN_ATTENTION, AxisRule, Config, ConfigError
+from maxpar.mesh import MeshShape
+from maxpar.pipeline.schedule import Schedule
+from maxpar.sharding import check_divisible, mesh_axes, mesh_shardings
+
+Axes = tuple[str, ...]
+
+
+# ---------------------------------------------------------------- the batch
+
+@dataclasses.dataclass(frozen=True)
+class BatchShape:
+    """Rows per optimizer step and per microbatch for a device count."""
+
+    global_rows: int
+    microbatch_rows: int
+    tokens_per_step: int
+
+
+def batch_shape(config: Config, num_devices: int) -> BatchShape:
+    """Global batch = per_device_batch_size x devices x gradient_accumulation_steps rows."""
+    product = config.per_device_batch_size * num_devices
+    micro = round(product)
+    if abs(product - micro) > 1e-6 * max(product, 1.0) or micro < 1:  # tolerate float rounding of e.g. 512/8960
+        raise ConfigError(f"per_device_batch_size={config.per_device_batch_size} x {num_devices} devices = {product} "
+                          f"rows per microbatch; it must be a whole number >= 1")
+    rows = micro * config.gradient_accumulation_steps
+    return BatchShape(rows, micro, rows * config.max_target_length)
+
+
+def split_microbatches(x: jax.Array, num: int) -> jax.Array:
+    """[B, ...] -> [num, B/num, ...]: microbatch m is rows m, m + num, ... so that every device keeps its own
+    rows (a batch-sharded row block splits into the same block of every microbatch). Gradient accumulation
+    and the pipeline both cut the batch this way."""
+    return x.reshape(x.shape[0] // num, num, *x.shape[1:]).swapaxes(0, 1)
+
+
+def merge_microbatches(x: jax.Array) -> jax.Array:
+    """The inverse of `split_microbatches`."""
+    return x.swapaxes(0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+# ---------------------------------------------------------------- what the model is handed
+
+@dataclasses.dataclass(frozen=True)
+class ExpertAxes:
+    """Mesh axes of the MoE computation, resolved from the logical axis rules."""
+
+    tokens: Axes                # split the tokens (activation_batch)
+    experts: Axes               # split the expert dim of the expert weights: expert parallelism
+    hidden: Axes                # split the mlp dim but not the tokens: tensor parallelism, partial sums
+    gate: tuple[Axes, ...]      # per dim of wi_gate / wi_up [exp, embed, mlp]
+    down: tuple[Axes, ...]      # per dim of wo [exp, mlp, embed]
+    sizes: tuple[tuple[str, int], ...]
+
+    def degree(self, axes: Axes) -> int:
+        sizes = dict(self.sizes)
+        return math.prod(sizes[a] for a in axes)
+
+    def live(self, axes: Axes) -> Axes:
+        sizes = dict(self.sizes)
+        return tuple(a for a in axes if sizes[a] > 1)
+
+    def gathered(self, dims: tuple[Axes, ...], logical: tuple[str, ...]) -> tuple[Axes, ...]:
+        """Per weight dim, the axes to all-gather before use: all but the EP axes (exp) and TP axes (mlp)."""
+        keep = {Logical.EXP: self.experts, Logical.MLP: self.hidden}
+        return tuple(tuple(a for a in self.live(axes) if a not in keep.get(name, ())) for axes, name in zip(dims, logical))
+
+
+EXPERT_GATE = (Logical.EXP, Logical.EMBED, Logical.MLP)   # wi_gate, wi_up: [experts, emb, mlp]
+EXPERT_DOWN = (Logical.EXP, Logical.MLP, Logical.EMBED)   # wo: [experts, mlp, emb]
+
+
+def expert_axes(rules: Sequence[AxisRule], sizes: dict[str, int]) -> ExpertAxes:
+    gate = tuple(mesh_axes(EXPERT_GATE, rules))
+    down = tuple(mesh_axes(EXPERT_DOWN, rules))
+    tokens = mesh_axes((Logical.BATCH,), rules)[0]
+    return ExpertAxes(tokens=tokens, experts=gate[0], hidden=tuple(a for a in gate[2] if a not in tokens), gate=gate,
+                      down=down, sizes=tuple(sizes.items()))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelLayout:
+    """What the model needs of the layout while it is traced (hashable: a Flax module attribute).
+
+    pipeline: the schedule (None: the layers run in order); stage_axes / loop_batch_axes: the mesh axes
+    of the stacked layers and of the batch inside the pipeline loop; experts: the MoE axes (None: dense).
+    """
+
+    rules: tuple[AxisRule, ...]
+    pipeline: Schedule | None = None
+    stage_axes: Axes = ()
+    loop_batch_axes: Axes = ()
+    experts: ExpertAxes | None = None
+
+
+# ---------------------------------------------------------------- the run layout
+
+@dataclasses.dataclass(frozen=True)
+class TracedState:
+    """The abstract train state of a config (traced once, no devices): shapes and logical specs."""
+
+    abstract: Any   # ShapeDtypeStructs of the TrainState
+    specs: Any      # logical PartitionSpecs of the TrainState
+
+
+@dataclasses.dataclass(frozen=True)
+class RunLayout:
+    """Every sharding decision of a run on a mesh of `mesh` degrees."""
+
+    config: Config
+    mesh: MeshShape
+    batch: BatchShape | None        # None only when resolved with check_batch=False and the batch is fractional
+    input_axes: tuple[Axes, Axes]   # mesh axes of the [rows, length] input arrays
+    residual_axes: tuple[Axes, Axes, Axes]
+    model: ModelLayout
+    state: TracedState
+    state_specs: Any                # mesh PartitionSpecs of the TrainState
+
+    @property
+    def rules(self) -> tuple[AxisRule, ...]:
+        return self.model.rules
+
+    @property
+    def pipeline(self) -> Schedule | None:
+        return self.model.pipeline
+
+    @property
+    def abstract_mesh(self) -> AbstractMesh:
+        return AbstractMesh(self.mesh.shape, self.mesh.axis_names)
+
+    @property
+    def axis_sizes(self) -> dict[str, int]:
+        return dict(zip(self.mesh.axis_names, self.mesh.shape))
+
+    def state_shardings(self, mesh: Mesh | AbstractMesh) -> Any:
+        """NamedShardings of the train state on `mesh` (real devices, or the abstract mesh)."""
+        return jax.tree.map(lambda spec: NamedSharding(mesh, spec), self.state_specs,
+                            is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+    def input_sharding(self, mesh: Mesh | AbstractMesh) -> NamedSharding:
+        """Sharding of the [rows, length] input arrays."""
+        return NamedSharding(mesh, PartitionSpec(*(axes or None for axes in self.input_axes)))
+
+    def process_block(self, mesh: Mesh) -> tuple[int, int]:
+        """(index, count) of this process's contiguous block of batch rows on the real `mesh`.
+
+        The data pipeline produces block `index` of `count` equal blocks; this checks that the mesh
+        gives each process such a block.
+        """
+        global_rows = self.batch.global_rows
+        owned = set()
+        shape = (global_rows, self.config.max_target_length)
+        for index in self.input_sharding(mesh).addressable_devices_indices_map(shape).values():
+            owned.update(range(global_rows)[index[0]])
+        count = global_rows // len(owned)
+        first = min(owned)
+        if len(owned) * count != global_rows or owned != set(range(first, first + len(owned))) or first % len(owned):
+            raise ConfigError("this process's devices do not hold one contiguous block of the batch; put the "
+                              "cross-process (DCN) degree on the data or fsdp axis, outermost in mesh_axes")
+        return first // len(owned), count
+
+
+def resolve_layout(config: Config, mesh: MeshShape, state: TracedState, *, check_batch: bool = True) -> RunLayout:
+    """The run layout of `config` on a mesh of these degrees; every setup check, in one place.
+
+    check_batch=False (the planner) keeps going when the batch cannot be built or sharded (a plan may
+    use a fractional per_device_batch_size); the trainer always checks it.
+    """
+    rules = config.axis_rules
+    sizes = dict(zip(mesh.axis_names, mesh.shape))
+    num_devices = math.prod(mesh.shape)
+    input_axes = tuple(mesh_axes(BATCH_INPUT, rules))
+    schedule = pipeline_schedule(config, sizes, rules)
+    batch = None
+    try:
+        batch = batch_shape(config, num_devices)
+    except ConfigError:
+        if check_batch:
+            raise
+    if check_batch:
+        check_batch_split(config, batch, input_axes, sizes)
+    stage_axes = mesh_axes((Logical.LAYERS,), rules)[0]
+    loop_batch_axes = tuple(a for a in input_axes[0] if a not in stage_axes)
+    if schedule is not None and check_batch:
+        check_pipeline_batch(schedule, batch.microbatch_rows, math.prod(sizes[a] for a in loop_batch_axes))
+    experts = None
+    if config.num_experts > 1:
+        experts = expert_axes(rules, sizes)
+        check_expert_layout(config, experts)
+    check_attention_sharding(config, rules, sizes)
+    abstract_mesh = AbstractMesh(mesh.shape, mesh.axis_names)
+    shardings = mesh_shardings(state.specs, abstract_mesh, rules)
+    check_divisible(state.abstract, shardings)
+    model = ModelLayout(rules=rules, pipeline=schedule, stage_axes=stage_axes, loop_batch_axes=loop_batch_axes,
+                        experts=experts)
+    return RunLayout(config=config, mesh=mesh, batch=batch, input_axes=input_axes,
+                     residual_axes=tuple(mesh_axes(RESIDUAL, rules)), model=model, state=state,
+                     state_specs=jax.tree.map(lambda s: s.spec, shardings))
+
+
+# ---------------------------------------------------------------- the checks
+
+def check_batch_split(config: Config, batch: BatchShape, input_axes: tuple[Axes, Axes], sizes: dict[str, int]) -> None:
+    """A microbatch [rows, length] must split evenly over the mesh axes that shard its rows and its sequence."""
+    rows_axes, length_axes = input_axes
+    rows_degree = math.prod(sizes[a] for a in rows_axes)
+    length_degree = math.prod(sizes[a] for a in length_axes)
+    if batch.microbatch_rows % rows_degree:
+        raise ConfigError(f"per_device_batch_size={config.per_device_batch_size} gives {batch.microbatch_rows} rows "
+                          f"per microbatch, which the batch-sharding mesh axes {rows_axes} (degree {rows_degree}) "
+                          f"cannot split evenly; use a per_device_batch_size that makes it a multiple of {rows_degree}")
+    if config.max_target_length % length_degree:
+        raise ConfigError(f"max_target_length={config.max_target_length} cannot be split evenly over the "
+                          f"sequence-sharding mesh axes {length_axes} (degree {length_degree}); use a multiple of "
+                          f"{length_degree}")
+
+
+def check_pipeline(config: Config, stages: int) -> None:
+    """Pipeline keys against each other and the number of stages S of the mesh."""
+    layers, repeats, micro = config.num_decoder_layers, config.num_pipeline_repeats, config.num_pipeline_microbatches
+    stage_keys = f"ici_stage_parallelism={config.ici_stage_parallelism} x dcn_stage_parallelism=" \
+                 f"{config.dcn_stage_parallelism} = {stages} stage(s)"
+    if stages == 1:
+        extra = [f"{key}={value}" for key, value, default in (
+            ("num_pipeline_repeats", repeats, 1), ("num_pipeline_microbatches", micro, -1),
+            ("pipeline_fsdp_ag_once", config.pipeline_fsdp_ag_once, False)) if value != default]
+        if extra:
+            raise ConfigError(f"{', '.join(extra)} need(s) pipeline stages, but {stage_keys}; set "
+                              f"ici_stage_parallelism (or dcn_stage_parallelism) > 1, or drop these keys")
+        return
+    if config.num_experts > 1:
+        raise ConfigError(f"num_experts={config.num_experts} with {stage_keys}: mixture-of-experts layers are not "
+                          f"pipelined yet (their load-balance loss and drop counts do not flow through the pipeline "
+                          f"loop); use ici_stage_parallelism=1 with MoE, or num_experts=1 with pipelining")
+    if not config.scan_layers:
+        raise ConfigError(f"{stage_keys} needs scan_layers=true: the pipeline runs the scanned layer stack "
+                          f"(scan_layers=false is not supported with pipelining)")
+    if stages > layers:
+        raise ConfigError(f"{stage_keys} exceeds num_decoder_layers={layers}: every stage needs at least one layer")
+    if layers % (stages * repeats):
+        raise ConfigError(f"num_decoder_layers={layers} must be divisible by stages x num_pipeline_repeats = "
+                          f"{stages} x {repeats} = {stages * repeats} ({stage_keys})")
+    if repeats > 1 and micro != -1 and micro < stages:
+        raise ConfigError(f"num_pipeline_repeats={repeats} (circular) needs num_pipeline_microbatches >= the "
+                          f"{stages} stages, got {micro}: a microbatch leaving the last stage must find stage 0 "
+                          f"free (the seed recommends 2 x stages)")
+
+
+def pipeline_schedule(config: Config, sizes: dict[str, int], rules: Sequence[AxisRule]) -> Schedule | None:
+    """The pipeline schedule on a mesh of these axis sizes, or None when it has one stage (layers run in order)."""
+    stages = int(sizes.get(STAGE_AXIS, 1))
+    check_pipeline(config, stages)
+    if stages == 1:
+        return None
+    staged = mesh_axes((Logical.LAYERS,), rules)[0]
+    if staged != (STAGE_AXIS,):
+        raise ConfigError(f"{stages} pipeline stages, but logical_axis_rules map the stacked `{Logical.LAYERS}` axis "
+                          f"to {list(staged) or 'no mesh axis'}; pipelining needs the rule "
+                          f"[{Logical.LAYERS}, [{STAGE_AXIS}]] (the stages split the layer stack)")
+    micro = config.num_pipeline_microbatches
+    return Schedule(num_stages=stages, num_microbatches=stages if micro == -1 else micro,
+                    num_repeats=config.num_pipeline_repeats, num_layers=config.num_decoder_layers)
+
+
+def check_pipeline_batch(schedule: Schedule, microbatch_rows: int, loop_shards: int) -> None:
+    """The rows a step pipelines must split into M microbatches that stay on their devices.
+
+    loop_shards: the batch's pieces inside the loop, where every stage sees all rows of its data-parallel
+    shard (that the rows split over all batch axes, stages included, `check_batch_split` checks).
+    """
+    m = schedule.num_microbatches
+    key = f"num_pipeline_microbatches={m}" + (" (-1: the number of stages)" if m == schedule.num_stages else "")
+    if microbatch_rows % m:
+        raise ConfigError(f"{key} must divide the {microbatch_rows} rows of a step (per_device_batch_size x devices, "
+                          f"per gradient-accumulation microbatch)")
+    if (microbatch_rows // loop_shards) % m:
+        raise ConfigError(f"{key} must divide the {microbatch_rows // loop_shards} rows that each of the "
+                          f"{loop_shards} data-parallel shards (mesh axes of activation_batch but the stages) runs "
+                          f"through the pipeline, so that every pipeline microbatch stays on its devices; raise "
+                          f"per_device_batch_size or change num_pipeline_microbatches")
+
+
+def check_expert_layout(config: Config, axes: ExpertAxes) -> None:
+    """A MoE config against the mesh: the experts split evenly, and only over axes that split the tokens."""
+    sizes = dict(axes.sizes)
+    ep = axes.degree(axes.experts)
+    if config.num_experts % ep:
+        degrees = ", ".join(f"{a}={sizes[a]}" for a in axes.experts)
+        raise ConfigError(f"num_experts={config.num_experts} is not divisible by the expert-parallel degree {ep} "
+                          f"(mesh axes {degrees} split the experts; ici_expert_parallelism x dcn_expert_parallelism): "
+                          f"use an EP degree that divides {config.num_experts}")
+    stray = [a for a in axes.live(axes.experts) if a not in axes.tokens]
+    if stray:
+        raise ConfigError(f"logical_axis_rules: the experts are split over {stray}, which does not split the "
+                          f"tokens (activation_batch -> {list(axes.tokens)}); expert parallelism exchanges tokens "
+                          f"over the axes that split both")
+    for name, dims, logical in (("wi_gate/wi_up", axes.gate, EXPERT_GATE), ("wo", axes.down, EXPERT_DOWN)):
+        for dim_axes, dim in zip(axes.gathered(dims, logical), logical):
+            stray = [a for a in dim_axes if a not in axes.tokens]
+            if stray:
+                raise ConfigError(f"logical_axis_rules: the {dim} dim of the expert weights {name} is split over "
+                                  f"{stray}, which neither splits the tokens (FSDP) nor is a tensor-parallel mlp "
+                                  f"axis; map {dim} to batch axes or leave it unsplit")
+
+
+def check_attention_sharding(config: Config, rules: Sequence[AxisRule], sizes: dict[str, int]) -> None:
+    """cuDNN flash attention refuses q/k/v sharded along the sequence or head_dim."""
+    if config.attention not in CUDNN_ATTENTION:
+        return
+    for logical in (ATTN_Q, ATTN_KV):
+        for dim, axes in zip(logical, mesh_axes(logical, rules)):
+            live = [a for a in axes if sizes.get(a, 1) > 1]
+            if live and dim in (Logical.ATTN_LENGTH, Logical.HEAD_DIM_ACT):
+                raise ConfigError(f"attention={config.attention}: cuDNN flash attention cannot shard {dim} (here over "
+                                  f"{', '.join(live)}); change logical_axis_rules or the mesh, or use "
+                                  f"attention=dot_product")
+
+
+def check_devices(config: Config, devices: Sequence[jax.Device]) -> None:
+    """What only the real devices can tell: cuDNN flash attention needs NVIDIA GPUs of enough capability."""
+    if config.attention not in CUDNN_ATTENTION:
+        return
+    platforms = sorted({d.platform for d in devices})
+    if platforms != ["gpu"]:
+        raise ConfigError(f"attention={config.attention}: cuDNN flash attention needs GPU devices, these are "
+                          f"{', '.join(platforms)}; use attention=dot_product or attention=xla here")
+    capability = getattr(devices[0], "compute_capability", "")
+    major = int(str(capability).split(".")[0]) if capability else 0
+    if major and major < 9 and config.head_dim > 128:
+        raise ConfigError(f"attention={config.attention} with head_dim={config.head_dim}: cuDNN flash attention "
+                          f"supports head_dim <= 128 on compute capability {capability} (256 from Hopper, 9.0)")

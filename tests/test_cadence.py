@@ -1,0 +1,46 @@
+"""The loop's every-N policies: when it logs, evaluates, saves and checks losses."""
+
+from __future__ import annotations
+
+from helpers import tiny_config
+from maxpar.cadence import NEVER, Every, cadence
+
+
+def due_steps(policy, steps: int) -> list[int]:
+    return [step for step in range(1, steps + 1) if policy(step)]
+
+
+def test_every_n_and_the_last_step():
+    assert due_steps(Every(3, last=10), 10) == [3, 6, 9, 10]
+    assert due_steps(Every(5, last=10), 10) == [5, 10]
+    assert due_steps(Every(3, last=10, at_last=False), 10) == [3, 6, 9]
+    assert due_steps(Every(0, last=10), 10) == [10]  # period 0: only at the end
+    assert due_steps(NEVER, 10) == []
+
+
+def test_loop_cadence_from_the_config():
+    config = tiny_config("steps=10", "log_period=4", "eval_interval=3", "checkpoint_period=5")
+    when = cadence(config, has_eval_data=True, checkpointing=True)
+    after = {step: when.after(step) for step in range(1, 11)}
+    assert [s for s, d in after.items() if d.eval] == [3, 6, 9, 10]
+    assert [s for s, d in after.items() if d.log] == [3, 4, 6, 8, 9, 10]  # an eval step is always logged
+    assert [s for s, d in after.items() if d.save] == [5, 10]
+    assert [s for s, d in after.items() if d.check_losses] == [3, 4, 5, 6, 8, 9, 10]  # before every log or save
+    assert not any(d.stop for d in after.values())
+
+
+def test_eval_interval_zero_is_the_end_only_and_minus_one_never():
+    at_end = cadence(tiny_config("steps=6", "eval_interval=0"), has_eval_data=True, checkpointing=False)
+    assert [s for s in range(1, 7) if at_end.after(s).eval] == [6]
+    never = cadence(tiny_config("steps=6", "eval_interval=-1"), has_eval_data=True, checkpointing=False)
+    assert not any(never.after(s).eval for s in range(1, 7))
+    no_data = cadence(tiny_config("steps=6", "eval_interval=2"), has_eval_data=False, checkpointing=False)
+    assert not any(no_data.after(s).eval for s in range(1, 7))
+
+
+def test_a_preemption_saves_only_when_checkpointing_and_always_checks_losses():
+    config = tiny_config("steps=100", "log_period=50", "checkpoint_period=50")
+    saving = cadence(config, has_eval_data=False, checkpointing=True).after(7, stop=True)
+    assert saving.stop and saving.save and saving.check_losses and not saving.log
+    not_saving = cadence(config, has_eval_data=False, checkpointing=False).after(7, stop=True)
+    assert not_saving.stop and not not_saving.save and not_saving.check_losses
