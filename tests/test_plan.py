@@ -19,6 +19,7 @@ from maxpar.plan.hardware import (HARDWARE_DIR, available, ici_axis_shares, load
 from maxpar.plan.layout import abstract_model_state
 from maxpar.plan.predict import Target, evaluate, make_plan
 from maxpar.plan.recommend import recommend
+from maxpar.plan.report import render_plan
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = str(REPO / "configs" / "base.yml")
@@ -253,3 +254,16 @@ def test_cli_recommends_even_when_the_configured_mesh_cannot_run(capsys):
     assert first, out
     assert math.isfinite(make_plan(config("model_name=llama3-70b", "per_device_batch_size=0.5",
                                           *first.group(1).split()), Target(V5P, 8960, 1))["step_time_s"])
+
+
+def test_float32_moments_under_bf16_weights_give_the_seeds_ten_bytes_per_parameter():
+    # parallelism-basics.md: LLaMA-3 70B, bf16 parameters (2 bytes) and float32 Adam moments (4 + 4 bytes).
+    result = plan(*LLAMA70, "max_target_length=4096", "optimizer_state_dtype=float32", devices=8192)
+    whole, p = result["state_bytes"], result["params"]["total"]
+    assert whole["params_per_parameter"] == 2 and whole["optimizer_per_parameter"] == pytest.approx(8)
+    assert whole["params"] == pytest.approx(141e9, rel=0.01) and whole["optimizer"] == pytest.approx(564e9, rel=0.01)
+    mem = result["memory_per_device_bytes"]
+    assert mem["optimizer"] == pytest.approx(4 * mem["params"], rel=0.01)
+    default = plan(*LLAMA70, "max_target_length=4096", devices=8192)  # '' = weight_dtype: bf16 moments
+    assert default["state_bytes"]["optimizer_per_parameter"] == pytest.approx(4)
+    assert "optimizer 564 GB (8 bytes per parameter)" in render_plan(result)

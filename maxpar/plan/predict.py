@@ -26,7 +26,7 @@ from maxpar.plan.comms import BACKWARD, FORWARD, Comm, predict_comms
 from maxpar.plan.moe_comms import predict_moe_comms
 from maxpar.plan.hardware import Hardware, ici_axis_shares, slice_shape_exists, torus_shape
 from maxpar.plan.layout import Layout, ModelState, abstract_model_state, build_layout
-from maxpar.plan.model_math import (attention_flops_per_token, dtype_bytes, memory_per_device,
+from maxpar.plan.model_math import (attention_flops_per_token, dtype_bytes, memory_per_device, state_bytes,
                                     param_breakdown, tp_degrees)
 from maxpar.train import batch_shape
 
@@ -244,6 +244,7 @@ def evaluate(config: Config, target: Target, state: ModelState) -> dict[str, Any
         "microbatches": batch.microbatches,
         "batch_shardable": batch.shardable,
         "memory_per_device_bytes": memory,
+        "state_bytes": state_bytes(layout),
         "comms": comm_rows(comms, times),
         "compute_time_s": sum(compute.values()),
         "compute_time_by_phase_s": compute,
