@@ -18,6 +18,7 @@ STRATEGIES = {
                                            "ici_tensor_parallelism=2"]),
     "fsdp_transpose": ("configs/fsdp_transpose.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
     "tp_sequence": ("configs/tp_sequence.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
+    "tp_transpose": ("configs/tp_transpose.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
 }
 
 

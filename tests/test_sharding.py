@@ -206,8 +206,8 @@ LAYER = "['decoder']['layers']"
 def test_logical_names_of_the_model():
     config = config_for("base.yml")
     names = logical_names(Transformer(config), config)
-    assert names[f"{LAYER}['mlp']['wi_gate']"] == ("layers", "embed", "mlp")
-    assert names[f"{LAYER}['mlp']['wo']"] == ("layers", "mlp", "embed")
+    assert names[f"{LAYER}['mlp']['wi_gate']"] == ("layers", "mlp_embed", "mlp")  # embed, named apart for TP-transpose
+    assert names[f"{LAYER}['mlp']['wo']"] == ("layers", "mlp", "mlp_embed")
     assert names[f"{LAYER}['attention']['query']"] == ("layers", "embed", "heads", "head_dim")
     assert names[f"{LAYER}['attention']['key']"] == ("layers", "embed", "kv_heads", "head_dim")
     assert names[f"{LAYER}['attention']['out']"] == ("layers", "heads", "head_dim", "embed")

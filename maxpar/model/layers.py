@@ -22,6 +22,9 @@ RESIDUAL = ("activation_batch", "activation_length", "activation_embed")
 # The feed-forward hidden layer has its own length name: under TP-sequence the residual stream is split on
 # sequence, but the hidden [batch, length, mlp] stays split on mlp like its weights (all-gather in, reduce-scatter out).
 MLP_HIDDEN = ("activation_batch", "activation_mlp_length", "activation_mlp")
+# The feed-forward input and output: the residual stream, but with its own embed name, which TP-transpose
+# (configs/tp_transpose.yml) splits over tensor like the weights' `mlp_embed`; by default it is the residual's.
+MLP_IO = ("activation_batch", "activation_length", "activation_mlp_embed")
 
 
 def constrain(x: Array, logical_axes: Sequence[str]) -> Array:
@@ -102,9 +105,12 @@ class Mlp(nn.Module):
         cfg = self.config
         wdt, dt = jnp.dtype(cfg.weight_dtype), jnp.dtype(cfg.dtype)
         e, m = cfg.emb_dim, cfg.mlp_dim
-        w_gate = kernel(self, "wi_gate", (e, m), ("embed", "mlp"), (0,), wdt)
-        w_up = kernel(self, "wi_up", (e, m), ("embed", "mlp"), (0,), wdt)
-        w_down = kernel(self, "wo", (m, e), ("mlp", "embed"), (0,), wdt)
+        # `mlp_embed`: the feed-forward weights' embed dim has its own name, so that a preset can shard it
+        # apart from the other weights' (TP-transpose, configs/tp_transpose.yml); by default it follows `embed`.
+        w_gate = kernel(self, "wi_gate", (e, m), ("mlp_embed", "mlp"), (0,), wdt)
+        w_up = kernel(self, "wi_up", (e, m), ("mlp_embed", "mlp"), (0,), wdt)
+        w_down = kernel(self, "wo", (m, e), ("mlp", "mlp_embed"), (0,), wdt)
+        x = constrain(x, MLP_IO)
         gate = constrain(x @ w_gate.astype(dt), MLP_HIDDEN)
         up = constrain(x @ w_up.astype(dt), MLP_HIDDEN)
-        return constrain((nn.silu(gate) * up) @ w_down.astype(dt), RESIDUAL)
+        return constrain(constrain((nn.silu(gate) * up) @ w_down.astype(dt), MLP_IO), RESIDUAL)

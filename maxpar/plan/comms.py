@@ -289,6 +289,8 @@ def activation_comms(layout: Layout, tokens: float, microbatches: int) -> list[C
                     if set(_tp_axes(layout, layout.param(name), "mlp")) & set(mlp_axes))
         # MoE layers' experts have their own rule (maxpar.plan.moe_comms); the dense MLPs are the rest.
         block("MLP", mlp_axes, parts, count * (1 - config.num_moe_layers / config.num_decoder_layers))
+    comms += tp_transpose_comms(layout, layer_residual / (config.emb_dim * a),
+                                count * (1 - config.num_moe_layers / config.num_decoder_layers), microbatches)
     projection = layout.param("['output']") or layout.param("['token_embedding']")
     vocab_axes = tuple(a for a in _tp_axes(layout, projection, "vocab") if a not in sequence_sharded)
     if vocab_axes:
@@ -327,6 +329,46 @@ def activation_comms(layout: Layout, tokens: float, microbatches: int) -> list[C
         comms += hierarchical(layout, "PP positions and segment ids all-gather over the stages (forward)",
                               stage_axes, "all-gather", 2 * tokens / tp["length"] * 4, count=microbatches,
                               phase=FORWARD, dtype="int32", scales=True)
+    return comms
+
+
+def tp_transpose_comms(layout: Layout, tokens: float, count: float, microbatches: int) -> list[Comm]:
+    """TP-transpose (configs/tp_transpose.yml): the dense MLP weights split on embed over a non-batch axis.
+
+    Per layer and microbatch (`tokens` per batch shard, t the axis degree): the input is sliced on embed
+    (free), so gate and up are partial sums over embed, reduce-scattered onto the mlp-split hidden layer
+    [tokens, mlp]; the product is gathered for the down projection, whose embed-split output is gathered
+    into the residual stream. The backward pass is the transpose: the hidden gradient reduce-scattered,
+    the gate/up gradients gathered, the input gradient gathered; scanned or rematerialized layers gather
+    the hidden product again for the down projection's weight gradient. The partitioner also carries the
+    residual add split on embed and gathers the residual a second time per layer and pass, and once per
+    pass where the layer stack meets the final norm (measured in the compiled step; `--verify`).
+    """
+    config = layout.config
+    axes = _tp_axes(layout, layout.param("['mlp']['wi_gate']"), "mlp_embed")
+    if not axes or count <= 0:
+        return []
+    a = dtype_bytes(config.dtype)
+    t = math.prod(layout.degree(x) for x in axes)
+    hidden, residual = tokens * config.mlp_dim * a, tokens * config.emb_dim * a
+    steps = [(FORWARD, "gate/up partial-sum reduce-scatter", "reduce-scatter", hidden, 2),
+             (FORWARD, "hidden all-gather", "all-gather", hidden / t, 1),
+             (FORWARD, "output and residual all-gathers", "all-gather", residual / t, 2),
+             (BACKWARD, "hidden-gradient reduce-scatter", "reduce-scatter", hidden, 1),
+             (BACKWARD, "gate/up-gradient all-gather", "all-gather", hidden / t, 2),
+             (BACKWARD, "input-gradient and residual-gradient all-gathers", "all-gather", residual / t, 2)]
+    if regathers_in_backward(config):
+        steps.append((BACKWARD, "hidden all-gather again for the down projection's weight gradient", "all-gather",
+                      hidden / t, 1))
+    comms: list[Comm] = []
+    for phase, what, collective, size, times in steps:
+        comms += hierarchical(layout, f"TP-transpose MLP {what} ({phase})", axes, collective, size,
+                              count=count * times, phase=phase, dtype=config.dtype, scales=True)
+    if layout.pipeline is None:
+        for phase in (FORWARD, BACKWARD):
+            comms += hierarchical(layout, f"TP-transpose residual all-gather at the final norm ({phase})", axes,
+                                  "all-gather", residual / t, count=microbatches, phase=phase, dtype=config.dtype,
+                                  scales=True)
     return comms
 
 
