@@ -62,6 +62,8 @@ class Config:
     adam_eps: float = _key("AdamW epsilon", min=0)
     adam_weight_decay: float = _key("AdamW decoupled weight decay", min=0)
     gradient_clipping_threshold: float = _key("global-norm clipping threshold (0 = off)", min=0)
+    shard_optimizer_over_data: bool = _key("ZeRO-1: shard the AdamW moments over the data axis too (parameters stay "
+                                           "replicated over it); gradients reduce-scattered, parameters all-gathered")
     # Model
     emb_dim: int = _key("model (residual) width", min=1)
     num_query_heads: int = _key("attention query heads", min=1)

@@ -18,7 +18,8 @@ from jax.sharding import Mesh
 from maxpar.config import Config
 from maxpar.model.moe import MOE_STATS, moe_totals
 from maxpar.optimizer import learning_rate_schedule
-from maxpar.sharding import batch_sharding, check_divisible, logical_specs, mesh_shardings, replicated
+from maxpar.sharding import (batch_sharding, check_divisible, logical_specs, mesh_shardings, replicated,
+                             shard_optimizer_state, with_zero_axis)
 
 Batch = dict[str, jax.Array]
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions")
@@ -64,6 +65,8 @@ def state_shardings(model: nn.Module, tx: optax.GradientTransformation, config: 
     shardings = mesh_shardings(logical_specs(boxed), mesh, config.axis_rules)
     abstract = nn.unbox(boxed)
     check_divisible(abstract, shardings)
+    if config.shard_optimizer_over_data:
+        shardings = shard_optimizer_state(abstract, shardings)
     return abstract, shardings
 
 
@@ -142,13 +145,28 @@ def moe_metrics(sums: dict[str, jax.Array], count: jax.Array) -> dict[str, jax.A
             "moe_dropped_fraction": sums["dropped"] / jnp.maximum(sums["routed"], 1.0)}
 
 
+def split_over_zero_axis(tree: Any, param_shardings: Any) -> Any:
+    """ZeRO-1: constrain gradient-shaped arrays to the optimizer state's sharding (the parameters' plus the
+    data axis), so the gradient is reduce-scattered over data, each replica updates its shard of the
+    moments, and the updated parameters are all-gathered back to their own sharding."""
+    return jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(x, with_zero_axis(x.shape, s)), tree,
+                        param_shardings)
+
+
 def train_step(state: TrainState, batch: Batch, *, model: nn.Module, tx: optax.GradientTransformation,
-               config: Config) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One optimizer step on a global batch; loss is the mean cross-entropy over all its real tokens."""
+               config: Config, param_shardings: Any = None) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer step on a global batch; loss is the mean cross-entropy over all its real tokens.
+
+    param_shardings: the parameters' shardings, needed with shard_optimizer_over_data (ZeRO-1).
+    """
     grads, sums = _grads(state.params, model, batch, config)
     count = jnp.maximum(sums["tokens"], 1.0)
     grads = jax.tree.map(lambda g: g / count.astype(g.dtype), grads)
+    if config.shard_optimizer_over_data:
+        grads = split_over_zero_axis(grads, param_shardings)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    if config.shard_optimizer_over_data:
+        updates = split_over_zero_axis(updates, param_shardings)
     params = optax.apply_updates(state.params, updates)
     metrics = {
         "loss": sums["loss_sum"] / count,
@@ -168,7 +186,8 @@ def eval_step(params: Any, batch: Batch, *, model: nn.Module) -> dict[str, jax.A
 def jit_train_step(model: nn.Module, tx: optax.GradientTransformation, config: Config, mesh: Mesh,
                    shardings: Any):
     """The train step with explicit in/out shardings; the input state is donated."""
-    return jax.jit(_traced_with_rules(partial(train_step, model=model, tx=tx, config=config), mesh, config),
+    step = partial(train_step, model=model, tx=tx, config=config, param_shardings=shardings.params)
+    return jax.jit(_traced_with_rules(step, mesh, config),
                    in_shardings=(shardings, batch_sharding(mesh, config.axis_rules)),
                    out_shardings=(shardings, replicated(mesh)), donate_argnums=0)
 

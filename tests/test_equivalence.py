@@ -19,6 +19,11 @@ STRATEGIES = {
     "fsdp_transpose": ("configs/fsdp_transpose.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
     "tp_sequence": ("configs/tp_sequence.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
     "tp_transpose": ("configs/tp_transpose.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
+    # ZeRO-1: the AdamW moments split over data too; gradients reduce-scattered, parameters all-gathered.
+    "dp8_zero1": ("configs/base.yml", ["ici_data_parallelism=8", "ici_fsdp_parallelism=1",
+                                       "shard_optimizer_over_data=true"]),
+    "dp2_fsdp2_tp2_zero1": ("configs/base.yml", ["ici_data_parallelism=2", "ici_fsdp_parallelism=2",
+                                                 "ici_tensor_parallelism=2", "shard_optimizer_over_data=true"]),
 }
 
 

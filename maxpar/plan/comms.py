@@ -235,6 +235,69 @@ def weight_comms(layout: Layout, microbatches: int) -> list[Comm]:
     return comms
 
 
+def zero_comms(layout: Layout, comms: list[Comm]) -> list[Comm]:
+    """`comms` under shard_optimizer_over_data (ZeRO-1): each replica updates only its data shard of a
+    parameter, so the gradient is reduce-scattered over `data` instead of all-reduced (the same bytes as
+    DP's all-reduce, with the updated parameters' all-gather), as the partitioner emits it:
+
+    - a gradient all-reduced over `data` alone becomes a reduce-scatter;
+    - a top-level weight's FSDP reduce-scatter and its `data` all-reduce become one reduce-scatter over
+      both (its whole gradient is summed over every batch axis at once);
+    - a gradient summed over `data` and other axes together (norm scales, the token table's lookup) stays
+      an all-reduce, sliced after;
+    - every parameter whose moments `data` splits is all-gathered over it once per step, in its dtype.
+    """
+    config = layout.config
+    if not config.shard_optimizer_over_data:
+        return comms
+    by_name = {t.path.replace(".params", "").replace("['", "").replace("']", "/").rstrip("/"): t
+               for t in layout.params()}
+    out: list[Comm] = []
+    merged: set[str] = set()
+    for c in comms:
+        t = by_name.get(c.tensor)
+        zero = _zero_axes(layout, t) if t is not None else ()
+        if not zero or c.phase != BACKWARD or c.collective not in ("all-reduce", "reduce-scatter"):
+            out.append(c)
+            continue
+        if c.pattern == "DP gradient all-reduce" and set(c.axes) <= set(zero):
+            if not t.layered and any(o.tensor == c.tensor and o.pattern == "FSDP gradient reduce-scatter"
+                                     for o in comms):
+                continue  # merged into the top-level weight's reduce-scatter below
+            out.append(dataclasses.replace(c, pattern="ZeRO-1 gradient reduce-scatter", collective="reduce-scatter"))
+        elif c.pattern == "FSDP gradient reduce-scatter" and not t.layered and c.tensor not in merged:
+            dp = [o for o in comms if o.tensor == c.tensor and o.pattern == "DP gradient all-reduce"
+                  and set(o.axes) <= set(zero)]
+            if dp:
+                merged.add(c.tensor)
+                axes = layout.live(c.axes + tuple(a for o in dp for a in o.axes))
+                out += hierarchical(layout, "FSDP + ZeRO-1 gradient reduce-scatter", axes, "reduce-scatter",
+                                    c.operand_bytes, count=c.count, phase=c.phase, dtype=c.dtype, scales=False,
+                                    tensor=c.tensor)
+            else:
+                out.append(c)
+        else:
+            out.append(c)
+    for name, t in by_name.items():
+        zero = _zero_axes(layout, t)
+        if zero:
+            shard = layout.local_bytes(t) / math.prod(layout.degree(a) for a in zero)
+            out += hierarchical(layout, "ZeRO-1 updated-parameter all-gather", zero, "all-gather", shard, count=1,
+                                phase=BACKWARD, dtype=t.dtype, scales=False, tensor=name)
+    return out
+
+
+def _zero_axes(layout: Layout, tensor: Tensor) -> tuple[str, ...]:
+    """The axes ZeRO-1 adds to this parameter's optimizer state (shard_optimizer_over_data): its moments'
+    shardings, read from the layout, minus the parameter's own."""
+    if not layout.config.shard_optimizer_over_data:
+        return ()
+    suffix = tensor.path.removeprefix(".params")
+    moments = [o for o in layout.tensors if o.group == "optimizer" and o.path.endswith(suffix)
+               and o.shape == tensor.shape]
+    return layout.live(set().union(*(o.axes for o in moments)) - tensor.axes) if moments else ()
+
+
 def activation_comms(layout: Layout, tokens: float, microbatches: int) -> list[Comm]:
     """Tensor-parallel activations per layer and the vocab-parallel loss; tokens = one microbatch's per batch shard."""
     config = layout.config
@@ -387,7 +450,8 @@ def lookup_comms(layout: Layout, tokens: float, microbatches: int) -> list[Comm]
 
 def predict_comms(layout: Layout, tokens_per_shard: float, microbatches: int) -> list[Comm]:
     """Every predicted collective of one step (tokens_per_shard: one microbatch's tokens per batch shard)."""
-    return (weight_comms(layout, microbatches) + activation_comms(layout, tokens_per_shard, microbatches)
+    return (zero_comms(layout, weight_comms(layout, microbatches))
+            + activation_comms(layout, tokens_per_shard, microbatches)
             + lookup_comms(layout, tokens_per_shard, microbatches))
 
 

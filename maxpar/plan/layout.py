@@ -29,7 +29,8 @@ from maxpar.model.layers import RESIDUAL
 from maxpar.optimizer import make_optimizer
 from maxpar.pipeline.layout import STAGE_AXIS, resolve_schedule
 from maxpar.pipeline.schedule import Schedule
-from maxpar.sharding import batch_sharding, check_divisible, dim_axes, entry_axes, logical_specs, mesh_shardings
+from maxpar.sharding import (batch_sharding, check_divisible, dim_axes, entry_axes, logical_specs, mesh_shardings,
+                             shard_optimizer_state)
 from maxpar.train_step import init_state
 
 ROLES = ("attention", "mlp", "experts", "norm", "embedding", "output")
@@ -164,6 +165,8 @@ def build_layout(config: Config, mesh: MeshShape, state: ModelState) -> Layout:
     abstract_mesh = AbstractMesh(mesh.shape, mesh.axis_names)
     shardings = mesh_shardings(state.specs, abstract_mesh, config.axis_rules)
     check_divisible(state.abstract, shardings)
+    if config.shard_optimizer_over_data:
+        shardings = shard_optimizer_state(state.abstract, shardings)
     leaves = jax.tree_util.tree_leaves_with_path(state.abstract)
     spec_leaves = jax.tree_util.tree_leaves(state.specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     tensors = []
