@@ -50,6 +50,7 @@ STRATEGIES = {  # name: (config file, overrides); all with per_device_batch_size
     "FSDP(4)xTP(2)": ("base.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
     "TP(8)": ("base.yml", ["ici_fsdp_parallelism=1", "ici_tensor_parallelism=8"]),
     "TP-sequence(4x2)": ("tp_sequence.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
+    "TP-transpose(4x2)": ("tp_transpose.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
     "DP(2)xFSDP(2)xTP(2)": ("base.yml", ["ici_data_parallelism=2", "ici_fsdp_parallelism=2",
                                          "ici_tensor_parallelism=2"]),
     "PP(2)xDP(2)xTP(2)": ("base.yml", ["ici_stage_parallelism=2", "ici_data_parallelism=2", "ici_fsdp_parallelism=1",

@@ -11,6 +11,7 @@ import enum
 
 PHYSICAL_AXES = ("data", "fsdp", "tensor", "expert", "stage")
 STAGE_AXIS = "stage"    # the mesh axis whose degree is the number of pipeline stages
+ZERO_AXIS = "data"      # the mesh axis shard_optimizer_over_data (ZeRO-1) also splits the optimizer state over
 
 
 class Logical(enum.StrEnum):
@@ -26,10 +27,12 @@ class Logical(enum.StrEnum):
     HEAD_DIM_ACT = "activation_head_dim"
     MLP_LENGTH = "activation_mlp_length"    # the feed-forward hidden layer's sequence
     MLP_ACT = "activation_mlp"
+    MLP_EMBED_ACT = "activation_mlp_embed"  # the feed-forward input and output's embed (TP-transpose splits it)
     VOCAB_ACT = "activation_vocab"
     # weights
     EMBED = "embed"
     MLP = "mlp"
+    MLP_EMBED = "mlp_embed"                 # the dense feed-forward weights' embed dim (TP-transpose splits it)
     HEADS = "heads"
     KV_HEADS = "kv_heads"
     HEAD_DIM = "head_dim"
@@ -42,7 +45,8 @@ class Logical(enum.StrEnum):
 
 # Names configs/base.yml gives no rule: replicated unless a preset maps them (e.g. TP-sequence's lengths).
 UNSHARDED_BY_DEFAULT = frozenset({Logical.LENGTH, Logical.EMBED_ACT, Logical.ATTN_LENGTH, Logical.HEAD_DIM_ACT,
-                                  Logical.MLP_LENGTH, Logical.HEAD_DIM, Logical.NORM, Logical.REPEATS})
+                                  Logical.MLP_LENGTH, Logical.MLP_EMBED_ACT, Logical.HEAD_DIM, Logical.NORM,
+                                  Logical.REPEATS})
 
 # The logical axes of the activations the model constrains.
 BATCH_INPUT = (Logical.BATCH, Logical.LENGTH)                                  # [rows, length] token arrays
@@ -50,6 +54,7 @@ RESIDUAL = (Logical.BATCH, Logical.LENGTH, Logical.EMBED_ACT)
 ATTN_Q = (Logical.BATCH, Logical.ATTN_LENGTH, Logical.HEADS_ACT, Logical.HEAD_DIM_ACT)
 ATTN_KV = (Logical.BATCH, Logical.ATTN_LENGTH, Logical.KV_HEADS_ACT, Logical.HEAD_DIM_ACT)
 MLP_HIDDEN = (Logical.BATCH, Logical.MLP_LENGTH, Logical.MLP_ACT)
+MLP_IO = (Logical.BATCH, Logical.LENGTH, Logical.MLP_EMBED_ACT)  # the residual stream as the feed-forward sees it
 LOGITS = (Logical.BATCH, Logical.LENGTH, Logical.VOCAB_ACT)
 
 

@@ -188,14 +188,20 @@ def _path_names(path: tuple[Any, ...]) -> str:
     return "/".join(names)
 
 
-def _array_table(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
-    return {_path_names(path): (tuple(leaf.shape), str(np.dtype(leaf.dtype)))
+def _array_table(tree: Any, floats_as_one: bool = False) -> dict[str, tuple[tuple[int, ...], str]]:
+    def dtype(leaf: Any) -> str:
+        name = str(np.dtype(leaf.dtype))
+        return "floating" if floats_as_one and jnp.issubdtype(leaf.dtype, jnp.floating) else name
+    return {_path_names(path): (tuple(leaf.shape), dtype(leaf))
             for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-def structure_differences(saved: Any, target: Any, limit: int = 8) -> list[str]:
-    """Arrays that are missing, extra, or of another shape/dtype in the checkpoint, as readable lines."""
-    old, new = _array_table(saved), _array_table(target)
+def structure_differences(saved: Any, target: Any, limit: int = 8, cast_floats: bool = False) -> list[str]:
+    """Arrays that are missing, extra, or of another shape/dtype in the checkpoint, as readable lines.
+
+    cast_floats: a floating-point array of another floating dtype is no difference (it is cast on restore).
+    """
+    old, new = _array_table(saved, cast_floats), _array_table(target, cast_floats)
     lines = [f"  {name}: {old.get(name, 'absent')} in the checkpoint, {new.get(name, 'absent')} now"
              for name in sorted(set(old) | set(new)) if old.get(name) != new.get(name)]
     return lines[:limit] + ([f"  ... and {len(lines) - limit} more"] if len(lines) > limit else [])
@@ -227,7 +233,9 @@ def _check_structure(manager: ocp.CheckpointManager, step: int, target: Target, 
         if item not in metadata.keys():
             raise IncompatibleCheckpoint(f"{where} holds no {item} (a parameters-only checkpoint, as maxpar.convert "
                                          f"writes); start a run from it with load_parameters_path=")
-        lines = structure_differences(metadata[item], target.on_disk(item))
+        # The optimizer state restores into this run's optimizer_state_dtype (a cast); the parameters'
+        # dtype is weight_dtype, a model key checked before.
+        lines = structure_differences(metadata[item], target.on_disk(item), cast_floats=item == "opt_state")
         if lines:
             raise IncompatibleCheckpoint(f"{where}: its {item} arrays differ from this config's:\n" + "\n".join(lines)
                                          + "\nUse the config that wrote it (its config is in the checkpoint's "

@@ -63,6 +63,8 @@ class Config:
     adam_eps: float = _key("AdamW epsilon", min=0)
     adam_weight_decay: float = _key("AdamW decoupled weight decay", min=0)
     gradient_clipping_threshold: float = _key("global-norm clipping threshold (0 = off)", min=0)
+    shard_optimizer_over_data: bool = _key("ZeRO-1: shard the AdamW moments over the data axis too (parameters stay "
+                                           "replicated over it); gradients reduce-scattered, parameters all-gathered")
     # Model
     emb_dim: int = _key("model (residual) width", min=1)
     num_query_heads: int = _key("attention query heads", min=1)
@@ -75,7 +77,10 @@ class Config:
     normalization_layer_epsilon: float = _key("RMSNorm epsilon", min=0)
     logits_via_embedding: bool = _key("tie the output projection to the token embedding")
     dtype: str = _key("activation/compute dtype", choices=DTYPES)
-    weight_dtype: str = _key("parameter and optimizer-state dtype", choices=DTYPES)
+    weight_dtype: str = _key("parameter dtype (and the optimizer state's, unless optimizer_state_dtype is set)",
+                             choices=DTYPES)
+    optimizer_state_dtype: str = _key("dtype of both AdamW moments ('' = weight_dtype); e.g. float32 under "
+                                      "bfloat16 weights: 2 + 8 bytes per parameter", choices=("",) + DTYPES)
     remat_policy: str = _key("activation rematerialization per layer", choices=("none", "minimal", "full"))
     attention: str = _key("attention core: dot_product (einsums), xla (jax.nn.dot_product_attention), cudnn_flash "
                           "(cuDNN flash, GPU, packed documents as a bias), cudnn_flash_causal (causal only: "
@@ -158,6 +163,11 @@ class Config:
     def num_moe_layers(self) -> int:
         """Decoder layers whose MLP is a routed mixture of experts (every moe_layer_interval-th)."""
         return self.num_decoder_layers // self.moe_layer_interval if self.num_experts > 1 else 0
+
+    @property
+    def moments_dtype(self) -> str:
+        """The dtype of the AdamW moments: optimizer_state_dtype, else weight_dtype."""
+        return self.optimizer_state_dtype or self.weight_dtype
 
     @property
     def axis_rules(self) -> tuple[AxisRule, ...]:
@@ -367,7 +377,8 @@ def validate(config: Config) -> None:
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{name}={value!r}: must be a finite number")
         if meta["choices"] is not None and value not in meta["choices"]:
-            raise ConfigError(f"{name}={value!r}: must be one of {', '.join(map(str, meta['choices']))}")
+            raise ConfigError(f"{name}={value!r}: must be one of "
+                              f"{', '.join(repr(c) if c == '' else str(c) for c in meta['choices'])}")
         if value in meta["allow"]:
             continue
         if meta["min"] is not None and value < meta["min"]:

@@ -22,7 +22,7 @@ from maxpar.axes import ATTN_KV, ATTN_Q, BATCH_INPUT, RESIDUAL, STAGE_AXIS, Logi
 from maxpar.config import CUDNN_ATTENTION, AxisRule, Config, ConfigError
 from maxpar.mesh import MeshShape
 from maxpar.pipeline.schedule import Schedule
-from maxpar.sharding import check_divisible, mesh_axes, mesh_shardings
+from maxpar.sharding import check_divisible, mesh_axes, mesh_shardings, shard_optimizer_state, with_zero_axis
 
 Axes = tuple[str, ...]
 
@@ -137,6 +137,7 @@ class RunLayout:
     model: ModelLayout
     state: TracedState
     state_specs: Any                # mesh PartitionSpecs of the TrainState
+    update_specs: Any = None        # ZeRO-1 (shard_optimizer_over_data): the gradients' and updates' specs
 
     @property
     def rules(self) -> tuple[AxisRule, ...]:
@@ -213,11 +214,16 @@ def resolve_layout(config: Config, mesh: MeshShape, state: TracedState, *, check
     abstract_mesh = AbstractMesh(mesh.shape, mesh.axis_names)
     shardings = mesh_shardings(state.specs, abstract_mesh, rules)
     check_divisible(state.abstract, shardings)
+    update_specs = None
+    if config.shard_optimizer_over_data:  # ZeRO-1: the moments, gradients and updates also split over data
+        shardings = shard_optimizer_state(state.abstract, shardings)
+        update_specs = jax.tree.map(lambda leaf, s: with_zero_axis(leaf.shape, s).spec, state.abstract.params,
+                                    shardings.params)
     model = ModelLayout(rules=rules, pipeline=schedule, stage_axes=stage_axes, loop_batch_axes=loop_batch_axes,
                         experts=experts)
     return RunLayout(config=config, mesh=mesh, batch=batch, input_axes=input_axes,
                      residual_axes=tuple(mesh_axes(RESIDUAL, rules)), model=model, state=state,
-                     state_specs=jax.tree.map(lambda s: s.spec, shardings))
+                     state_specs=jax.tree.map(lambda s: s.spec, shardings), update_specs=update_specs)
 
 
 # ---------------------------------------------------------------- the checks

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
+import jax.numpy as jnp
 import optax
 
 from maxpar.config import Config
@@ -21,10 +24,37 @@ def make_optimizer(config: Config) -> optax.GradientTransformation:
     transforms = []
     if config.gradient_clipping_threshold > 0:
         transforms.append(optax.clip_by_global_norm(config.gradient_clipping_threshold))
-    transforms.append(optax.adamw(learning_rate_schedule(config), b1=config.adam_b1, b2=config.adam_b2,
-                                  eps=config.adam_eps, weight_decay=config.adam_weight_decay,
-                                  mask=decay_mask))
+    adamw = optax.adamw(learning_rate_schedule(config), b1=config.adam_b1, b2=config.adam_b2,
+                        eps=config.adam_eps, weight_decay=config.adam_weight_decay, mask=decay_mask)
+    transforms.append(state_in_dtype(adamw, jnp.dtype(config.moments_dtype)))
     return optax.chain(*transforms)
+
+
+def state_in_dtype(inner: optax.GradientTransformation, dtype: Any) -> optax.GradientTransformation:
+    """`inner` with its floating-point state stored in `dtype` and its update computed in float32.
+
+    optax's adamw keeps only the first moment in a chosen dtype (`mu_dtype`); the second follows the
+    parameters. This keeps both moments in `dtype` (e.g. float32 under bfloat16 weights, the seeds'
+    2 + 4 + 4 bytes per parameter), and computes the update from float32 gradients, moments and
+    parameters, so the moments never round through the weights' dtype. The updates come back in each
+    parameter's dtype.
+    """
+    def to_float32(tree: Any) -> Any:
+        return jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+    def init(params: Any) -> Any:
+        state = inner.init(params)
+        return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        new_updates, new_state = inner.update(to_float32(updates), to_float32(state),
+                                              None if params is None else to_float32(params))
+        # Every state leaf keeps the dtype it was created with (a stable state tree across steps).
+        new_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_state, state)
+        new_updates = jax.tree.map(lambda u, g: u.astype(g.dtype), new_updates, updates)
+        return new_updates, new_state
+
+    return optax.GradientTransformation(init, update)
 
 
 def decay_mask(params):

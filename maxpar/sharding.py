@@ -15,7 +15,7 @@ import flax.linen as nn
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from maxpar.axes import BATCH_INPUT, unknown_logical
+from maxpar.axes import BATCH_INPUT, ZERO_AXIS, unknown_logical
 from maxpar.config import AxisRule, ConfigError
 
 Axes = tuple[str, ...]
@@ -42,6 +42,7 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
     if unknown:
         raise ValueError(f"unknown logical axis name(s) {unknown}: define them in maxpar.axes.Logical")
     return nn.with_logical_constraint(x, tuple(logical))
+
 
 
 def logical_specs(boxed_tree: Any) -> Any:
@@ -91,3 +92,33 @@ def check_divisible(abstract_tree: Any, shardings: Any) -> None:
                     f"parameter {name} of shape {tuple(leaf.shape)} cannot be split: dimension {dim} is sharded over "
                     f"mesh axes {axes} of total degree {degree}. Change the model dims or the "
                     f"ici_/dcn_*_parallelism degrees (or logical_axis_rules) so that {degree} divides {dim}.")
+
+
+def _spec_entry(axes: Sequence[str]) -> None | str | tuple[str, ...]:
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def with_zero_axis(shape: Sequence[int], sharding: NamedSharding, axis: str = ZERO_AXIS) -> NamedSharding:
+    """ZeRO-1: `sharding` further split over the mesh axis `axis` on the first dimension that it divides.
+
+    The axis goes last in that dimension's entry, so each new shard is a piece of an existing one (the
+    gradient's reduce-scatter and the parameters' all-gather stay within the other axes' groups). Arrays
+    the axis already splits, scalars, and arrays no dimension of which divides stay as they are.
+    """
+    degree = dict(sharding.mesh.shape).get(axis, 1)
+    dims = dim_axes(sharding, len(shape))
+    if degree == 1 or any(axis in axes for axes in dims):
+        return sharding
+    for index, (size, axes) in enumerate(zip(shape, dims)):
+        if size % (dim_degree(sharding, axes) * degree) == 0:
+            entries = [_spec_entry(a) for a in dims]
+            entries[index] = _spec_entry((*axes, axis))
+            return NamedSharding(sharding.mesh, PartitionSpec(*entries))
+    return sharding
+
+
+def shard_optimizer_state(abstract_state: Any, shardings: Any) -> Any:
+    """The train state's shardings with every optimizer-state array split over the ZeRO axis too (ZeRO-1)."""
+    opt = jax.tree.map(lambda leaf, sharding: with_zero_axis(leaf.shape, sharding), abstract_state.opt_state,
+                       shardings.opt_state)
+    return shardings.replace(opt_state=opt)

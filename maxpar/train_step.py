@@ -146,13 +146,27 @@ def moe_metrics(sums: dict[str, jax.Array], count: jax.Array) -> dict[str, jax.A
             "moe_dropped_fraction": sums["dropped"] / jnp.maximum(sums["routed"], 1.0)}
 
 
+def split_over_zero_axis(tree: Any, update_specs: Any) -> Any:
+    """ZeRO-1: constrain gradient-shaped arrays to the optimizer state's sharding (the parameters' plus the
+    data axis), so the gradient is reduce-scattered over data, each replica updates its shard of the
+    moments, and the updated parameters are all-gathered back to their own sharding."""
+    return jax.tree.map(jax.lax.with_sharding_constraint, tree, update_specs)
+
+
 def train_step(state: TrainState, batch: Batch, *, model: nn.Module, tx: optax.GradientTransformation,
-               config: Config) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One optimizer step on a global batch; loss is the mean cross-entropy over all its real tokens."""
+               config: Config, update_specs: Any = None) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer step on a global batch; loss is the mean cross-entropy over all its real tokens.
+
+    update_specs: with shard_optimizer_over_data (ZeRO-1), the layout's specs of gradients and updates.
+    """
     grads, sums = _grads(state.params, model, batch, config)
     count = jnp.maximum(sums["tokens"], 1.0)
     grads = jax.tree.map(lambda g: g / count.astype(g.dtype), grads)
+    if update_specs is not None:
+        grads = split_over_zero_axis(grads, update_specs)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    if update_specs is not None:
+        updates = split_over_zero_axis(updates, update_specs)
     params = optax.apply_updates(state.params, updates)
     metrics = {
         "loss": sums["loss_sum"] / count,
@@ -172,7 +186,8 @@ def eval_step(params: Any, batch: Batch, *, model: nn.Module) -> dict[str, jax.A
 def jit_train_step(model: nn.Module, tx: optax.GradientTransformation, layout: RunLayout, mesh: Mesh):
     """The train step with the layout's in/out shardings on `mesh`; the input state is donated."""
     shardings = layout.state_shardings(mesh)
-    return jax.jit(traced_under(partial(train_step, model=model, tx=tx, config=layout.config), mesh, layout.rules),
+    step = partial(train_step, model=model, tx=tx, config=layout.config, update_specs=layout.update_specs)
+    return jax.jit(traced_under(step, mesh, layout.rules),
                    in_shardings=(shardings, layout.input_sharding(mesh)),
                    out_shardings=(shardings, replicated(mesh)), donate_argnums=0)
 

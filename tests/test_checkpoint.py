@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -340,3 +341,16 @@ def test_nonfinite_loss_stops_at_its_step_and_keeps_the_last_good_checkpoint(cor
     saved = sorted(int(p.name) for p in (tmp_path / "stop" / "checkpoints").iterdir() if p.name.isdigit())
     assert saved == list(range(1, bad))
     assert [row["step"] for row in read_metrics(tmp_path / "stop")] == list(range(1, bad))
+
+
+def test_optimizer_state_restores_cast_into_another_optimizer_state_dtype(saved_run, corpus):
+    # Saved with float32 moments; restored into bfloat16 moments (the restore targets carry this run's dtype).
+    _, saved, _, _ = restore(saved_run, run_config(corpus), jax.devices(), step=2)
+    run, cast, _, warnings = restore(saved_run, run_config(corpus, "optimizer_state_dtype=bfloat16"), jax.devices(),
+                                     step=2)
+    assert warnings == []
+    floats = [leaf for leaf in jax.tree.leaves(cast.opt_state) if jnp.issubdtype(leaf.dtype, jnp.floating)]
+    assert floats and {leaf.dtype for leaf in floats} == {jnp.dtype(jnp.bfloat16)}
+    expected = jax.tree.map(lambda x, y: np.asarray(x.astype(y.dtype)), saved.opt_state, cast.opt_state)
+    assert max_difference(jax.tree.map(np.asarray, cast.opt_state), expected) == 0.0
+    assert max_difference(cast.params, saved.params) == 0.0

@@ -18,6 +18,12 @@ STRATEGIES = {
                                            "ici_tensor_parallelism=2"]),
     "fsdp_transpose": ("configs/fsdp_transpose.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
     "tp_sequence": ("configs/tp_sequence.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
+    "tp_transpose": ("configs/tp_transpose.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
+    # ZeRO-1: the AdamW moments split over data too; gradients reduce-scattered, parameters all-gathered.
+    "dp8_zero1": ("configs/base.yml", ["ici_data_parallelism=8", "ici_fsdp_parallelism=1",
+                                       "shard_optimizer_over_data=true"]),
+    "dp2_fsdp2_tp2_zero1": ("configs/base.yml", ["ici_data_parallelism=2", "ici_fsdp_parallelism=2",
+                                                 "ici_tensor_parallelism=2", "shard_optimizer_over_data=true"]),
 }
 
 
@@ -48,6 +54,25 @@ def test_strategy_matches_single_device(name, tmp_path, corpus, reference):
                      config_file=config_file)
     assert reference[-1] < reference[0]  # it is really training
     np.testing.assert_allclose(sharded, reference, rtol=1e-5)
+
+
+# Settings that change the numbers themselves: each is compared with the same settings on one device.
+OWN_REFERENCE = {
+    # bfloat16 parameters, float32 AdamW moments (the seeds' 2 + 8 bytes per parameter), FSDP(8).
+    "bf16_weights_fp32_moments": ("configs/base.yml", ["weight_dtype=bfloat16", "optimizer_state_dtype=float32"],
+                                  ["ici_fsdp_parallelism=8"]),
+}
+
+
+@pytest.mark.parametrize("name", list(OWN_REFERENCE))
+def test_setting_matches_its_single_device_run(name, tmp_path, corpus):
+    config_file, settings, mesh = OWN_REFERENCE[name]
+    single = losses(tmp_path / "one", corpus, jax.devices()[:1], "per_device_batch_size=8", *settings,
+                    config_file=config_file)
+    sharded = losses(tmp_path / "eight", corpus, jax.devices(), "per_device_batch_size=1", *settings, *mesh,
+                     config_file=config_file)
+    assert single[-1] < single[0]
+    np.testing.assert_allclose(sharded, single, rtol=1e-5)
 
 
 def test_gradient_accumulation_matches_one_big_batch(tmp_path, corpus, reference):

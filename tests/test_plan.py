@@ -19,6 +19,7 @@ from maxpar.plan.hardware import (HARDWARE_DIR, available, ici_axis_shares, load
 from maxpar.train_step import trace_state
 from maxpar.plan.predict import Target, evaluate, make_plan
 from maxpar.plan.recommend import recommend
+from maxpar.plan.report import render_plan
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = str(REPO / "configs" / "base.yml")
@@ -253,3 +254,32 @@ def test_cli_recommends_even_when_the_configured_mesh_cannot_run(capsys):
     assert first, out
     assert math.isfinite(make_plan(config("model_name=llama3-70b", "per_device_batch_size=0.5",
                                           *first.group(1).split()), Target(V5P, 8960, 1))["step_time_s"])
+
+
+def test_float32_moments_under_bf16_weights_give_the_seeds_ten_bytes_per_parameter():
+    # parallelism-basics.md: LLaMA-3 70B, bf16 parameters (2 bytes) and float32 Adam moments (4 + 4 bytes).
+    result = plan(*LLAMA70, "max_target_length=4096", "optimizer_state_dtype=float32", devices=8192)
+    whole, p = result["state_bytes"], result["params"]["total"]
+    assert whole["params_per_parameter"] == 2 and whole["optimizer_per_parameter"] == pytest.approx(8)
+    assert whole["params"] == pytest.approx(141e9, rel=0.01) and whole["optimizer"] == pytest.approx(564e9, rel=0.01)
+    mem = result["memory_per_device_bytes"]
+    assert mem["optimizer"] == pytest.approx(4 * mem["params"], rel=0.01)
+    default = plan(*LLAMA70, "max_target_length=4096", devices=8192)  # '' = weight_dtype: bf16 moments
+    assert default["state_bytes"]["optimizer_per_parameter"] == pytest.approx(4)
+    assert "optimizer 564 GB (8 bytes per parameter)" in render_plan(result)
+
+
+def test_zero1_divides_the_moments_by_the_data_degree_and_keeps_dp_bytes():
+    # parallelism-basics.md's ZeRO-1 row: optimizer state / N_dp; gradients reduce-scattered and parameters
+    # all-gathered: the bytes of DP's all-reduce.
+    dp = ("model_name=llama3-8b", "weight_dtype=bfloat16", "optimizer_state_dtype=float32", "max_target_length=4096",
+          "per_device_batch_size=1", "ici_data_parallelism=8", "ici_fsdp_parallelism=-1")
+    plain, zero = plan(*dp, devices=256), plan(*dp, "shard_optimizer_over_data=true", devices=256)
+    mem, mem_zero = plain["memory_per_device_bytes"], zero["memory_per_device_bytes"]
+    assert mem_zero["optimizer"] == pytest.approx(mem["optimizer"] / 8, rel=0.01)
+    assert mem_zero["params"] == mem["params"] and plain["state_bytes"] == zero["state_bytes"]
+    def data_bytes(result, kinds):
+        return sum(c["bytes_per_device"] for c in result["comms"] if c["axis"] == "data" and c["collective"] in kinds)
+    assert data_bytes(zero, ("all-reduce",)) < data_bytes(plain, ("all-reduce",)) / 100  # only norm-like leftovers
+    assert data_bytes(zero, ("reduce-scatter", "all-gather", "all-reduce")) == pytest.approx(
+        data_bytes(plain, ("all-reduce",)), rel=0.02)

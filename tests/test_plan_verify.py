@@ -38,6 +38,21 @@ STRATEGIES = {
     "TP-sequence(4x2)": ("tp_sequence.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"],
                          {("fsdp", "all-gather"), ("fsdp", "all-reduce"), ("tensor", "all-gather"),
                           ("tensor", "all-reduce")}),
+    # The feed-forward weights split on embed over tensor: the MLP's hidden activations move over tensor. The
+    # seed's case for it, mlp_dim < emb_dim (XLA:CPU gathers more when mlp_dim > emb_dim; README).
+    "TP-transpose(4x2)": ("tp_transpose.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2", "emb_dim=256",
+                                               "mlp_dim=128", "per_device_batch_size=1"],
+                          {("fsdp", "all-gather"), ("fsdp", "all-reduce"), ("tensor", "all-gather"),
+                           ("tensor", "all-reduce")}),
+    # ZeRO-1: the moments split over data, the gradient reduce-scattered over it (XLA:CPU: all-reduce + slice),
+    # the updated parameters all-gathered; mixed, a top-level weight's gradient is reduce-scattered over
+    # data and fsdp at once.
+    "DP(8) ZeRO-1": ("base.yml", ["ici_data_parallelism=-1", "ici_fsdp_parallelism=1",
+                                  "shard_optimizer_over_data=true"], {("data", "all-reduce"), ("data", "all-gather")}),
+    "DP(2)xFSDP(2)xTP(2) ZeRO-1": ("base.yml", ["ici_data_parallelism=2", "ici_fsdp_parallelism=2",
+                                                "ici_tensor_parallelism=2", "shard_optimizer_over_data=true"],
+                                   {("data", "all-reduce"), ("data", "all-gather"), ("data+fsdp", "all-reduce"),
+                                    ("fsdp", "all-gather"), ("fsdp", "all-reduce"), ("tensor", "all-reduce")}),
     # The table's lookup and projection gradients are reduced apart.
     "FSDP(8) tied embeddings": ("base.yml", ["ici_fsdp_parallelism=-1", "logits_via_embedding=true"],
                                 {("fsdp", "all-gather"), ("fsdp", "all-reduce")}),

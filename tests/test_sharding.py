@@ -208,8 +208,8 @@ LAYER = "['decoder']['layers']"
 def test_logical_names_of_the_model():
     config = config_for("base.yml")
     names = logical_names(Transformer(config), config)
-    assert names[f"{LAYER}['mlp']['wi_gate']"] == ("layers", "embed", "mlp")
-    assert names[f"{LAYER}['mlp']['wo']"] == ("layers", "mlp", "embed")
+    assert names[f"{LAYER}['mlp']['wi_gate']"] == ("layers", "mlp_embed", "mlp")  # embed, named apart for TP-transpose
+    assert names[f"{LAYER}['mlp']['wo']"] == ("layers", "mlp", "mlp_embed")
     assert names[f"{LAYER}['attention']['query']"] == ("layers", "embed", "heads", "head_dim")
     assert names[f"{LAYER}['attention']['key']"] == ("layers", "embed", "kv_heads", "head_dim")
     assert names[f"{LAYER}['attention']['out']"] == ("layers", "heads", "head_dim", "embed")
@@ -409,3 +409,16 @@ def test_tp_sequence_compiled_mlp_output_is_split_on_length(preset, local_shape)
         params = jax.eval_shape(lambda: nn.unbox(mlp.init(jax.random.key(0), jnp.zeros(x.shape))))
         compiled = jax.jit(mlp.apply).lower(params, x).compile()
     assert compiled.output_shardings.shard_shape(x.shape) == local_shape
+
+
+def test_zero_axis_joins_the_first_dimension_it_divides():
+    from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
+    from maxpar.sharding import with_zero_axis
+    mesh = AbstractMesh((2, 2, 2), ("data", "fsdp", "tensor"))
+    def spec(shape, *entries):
+        return with_zero_axis(shape, NamedSharding(mesh, P(*entries))).spec
+    assert spec((64, 128), "fsdp", "tensor") == P(("fsdp", "data"), "tensor")  # a piece of each fsdp shard
+    assert spec((2, 128), "fsdp", "tensor") == P("fsdp", ("tensor", "data"))     # 2 / (2 x 2): next dimension
+    assert spec((3, 5), None, None) == P(None, None)                             # nothing divides: as it was
+    assert spec((), ) == P()
+    assert spec((8,), "data") == P("data")                                       # data already splits it

@@ -12,7 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from maxpar.axes import ATTN_KV, ATTN_Q, MLP_HIDDEN, RESIDUAL, Logical
+from maxpar.axes import ATTN_KV, ATTN_Q, MLP_HIDDEN, MLP_IO, RESIDUAL, Logical
 from maxpar.config import Config
 from maxpar.layout import ModelLayout
 from maxpar.model.attention import attend
@@ -106,9 +106,12 @@ class Mlp(ModelModule):
     def __call__(self, x: Array) -> Array:
         cfg, dt = self.config, self.dtype
         e, m = cfg.emb_dim, cfg.mlp_dim
-        w_gate = kernel(self, "wi_gate", (e, m), (Logical.EMBED, Logical.MLP), (0,))
-        w_up = kernel(self, "wi_up", (e, m), (Logical.EMBED, Logical.MLP), (0,))
-        w_down = kernel(self, "wo", (m, e), (Logical.MLP, Logical.EMBED), (0,))
+        # `mlp_embed`: the feed-forward weights' embed dim has its own name, so that a preset can shard it
+        # apart from the other weights' (TP-transpose, configs/tp_transpose.yml); by default it follows `embed`.
+        w_gate = kernel(self, "wi_gate", (e, m), (Logical.MLP_EMBED, Logical.MLP), (0,))
+        w_up = kernel(self, "wi_up", (e, m), (Logical.MLP_EMBED, Logical.MLP), (0,))
+        w_down = kernel(self, "wo", (m, e), (Logical.MLP, Logical.MLP_EMBED), (0,))
+        x = constrain(x, MLP_IO)
         gate = constrain(x @ w_gate.astype(dt), MLP_HIDDEN)
         up = constrain(x @ w_up.astype(dt), MLP_HIDDEN)
-        return constrain((nn.silu(gate) * up) @ w_down.astype(dt), RESIDUAL)
+        return constrain(constrain((nn.silu(gate) * up) @ w_down.astype(dt), MLP_IO), RESIDUAL)

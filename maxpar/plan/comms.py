@@ -236,6 +236,69 @@ def weight_comms(layout: Layout, microbatches: int) -> list[Comm]:
     return comms
 
 
+def zero_comms(layout: Layout, comms: list[Comm]) -> list[Comm]:
+    """`comms` under shard_optimizer_over_data (ZeRO-1): each replica updates only its data shard of a
+    parameter, so the gradient is reduce-scattered over `data` instead of all-reduced (the same bytes as
+    DP's all-reduce, with the updated parameters' all-gather), as the partitioner emits it:
+
+    - a gradient all-reduced over `data` alone becomes a reduce-scatter;
+    - a top-level weight's FSDP reduce-scatter and its `data` all-reduce become one reduce-scatter over
+      both (its whole gradient is summed over every batch axis at once);
+    - a gradient summed over `data` and other axes together (norm scales, the token table's lookup) stays
+      an all-reduce, sliced after;
+    - every parameter whose moments `data` splits is all-gathered over it once per step, in its dtype.
+    """
+    config = layout.config
+    if not config.shard_optimizer_over_data:
+        return comms
+    by_name = {t.path.replace(".params", "").replace("['", "").replace("']", "/").rstrip("/"): t
+               for t in layout.params()}
+    out: list[Comm] = []
+    merged: set[str] = set()
+    for c in comms:
+        t = by_name.get(c.tensor)
+        zero = _zero_axes(layout, t) if t is not None else ()
+        if not zero or c.phase != BACKWARD or c.collective not in ("all-reduce", "reduce-scatter"):
+            out.append(c)
+            continue
+        if c.pattern == "DP gradient all-reduce" and set(c.axes) <= set(zero):
+            if not t.layered and any(o.tensor == c.tensor and o.pattern == "FSDP gradient reduce-scatter"
+                                     for o in comms):
+                continue  # merged into the top-level weight's reduce-scatter below
+            out.append(dataclasses.replace(c, pattern="ZeRO-1 gradient reduce-scatter", collective="reduce-scatter"))
+        elif c.pattern == "FSDP gradient reduce-scatter" and not t.layered and c.tensor not in merged:
+            dp = [o for o in comms if o.tensor == c.tensor and o.pattern == "DP gradient all-reduce"
+                  and set(o.axes) <= set(zero)]
+            if dp:
+                merged.add(c.tensor)
+                axes = layout.live(c.axes + tuple(a for o in dp for a in o.axes))
+                out += hierarchical(layout, "FSDP + ZeRO-1 gradient reduce-scatter", axes, "reduce-scatter",
+                                    c.operand_bytes, count=c.count, phase=c.phase, dtype=c.dtype, scales=False,
+                                    tensor=c.tensor)
+            else:
+                out.append(c)
+        else:
+            out.append(c)
+    for name, t in by_name.items():
+        zero = _zero_axes(layout, t)
+        if zero:
+            shard = layout.local_bytes(t) / math.prod(layout.degree(a) for a in zero)
+            out += hierarchical(layout, "ZeRO-1 updated-parameter all-gather", zero, "all-gather", shard, count=1,
+                                phase=BACKWARD, dtype=t.dtype, scales=False, tensor=name)
+    return out
+
+
+def _zero_axes(layout: Layout, tensor: Tensor) -> tuple[str, ...]:
+    """The axes ZeRO-1 adds to this parameter's optimizer state (shard_optimizer_over_data): its moments'
+    shardings, read from the layout, minus the parameter's own."""
+    if not layout.config.shard_optimizer_over_data:
+        return ()
+    suffix = tensor.path.removeprefix(".params")
+    moments = [o for o in layout.tensors if o.group == "optimizer" and o.path.endswith(suffix)
+               and o.shape == tensor.shape]
+    return layout.live(set().union(*(o.axes for o in moments)) - tensor.axes) if moments else ()
+
+
 def activation_comms(layout: Layout, tokens: float, microbatches: int) -> list[Comm]:
     """Tensor-parallel activations per layer and the vocab-parallel loss; tokens = one microbatch's per batch shard."""
     config = layout.config
@@ -290,6 +353,8 @@ def activation_comms(layout: Layout, tokens: float, microbatches: int) -> list[C
                     if set(_tp_axes(layout, layout.param(name), Logical.MLP)) & set(mlp_axes))
         # MoE layers' experts have their own rule (maxpar.plan.moe_comms); the dense MLPs are the rest.
         block("MLP", mlp_axes, parts, count * (1 - config.num_moe_layers / config.num_decoder_layers))
+    comms += tp_transpose_comms(layout, layer_residual / (config.emb_dim * a),
+                                count * (1 - config.num_moe_layers / config.num_decoder_layers), microbatches)
     projection = layout.param("['output']") or layout.param("['token_embedding']")
     vocab_axes = tuple(a for a in _tp_axes(layout, projection, Logical.VOCAB) if a not in sequence_sharded)
     if vocab_axes:
@@ -331,6 +396,46 @@ def activation_comms(layout: Layout, tokens: float, microbatches: int) -> list[C
     return comms
 
 
+def tp_transpose_comms(layout: Layout, tokens: float, count: float, microbatches: int) -> list[Comm]:
+    """TP-transpose (configs/tp_transpose.yml): the dense MLP weights split on embed over a non-batch axis.
+
+    Per layer and microbatch (`tokens` per batch shard, t the axis degree): the input is sliced on embed
+    (free), so gate and up are partial sums over embed, reduce-scattered onto the mlp-split hidden layer
+    [tokens, mlp]; the product is gathered for the down projection, whose embed-split output is gathered
+    into the residual stream. The backward pass is the transpose: the hidden gradient reduce-scattered,
+    the gate/up gradients gathered, the input gradient gathered; scanned or rematerialized layers gather
+    the hidden product again for the down projection's weight gradient. The partitioner also carries the
+    residual add split on embed and gathers the residual a second time per layer and pass, and once per
+    pass where the layer stack meets the final norm (measured in the compiled step; `--verify`).
+    """
+    config = layout.config
+    axes = _tp_axes(layout, layout.param("['mlp']['wi_gate']"), "mlp_embed")
+    if not axes or count <= 0:
+        return []
+    a = dtype_bytes(config.dtype)
+    t = math.prod(layout.degree(x) for x in axes)
+    hidden, residual = tokens * config.mlp_dim * a, tokens * config.emb_dim * a
+    steps = [(FORWARD, "gate/up partial-sum reduce-scatter", "reduce-scatter", hidden, 2),
+             (FORWARD, "hidden all-gather", "all-gather", hidden / t, 1),
+             (FORWARD, "output and residual all-gathers", "all-gather", residual / t, 2),
+             (BACKWARD, "hidden-gradient reduce-scatter", "reduce-scatter", hidden, 1),
+             (BACKWARD, "gate/up-gradient all-gather", "all-gather", hidden / t, 2),
+             (BACKWARD, "input-gradient and residual-gradient all-gathers", "all-gather", residual / t, 2)]
+    if regathers_in_backward(config):
+        steps.append((BACKWARD, "hidden all-gather again for the down projection's weight gradient", "all-gather",
+                      hidden / t, 1))
+    comms: list[Comm] = []
+    for phase, what, collective, size, times in steps:
+        comms += hierarchical(layout, f"TP-transpose MLP {what} ({phase})", axes, collective, size,
+                              count=count * times, phase=phase, dtype=config.dtype, scales=True)
+    if layout.pipeline is None:
+        for phase in (FORWARD, BACKWARD):
+            comms += hierarchical(layout, f"TP-transpose residual all-gather at the final norm ({phase})", axes,
+                                  "all-gather", residual / t, count=microbatches, phase=phase, dtype=config.dtype,
+                                  scales=True)
+    return comms
+
+
 def lookup_comms(layout: Layout, tokens: float, microbatches: int) -> list[Comm]:
     """A vocab-sharded token table: each shard looks up the ids it owns, then the rows are summed."""
     table = layout.param("['token_embedding']")
@@ -346,7 +451,8 @@ def lookup_comms(layout: Layout, tokens: float, microbatches: int) -> list[Comm]
 
 def predict_comms(layout: Layout, tokens_per_shard: float, microbatches: int) -> list[Comm]:
     """Every predicted collective of one step (tokens_per_shard: one microbatch's tokens per batch shard)."""
-    return (weight_comms(layout, microbatches) + activation_comms(layout, tokens_per_shard, microbatches)
+    return (zero_comms(layout, weight_comms(layout, microbatches))
+            + activation_comms(layout, tokens_per_shard, microbatches)
             + lookup_comms(layout, tokens_per_shard, microbatches))
 
 

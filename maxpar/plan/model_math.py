@@ -168,6 +168,17 @@ def gathered_weight_bytes(config: Config, layout: Layout) -> float:
     return total
 
 
+def state_bytes(layout: Layout) -> dict[str, float]:
+    """One copy of the train state, summed over its shards (the seeds' "bytes per parameter" figures):
+    the parameters' bytes and the optimizer state's (AdamW's two moments, in optimizer_state_dtype),
+    each also per parameter."""
+    count = sum(t.size for t in layout.params())
+    params = sum(t.nbytes for t in layout.params())
+    optimizer = sum(t.nbytes for t in layout.tensors if t.group == "optimizer")
+    return {"params": params, "optimizer": optimizer, "params_per_parameter": params / count,
+            "optimizer_per_parameter": optimizer / count}
+
+
 def memory_per_device(config: Config, layout: Layout, tokens_per_microbatch: float,
                       masked_ragged_dot: bool = False) -> dict[str, float]:
     """Peak bytes per device: state, gradients, saved activations and transient buffers.

@@ -27,7 +27,7 @@ from maxpar.plan.moe_comms import predict_moe_comms
 from maxpar.plan.hardware import Hardware, ici_axis_shares, slice_shape_exists, torus_shape
 from maxpar.layout import TracedState, batch_shape
 from maxpar.plan.layout import Layout, build_layout
-from maxpar.plan.model_math import (attention_flops_per_token, dtype_bytes, memory_per_device,
+from maxpar.plan.model_math import (attention_flops_per_token, dtype_bytes, memory_per_device, state_bytes,
                                     param_breakdown, tp_degrees)
 from maxpar.train_step import trace_state
 
@@ -245,6 +245,7 @@ def evaluate(config: Config, target: Target, state: TracedState) -> dict[str, An
         "microbatches": batch.microbatches,
         "batch_shardable": batch.shardable,
         "memory_per_device_bytes": memory,
+        "state_bytes": state_bytes(layout),
         "comms": comm_rows(comms, times),
         "compute_time_s": sum(compute.values()),
         "compute_time_by_phase_s": compute,

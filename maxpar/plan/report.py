@@ -52,6 +52,7 @@ def table(headers: list[str], rows: list[list[str]], indent: str = "  ") -> str:
 def render_plan(plan: dict[str, Any]) -> str:
     p = plan["params"]
     mem = plan["memory_per_device_bytes"]
+    whole = plan["state_bytes"]
     out = [f"maxpar plan: {plan['model_name']} on {plan['num_devices']:,} x {plan['hardware']} "
            f"({plan['num_slices']} slice{'s' if plan['num_slices'] > 1 else ''}), mesh {plan['mesh_description']}"]
     if plan["hardware_note"]:
@@ -69,6 +70,9 @@ def render_plan(plan: dict[str, Any]) -> str:
         table(["", "bytes"], [[k, human_bytes(mem[k])] for k in ("params", "gradients", "optimizer", "activations",
                                                                  "gathered_weights", "total")]),
         f"  {'fits in' if mem['fits'] else 'DOES NOT FIT in'} {human_bytes(mem['hbm_bytes'])} of HBM",
+        f"  one copy of the state, summed over its shards: params {human_bytes(whole['params'])} "
+        f"({whole['params_per_parameter']:.3g} bytes per parameter), optimizer {human_bytes(whole['optimizer'])} "
+        f"({whole['optimizer_per_parameter']:.3g} bytes per parameter)",
         "",
         "communication per step, per device (summed over weights and layers)",
     ]

@@ -37,6 +37,7 @@ STRATEGIES: dict[str, tuple[str, list[str]]] = {
     "dp2_fsdp2_tp2": ("base.yml", ["ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"]),
     "fsdp_transpose": ("fsdp_transpose.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
     "tp_sequence": ("tp_sequence.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
+    "tp_transpose": ("tp_transpose.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
     "pp2_fsdp2_tp2_circular": ("base.yml", ["ici_stage_parallelism=2", "ici_fsdp_parallelism=2",
                                             "ici_tensor_parallelism=2", "num_decoder_layers=4",
                                             "num_pipeline_repeats=2"]),
