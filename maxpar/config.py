@@ -21,10 +21,11 @@ from typing import Any
 import omegaconf
 from omegaconf import OmegaConf
 
-PHYSICAL_AXES = ("data", "fsdp", "tensor", "expert", "stage")
+PHYSICAL_AXES = ("data", "fsdp", "tensor", "expert", "stage", "context")
 DTYPES = ("float32", "bfloat16", "float16")
 SYNTHETIC_FIRST_TOKEN = 3  # synthetic data skips ids 0-2, the byte tokenizer's pad, bos and eos
-ATTENTION = ("dot_product", "xla", "cudnn_flash", "cudnn_flash_causal")
+ATTENTION = ("dot_product", "xla", "cudnn_flash", "cudnn_flash_causal", "blockwise")
+CONTEXT_STRATEGIES = ("all_gather", "ring")
 CUDNN_ATTENTION = ("cudnn_flash", "cudnn_flash_causal")
 
 
@@ -78,7 +79,10 @@ class Config:
     remat_policy: str = _key("activation rematerialization per layer", choices=("none", "minimal", "full"))
     attention: str = _key("attention core: dot_product (einsums), xla (jax.nn.dot_product_attention), cudnn_flash "
                           "(cuDNN flash, GPU, packed documents as a bias), cudnn_flash_causal (causal only: "
-                          "one document per row)", choices=ATTENTION)
+                          "one document per row), blockwise (pure-JAX flash attention: blocks, online softmax, "
+                          "skipped masked blocks; needed for context parallelism)", choices=ATTENTION)
+    attention_block_size: int = _key("query/key block of attention=blockwise (capped at the local sequence, which "
+                                     "it must divide); memory per head O(length x block)", min=1)
     sliding_window: int = _key("attend only to this many most recent tokens, the current one included "
                                "(0 = all; Mistral; maxpar.convert sets it from config.json)", min=0)
     scan_layers: bool = _key("nn.scan over layers (stacked `layers` axis); faster compile")
@@ -111,20 +115,28 @@ class Config:
     dataset_path: str = _key("glob of text files, one document each; {stdlib} = Python's standard library directory")
     tokenizer_path: str = _key("'' = byte-level; a sentencepiece .model or a Hugging Face tokenizer.json")
     # Sharding
-    mesh_axes: tuple[str, ...] = _key("order of the physical mesh axes (a permutation of data, fsdp, tensor, expert, stage)")
+    mesh_axes: tuple[str, ...] = _key("order of the physical mesh axes (a permutation of data, fsdp, tensor, expert, stage, "
+                                  "context)")
     logical_axis_rules: tuple[AxisRule, ...] = _key("logical axis -> physical mesh axes, in priority order")
     extra_logical_axis_rules: tuple[AxisRule, ...] = _key("rules checked before logical_axis_rules (strategy presets use this)")
+    context_parallel_strategy: str = _key("how attention sees the keys of other context shards: all_gather (gather "
+                                          "k/v per layer) or ring (k/v blocks travel the ring, never all held)",
+                                          choices=CONTEXT_STRATEGIES)
+    context_parallel_load_balance: bool = _key("reorder each row once at the input so every context shard gets "
+                                               "chunks i and 2N-1-i: the same share of the causal triangle")
     num_slices: int = _key("slices (DCN granules); -1 = detect from the devices", min=1, allow=(-1,))
     ici_data_parallelism: int = _key("data-parallel degree within a slice (-1 = fill)", min=-1)
     ici_fsdp_parallelism: int = _key("FSDP degree within a slice (-1 = fill)", min=-1)
     ici_tensor_parallelism: int = _key("tensor-parallel degree within a slice (-1 = fill)", min=-1)
     ici_expert_parallelism: int = _key("expert-parallel degree within a slice (-1 = fill)", min=-1)
     ici_stage_parallelism: int = _key("pipeline stages within a slice (-1 = fill)", min=-1)
+    ici_context_parallelism: int = _key("context-parallel degree (sequence split) within a slice (-1 = fill)", min=-1)
     dcn_data_parallelism: int = _key("data-parallel degree across slices (-1 = fill)", min=-1)
     dcn_fsdp_parallelism: int = _key("FSDP degree across slices (-1 = fill)", min=-1)
     dcn_tensor_parallelism: int = _key("tensor-parallel degree across slices (-1 = fill)", min=-1)
     dcn_expert_parallelism: int = _key("expert-parallel degree across slices (-1 = fill)", min=-1)
     dcn_stage_parallelism: int = _key("pipeline stages across slices (-1 = fill)", min=-1)
+    dcn_context_parallelism: int = _key("context-parallel degree across slices (-1 = fill)", min=-1)
     # Pipeline (stages S = ici_stage_parallelism x dcn_stage_parallelism; maxpar/pipeline/)
     num_pipeline_microbatches: int = _key("microbatches M streamed through the pipeline stages per step "
                                           "(-1 = the number of stages S)", min=1, allow=(-1,))
@@ -392,6 +404,7 @@ def validate(config: Config) -> None:
     if config.dataset_type == "text" and not config.dataset_path:
         raise ConfigError("dataset_type=text needs dataset_path (a glob of text files)")
     _validate_attention(config)
+    check_context(config, static_degree(config, "context"))
     stages = static_pipeline_stages(config)
     check_pipeline(config, stages)
     if config.load_parameters_path and config.load_full_state_path:
@@ -428,6 +441,50 @@ def _validate_attention(config: Config) -> None:
         raise ConfigError(f"{name} with dataset_type={config.dataset_type}: this mask is causal only and would let "
                           f"a token attend to the previous documents packed into its row; use "
                           f"attention=cudnn_flash (packed-document mask) or dataset_type=synthetic (one document per row)")
+
+
+def static_degree(config: Config, axis: str) -> int | None:
+    """ici x dcn degree of a mesh axis when the config alone fixes it (None when one of them is -1)."""
+    ici, dcn = getattr(config, f"ici_{axis}_parallelism"), getattr(config, f"dcn_{axis}_parallelism")
+    return None if -1 in (ici, dcn) else ici * dcn
+
+
+def check_context(config: Config, degree: int | None) -> None:
+    """Context parallelism and blockwise attention against the other keys (degree None: checked at setup).
+
+    The sequence is split into `degree` shards (2 x degree chunks with load balance) and every
+    shard into blocks of attention_block_size (capped at the shard).
+    """
+    length = config.max_target_length
+    degree_keys = f"ici_context_parallelism={config.ici_context_parallelism} x dcn_context_parallelism=" \
+                  f"{config.dcn_context_parallelism}"
+    if degree is not None and degree > 1:
+        degree_keys += f" = {degree}"
+        if config.attention != "blockwise":
+            raise ConfigError(f"attention={config.attention} with {degree_keys} (context_parallel_strategy="
+                              f"{config.context_parallel_strategy}): context parallelism runs attention=blockwise "
+                              f"only (it needs the global query/key offsets of each shard); set attention=blockwise")
+        chunks = 2 * degree if config.context_parallel_load_balance else degree
+        if length % chunks:
+            why = (f"context_parallel_load_balance=true cuts it into 2 x {degree} = {chunks} chunks"
+                   if config.context_parallel_load_balance else f"it is split into {degree} shards")
+            raise ConfigError(f"max_target_length={length} with {degree_keys}: {why}, so it must be a multiple of "
+                              f"{chunks}")
+        stages = static_pipeline_stages(config)
+        if stages is None or stages > 1:
+            raise ConfigError(f"{degree_keys} with ici_stage_parallelism={config.ici_stage_parallelism}, "
+                              f"dcn_stage_parallelism={config.dcn_stage_parallelism}: context parallelism with "
+                              f"pipeline stages is not supported yet; use stage degree 1")
+        if config.num_experts > 1:
+            raise ConfigError(f"{degree_keys} with num_experts={config.num_experts}: context parallelism with "
+                              f"mixture-of-experts layers is not supported yet (routing capacity is per row)")
+    if config.attention == "blockwise" and degree is not None:
+        local = length // degree
+        block = min(config.attention_block_size, local)
+        if local % block:
+            raise ConfigError(f"attention_block_size={config.attention_block_size} does not divide the "
+                              f"{local} tokens each context shard holds (max_target_length={length} / context "
+                              f"degree {degree}); use a divisor of {local}")
 
 
 def static_pipeline_stages(config: Config) -> int | None:

@@ -16,6 +16,7 @@ import optax
 from jax.sharding import Mesh
 
 from maxpar.config import Config
+from maxpar.model.context_parallel import reorder_batch
 from maxpar.model.moe import MOE_STATS, moe_totals
 from maxpar.optimizer import learning_rate_schedule
 from maxpar.sharding import batch_sharding, check_divisible, logical_specs, mesh_shardings, replicated
@@ -115,6 +116,7 @@ def _split_microbatches(batch: Batch, num: int) -> Batch:
 
 def _grads(params: Any, model: nn.Module, batch: Batch, config: Config) -> tuple[Any, dict[str, jax.Array]]:
     """Gradient of the summed objective and the metric sums, accumulated over microbatches with a scan."""
+    batch = reorder_batch(batch, config)
     grad_fn = jax.value_and_grad(partial(objective, model=model, config=config), has_aux=True)
     if config.gradient_accumulation_steps == 1:
         (_, sums), grads = grad_fn(params, batch)
@@ -161,6 +163,7 @@ def train_step(state: TrainState, batch: Batch, *, model: nn.Module, tx: optax.G
 
 
 def eval_step(params: Any, batch: Batch, *, model: nn.Module) -> dict[str, jax.Array]:
+    batch = reorder_batch(batch, model.config)
     loss_sum, count = loss_sum_and_count(params, model, batch)
     return {"loss_sum": loss_sum, "tokens": count}
 

@@ -16,6 +16,9 @@ recent `sliding_window` positions (Mistral), GQA, softmax in float32, q pre-scal
   traffic (and its gradient, which the JAX wrapper always computes).
 - cudnn_flash_causal: the same kernel with the causal mask only, no bias. Exact only
   when every row is one document (`validate` refuses it for dataset_type=text).
+- blockwise: pure-JAX flash attention (maxpar/model/blockwise.py): blocks of
+  `attention_block_size`, online softmax, masked blocks skipped, a recomputing custom VJP;
+  on a mesh with a `context` axis it runs context-parallel (maxpar/model/context_parallel.py).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from maxpar.config import CUDNN_ATTENTION, Config, ConfigError
+from maxpar.model.context_parallel import context_attention
 from maxpar.sharding import entry_axes
 
 Array = jax.Array
@@ -75,8 +79,14 @@ def fused_attention(q: Array, k: Array, v: Array, segment_ids: Array, implementa
                                         implementation=implementation)
 
 
-def attend(q: Array, k: Array, v: Array, segment_ids: Array, choice: str, window: int = 0) -> Array:
-    """The attention core named by `choice` (a value of `config.attention`); `window` 0 = no sliding window."""
+def attend(q: Array, k: Array, v: Array, segment_ids: Array, choice: str, window: int = 0,
+           config: Config | None = None) -> Array:
+    """The attention core named by `choice` (a value of `config.attention`); `window` 0 = no sliding window.
+
+    blockwise also reads its block size and context-parallel keys from `config`.
+    """
+    if choice == "blockwise":
+        return context_attention(q, k, v, segment_ids, config, ATTN_Q, ATTN_KV)
     if choice == "dot_product":
         return einsum_attention(q, k, v, segment_ids, window)
     if choice == "xla":
