@@ -1,0 +1,58 @@
+"""Context parallelism: the sequence split over the `context` axis reproduces the 1-device losses."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import tiny_config
+from maxpar.config import ConfigError
+from test_equivalence import corpus, losses  # noqa: F401  (the module-scoped corpus fixture)
+
+BLOCKWISE = ["attention=blockwise", "attention_block_size=8"]
+CASES = {
+    "cp8_ring_balanced": ["ici_context_parallelism=8", "ici_fsdp_parallelism=1", "context_parallel_strategy=ring"],
+    "cp8_gather_unbalanced": ["ici_context_parallelism=8", "ici_fsdp_parallelism=1",
+                              "context_parallel_load_balance=false"],
+    "cp4_gather_fsdp2": ["ici_context_parallelism=4", "ici_fsdp_parallelism=2"],
+    "cp2_ring_unbalanced_tp2_dp2": ["ici_context_parallelism=2", "ici_fsdp_parallelism=1", "ici_tensor_parallelism=2",
+                                    "ici_data_parallelism=2", "context_parallel_strategy=ring",
+                                    "context_parallel_load_balance=false"],
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, corpus):  # noqa: F811
+    return losses(tmp_path_factory.mktemp("ref"), corpus, jax.devices()[:1], "per_device_batch_size=8")
+
+
+def test_blockwise_matches_dot_product_on_one_device(tmp_path, corpus, reference):  # noqa: F811
+    got = losses(tmp_path, corpus, jax.devices()[:1], "per_device_batch_size=8", *BLOCKWISE)
+    assert reference[-1] < reference[0]
+    np.testing.assert_allclose(got, reference, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_context_parallel_matches_single_device(name, tmp_path, corpus, reference):  # noqa: F811
+    got = losses(tmp_path, corpus, jax.devices(), "per_device_batch_size=1", *BLOCKWISE, *CASES[name])
+    np.testing.assert_allclose(got, reference, rtol=1e-5)
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["ici_context_parallelism=8", "ici_fsdp_parallelism=1"], ["attention=dot_product", "ici_context_parallelism"]),
+    (["ici_context_parallelism=8", "ici_fsdp_parallelism=1", "attention=blockwise", "max_target_length=40"],
+     ["max_target_length=40", "context_parallel_load_balance", "16"]),
+    (["ici_context_parallelism=8", "ici_fsdp_parallelism=1", "attention=blockwise", "max_target_length=36",
+      "context_parallel_load_balance=false"], ["max_target_length=36", "8"]),
+    (["attention=blockwise", "attention_block_size=12"], ["attention_block_size=12", "32"]),
+    (["ici_context_parallelism=2", "ici_stage_parallelism=2", "ici_fsdp_parallelism=-1", "attention=blockwise"],
+     ["ici_stage_parallelism=2", "pipeline"]),
+    (["ici_context_parallelism=2", "ici_fsdp_parallelism=-1", "attention=blockwise", "num_experts=4"],
+     ["num_experts=4"]),
+])
+def test_context_config_errors_name_the_keys(overrides, named):
+    with pytest.raises(ConfigError) as info:
+        tiny_config(*overrides)
+    for word in named:
+        assert word in str(info.value)
