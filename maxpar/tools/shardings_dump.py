@@ -51,6 +51,8 @@ STRATEGIES: dict[str, tuple[str, list[str]]] = {
                                             "num_pipeline_repeats=2"]),
     "moe_ep4_fsdp2": ("base.yml", ["num_experts=8", "num_experts_per_tok=2", "ici_expert_parallelism=4",
                                    "ici_fsdp_parallelism=2"]),
+    "cp4_fsdp2_ring": ("base.yml", ["ici_context_parallelism=4", "ici_fsdp_parallelism=2", "attention=blockwise",
+                                    "context_parallel_strategy=ring"]),
 }
 
 
