@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import tiny_config
+from helpers import read_metrics, tiny_config
 from maxpar.config import ConfigError
 from test_equivalence import corpus, losses  # noqa: F401  (the module-scoped corpus fixture)
 
@@ -56,3 +56,20 @@ def test_context_config_errors_name_the_keys(overrides, named):
         tiny_config(*overrides)
     for word in named:
         assert word in str(info.value)
+
+
+def test_checkpoint_restores_across_context_degrees_and_strategies(tmp_path, corpus):  # noqa: F811
+    """Saved by a CP=4 ring run, resumed at step 2 on one device with dot_product: the same steps 3 and 4."""
+    from test_checkpoint import copy_run, run_config
+    from maxpar.train import train
+
+    saved = tmp_path / "saved"
+    train(run_config(corpus, *BLOCKWISE, "ici_context_parallelism=4", "ici_fsdp_parallelism=2",
+                     "context_parallel_strategy=ring"), devices=jax.devices(), run_dir=saved)
+    resumed = copy_run(saved, tmp_path / "resumed", steps={2})
+    train(run_config(corpus, "per_device_batch_size=8"), devices=jax.devices()[:1], run_dir=resumed)
+    rows = {name: [(r["step"], r["loss"]) for r in read_metrics(run)] for name, run in (("saved", saved),
+                                                                                         ("resumed", resumed))}
+    assert [s for s, _ in rows["resumed"]] == [3, 4]
+    np.testing.assert_allclose([loss for _, loss in rows["resumed"]], [loss for _, loss in rows["saved"][2:]],
+                               rtol=1e-5)
