@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import enum
 
-PHYSICAL_AXES = ("data", "fsdp", "tensor", "expert", "stage")
+PHYSICAL_AXES = ("data", "fsdp", "tensor", "expert", "stage", "context")
 STAGE_AXIS = "stage"    # the mesh axis whose degree is the number of pipeline stages
+CONTEXT_AXIS = "context"  # the mesh axis context parallelism splits the sequence over
 ZERO_AXIS = "data"      # the mesh axis shard_optimizer_over_data (ZeRO-1) also splits the optimizer state over
 
 
@@ -43,10 +44,9 @@ class Logical(enum.StrEnum):
     REPEATS = "pipeline_repeats"            # a circular pipeline's R blocks per stage
 
 
-# Names configs/base.yml gives no rule: replicated unless a preset maps them (e.g. TP-sequence's lengths).
-UNSHARDED_BY_DEFAULT = frozenset({Logical.LENGTH, Logical.EMBED_ACT, Logical.ATTN_LENGTH, Logical.HEAD_DIM_ACT,
-                                  Logical.MLP_LENGTH, Logical.MLP_EMBED_ACT, Logical.HEAD_DIM, Logical.NORM,
-                                  Logical.REPEATS})
+# Names configs/base.yml gives no rule: replicated unless a preset maps them (e.g. TP-transpose's mlp embed).
+UNSHARDED_BY_DEFAULT = frozenset({Logical.EMBED_ACT, Logical.HEAD_DIM_ACT, Logical.MLP_EMBED_ACT, Logical.HEAD_DIM,
+                                  Logical.NORM, Logical.REPEATS})
 
 # The logical axes of the activations the model constrains.
 BATCH_INPUT = (Logical.BATCH, Logical.LENGTH)                                  # [rows, length] token arrays

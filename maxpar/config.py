@@ -25,7 +25,8 @@ from maxpar.axes import PHYSICAL_AXES, Logical, unknown_logical
 
 DTYPES = ("float32", "bfloat16", "float16")
 SYNTHETIC_FIRST_TOKEN = 3  # synthetic data skips ids 0-2, the byte tokenizer's pad, bos and eos
-ATTENTION = ("dot_product", "xla", "cudnn_flash", "cudnn_flash_causal")
+ATTENTION = ("dot_product", "xla", "cudnn_flash", "cudnn_flash_causal", "blockwise")
+CONTEXT_STRATEGIES = ("all_gather", "ring")
 CUDNN_ATTENTION = ("cudnn_flash", "cudnn_flash_causal")
 
 
@@ -84,7 +85,10 @@ class Config:
     remat_policy: str = _key("activation rematerialization per layer", choices=("none", "minimal", "full"))
     attention: str = _key("attention core: dot_product (einsums), xla (jax.nn.dot_product_attention), cudnn_flash "
                           "(cuDNN flash, GPU, packed documents as a bias), cudnn_flash_causal (causal only: "
-                          "one document per row)", choices=ATTENTION)
+                          "one document per row), blockwise (pure-JAX flash attention: blocks, online softmax, "
+                          "skipped masked blocks; needed for context parallelism)", choices=ATTENTION)
+    attention_block_size: int = _key("query/key block of attention=blockwise (capped at the local sequence, which "
+                                     "it must divide); memory per head O(length x block)", min=1)
     sliding_window: int = _key("attend only to this many most recent tokens, the current one included "
                                "(0 = all; Mistral; maxpar.convert sets it from config.json)", min=0)
     scan_layers: bool = _key("nn.scan over layers (stacked `layers` axis); faster compile")
@@ -117,20 +121,28 @@ class Config:
     dataset_path: str = _key("glob of text files, one document each; {stdlib} = Python's standard library directory")
     tokenizer_path: str = _key("'' = byte-level; a sentencepiece .model or a Hugging Face tokenizer.json")
     # Sharding
-    mesh_axes: tuple[str, ...] = _key("order of the physical mesh axes (a permutation of data, fsdp, tensor, expert, stage)")
+    mesh_axes: tuple[str, ...] = _key("order of the physical mesh axes (a permutation of data, fsdp, tensor, expert, stage, "
+                                  "context)")
     logical_axis_rules: tuple[AxisRule, ...] = _key("logical axis -> physical mesh axes, in priority order")
     extra_logical_axis_rules: tuple[AxisRule, ...] = _key("rules checked before logical_axis_rules (strategy presets use this)")
+    context_parallel_strategy: str = _key("how attention sees the keys of other context shards: all_gather (gather "
+                                          "k/v per layer) or ring (k/v blocks travel the ring, never all held)",
+                                          choices=CONTEXT_STRATEGIES)
+    context_parallel_load_balance: bool = _key("reorder each row once at the input so every context shard gets "
+                                               "chunks i and 2N-1-i: the same share of the causal triangle")
     num_slices: int = _key("slices (DCN granules); -1 = detect from the devices", min=1, allow=(-1,))
     ici_data_parallelism: int = _key("data-parallel degree within a slice (-1 = fill)", min=-1)
     ici_fsdp_parallelism: int = _key("FSDP degree within a slice (-1 = fill)", min=-1)
     ici_tensor_parallelism: int = _key("tensor-parallel degree within a slice (-1 = fill)", min=-1)
     ici_expert_parallelism: int = _key("expert-parallel degree within a slice (-1 = fill)", min=-1)
     ici_stage_parallelism: int = _key("pipeline stages within a slice (-1 = fill)", min=-1)
+    ici_context_parallelism: int = _key("context-parallel degree (sequence split) within a slice (-1 = fill)", min=-1)
     dcn_data_parallelism: int = _key("data-parallel degree across slices (-1 = fill)", min=-1)
     dcn_fsdp_parallelism: int = _key("FSDP degree across slices (-1 = fill)", min=-1)
     dcn_tensor_parallelism: int = _key("tensor-parallel degree across slices (-1 = fill)", min=-1)
     dcn_expert_parallelism: int = _key("expert-parallel degree across slices (-1 = fill)", min=-1)
     dcn_stage_parallelism: int = _key("pipeline stages across slices (-1 = fill)", min=-1)
+    dcn_context_parallelism: int = _key("context-parallel degree across slices (-1 = fill)", min=-1)
     # Pipeline (stages S = ici_stage_parallelism x dcn_stage_parallelism; maxpar/pipeline/)
     num_pipeline_microbatches: int = _key("microbatches M streamed through the pipeline stages per step "
                                           "(-1 = the number of stages S)", min=1, allow=(-1,))

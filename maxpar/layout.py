@@ -18,7 +18,7 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from maxpar.axes import ATTN_KV, ATTN_Q, BATCH_INPUT, RESIDUAL, STAGE_AXIS, Logical
+from maxpar.axes import ATTN_KV, ATTN_Q, BATCH_INPUT, CONTEXT_AXIS, RESIDUAL, STAGE_AXIS, Logical
 from maxpar.config import CUDNN_ATTENTION, AxisRule, Config, ConfigError
 from maxpar.mesh import MeshShape
 from maxpar.pipeline.schedule import Schedule
@@ -101,11 +101,31 @@ def expert_axes(rules: Sequence[AxisRule], sizes: dict[str, int]) -> ExpertAxes:
 
 
 @dataclasses.dataclass(frozen=True)
+class ContextLayout:
+    """attention=blockwise on a mesh: the context degree C (1: none) and q's and k/v's live mesh axes (axes of
+    size 1 left out: shard_map would count them as varying)."""
+
+    degree: int
+    q_spec: PartitionSpec
+    kv_spec: PartitionSpec
+
+
+def live_spec(axes: Sequence[Axes], sizes: dict[str, int]) -> PartitionSpec:
+    """A PartitionSpec of these per-dim mesh axes without the axes of size 1."""
+    entries = []
+    for dim_axes in axes:
+        live = tuple(a for a in dim_axes if sizes.get(a, 1) > 1)
+        entries.append(live if len(live) > 1 else (live[0] if live else None))
+    return PartitionSpec(*entries)
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelLayout:
     """What the model needs of the layout while it is traced (hashable: a Flax module attribute).
 
     pipeline: the schedule (None: the layers run in order); stage_axes / loop_batch_axes: the mesh axes
-    of the stacked layers and of the batch inside the pipeline loop; experts: the MoE axes (None: dense).
+    of the stacked layers and of the batch inside the pipeline loop; experts: the MoE axes (None: dense);
+    context: how attention=blockwise splits over the mesh (None: another core, or one device).
     """
 
     rules: tuple[AxisRule, ...]
@@ -113,6 +133,7 @@ class ModelLayout:
     stage_axes: Axes = ()
     loop_batch_axes: Axes = ()
     experts: ExpertAxes | None = None
+    context: ContextLayout | None = None
 
 
 # ---------------------------------------------------------------- the run layout
@@ -206,6 +227,7 @@ def resolve_layout(config: Config, mesh: MeshShape, state: TracedState, *, check
     loop_batch_axes = tuple(a for a in input_axes[0] if a not in stage_axes)
     if schedule is not None and check_batch:
         check_pipeline_batch(schedule, batch.microbatch_rows, math.prod(sizes[a] for a in loop_batch_axes))
+    context = context_layout(config, rules, sizes)
     experts = None
     if config.num_experts > 1:
         experts = expert_axes(rules, sizes)
@@ -220,7 +242,7 @@ def resolve_layout(config: Config, mesh: MeshShape, state: TracedState, *, check
         update_specs = jax.tree.map(lambda leaf, s: with_zero_axis(leaf.shape, s).spec, state.abstract.params,
                                     shardings.params)
     model = ModelLayout(rules=rules, pipeline=schedule, stage_axes=stage_axes, loop_batch_axes=loop_batch_axes,
-                        experts=experts)
+                        experts=experts, context=context)
     return RunLayout(config=config, mesh=mesh, batch=batch, input_axes=input_axes,
                      residual_axes=tuple(mesh_axes(RESIDUAL, rules)), model=model, state=state,
                      state_specs=jax.tree.map(lambda s: s.spec, shardings), update_specs=update_specs)
@@ -342,6 +364,58 @@ def check_attention_sharding(config: Config, rules: Sequence[AxisRule], sizes: d
                 raise ConfigError(f"attention={config.attention}: cuDNN flash attention cannot shard {dim} (here over "
                                   f"{', '.join(live)}); change logical_axis_rules or the mesh, or use "
                                   f"attention=dot_product")
+
+
+def context_layout(config: Config, rules: Sequence[AxisRule], sizes: dict[str, int]) -> ContextLayout | None:
+    """How attention=blockwise runs on this mesh (every context check here), or None (another core, one device)."""
+    degree = sizes.get(CONTEXT_AXIS, 1)
+    check_context(config, degree, sizes.get(STAGE_AXIS, 1))
+    if config.attention != "blockwise" or math.prod(sizes.values()) == 1:
+        return None
+    q_axes, kv_axes = mesh_axes(ATTN_Q, rules), mesh_axes(ATTN_KV, rules)
+    length_axes = tuple(a for a in q_axes[1] if sizes.get(a, 1) > 1)
+    if length_axes not in ((), (CONTEXT_AXIS,)) or tuple(a for a in kv_axes[1] if sizes.get(a, 1) > 1) != length_axes:
+        raise ConfigError(f"attention=blockwise: the rules shard the attention length ({ATTN_Q[1]}) over "
+                          f"{list(q_axes[1]) or 'nothing'} and the keys' over {list(kv_axes[1]) or 'nothing'}; "
+                          f"blockwise attention splits the sequence over the `{CONTEXT_AXIS}` axis only "
+                          f"(logical_axis_rules)")
+    return ContextLayout(degree=degree, q_spec=live_spec(q_axes, sizes), kv_spec=live_spec(kv_axes, sizes))
+
+
+def check_context(config: Config, degree: int, stages: int) -> None:
+    """Context parallelism and blockwise attention against the other keys and the mesh's context degree.
+
+    The sequence is split into `degree` shards (2 x degree chunks with load balance) and every
+    shard into blocks of attention_block_size (capped at the shard).
+    """
+    length = config.max_target_length
+    degree_keys = f"ici_context_parallelism={config.ici_context_parallelism} x dcn_context_parallelism=" \
+                  f"{config.dcn_context_parallelism} = {degree}"
+    if degree > 1:
+        if config.attention != "blockwise":
+            raise ConfigError(f"attention={config.attention} with {degree_keys} (context_parallel_strategy="
+                              f"{config.context_parallel_strategy}): context parallelism runs attention=blockwise "
+                              f"only (it needs the global query/key offsets of each shard); set attention=blockwise")
+        chunks = 2 * degree if config.context_parallel_load_balance else degree
+        if length % chunks:
+            why = (f"context_parallel_load_balance=true cuts it into 2 x {degree} = {chunks} chunks"
+                   if config.context_parallel_load_balance else f"it is split into {degree} shards")
+            raise ConfigError(f"max_target_length={length} with {degree_keys}: {why}, so it must be a multiple of "
+                              f"{chunks}")
+        if stages > 1:
+            raise ConfigError(f"{degree_keys} with ici_stage_parallelism={config.ici_stage_parallelism}, "
+                              f"dcn_stage_parallelism={config.dcn_stage_parallelism}: context parallelism with "
+                              f"pipeline stages is not supported yet; use stage degree 1")
+        if config.num_experts > 1:
+            raise ConfigError(f"{degree_keys} with num_experts={config.num_experts}: context parallelism with "
+                              f"mixture-of-experts layers is not supported yet (routing capacity is per row)")
+    if config.attention == "blockwise":
+        local = length // degree
+        block = min(config.attention_block_size, local)
+        if local % block:
+            raise ConfigError(f"attention_block_size={config.attention_block_size} does not divide the "
+                              f"{local} tokens each context shard holds (max_target_length={length} / context "
+                              f"degree {degree}); use a divisor of {local}")
 
 
 def check_devices(config: Config, devices: Sequence[jax.Device]) -> None:

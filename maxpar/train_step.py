@@ -19,6 +19,7 @@ from maxpar.config import AxisRule, Config
 from maxpar.layout import RunLayout, TracedState, resolve_layout, split_microbatches
 from maxpar.mesh import MeshShape
 from maxpar.model import Transformer
+from maxpar.model.context_parallel import reorder_batch
 from maxpar.model.moe import MOE_STATS, moe_totals
 from maxpar.optimizer import learning_rate_schedule, make_optimizer
 from maxpar.sharding import logical_specs, replicated
@@ -119,6 +120,7 @@ def objective(params: Any, batch: Batch, *, model: nn.Module, config: Config) ->
 
 def _grads(params: Any, model: nn.Module, batch: Batch, config: Config) -> tuple[Any, dict[str, jax.Array]]:
     """Gradient of the summed objective and the metric sums, accumulated over microbatches with a scan."""
+    batch = reorder_batch(batch, config, model.layout)
     grad_fn = jax.value_and_grad(partial(objective, model=model, config=config), has_aux=True)
     if config.gradient_accumulation_steps == 1:
         (_, sums), grads = grad_fn(params, batch)
@@ -179,6 +181,7 @@ def train_step(state: TrainState, batch: Batch, *, model: nn.Module, tx: optax.G
 
 
 def eval_step(params: Any, batch: Batch, *, model: nn.Module) -> dict[str, jax.Array]:
+    batch = reorder_batch(batch, model.config)
     loss_sum, count = loss_sum_and_count(params, model, batch)
     return {"loss_sum": loss_sum, "tokens": count}
 

@@ -98,23 +98,23 @@ def test_base_loads_with_tiny_preset():
     tiny = yaml.safe_load((CONFIGS / "models" / "tiny.yml").read_text())
     for key, value in tiny.items():
         assert getattr(config, key) == value, key
-    assert config.mesh_axes == ("data", "stage", "fsdp", "expert", "tensor")
+    assert config.mesh_axes == ("data", "stage", "fsdp", "context", "expert", "tensor")
     assert config.axis_rules == config.logical_axis_rules  # no extra rules in base
     assert config.extra_logical_axis_rules == ()
-    assert ("embed", ("fsdp", "expert")) in config.logical_axis_rules
+    assert ("embed", ("fsdp", "context", "expert")) in config.logical_axis_rules
     # The dump lists every key and round-trips through YAML.
     assert set(yaml.safe_load(to_yaml(config))) == set(FIELDS)
 
 
 def test_overrides_are_yaml_typed():
     config = load("steps=7", "learning_rate=1e-3", "scan_layers=false", "logical_axis_rules=[[embed,[fsdp]]]",
-                  "mesh_axes=[tensor,data,fsdp,expert,stage]", "run_name=abc", "per_device_batch_size=2")
+                  "mesh_axes=[tensor,data,fsdp,expert,stage,context]", "run_name=abc", "per_device_batch_size=2")
     assert config.steps == 7 and type(config.steps) is int
     assert config.learning_rate == pytest.approx(1e-3) and type(config.learning_rate) is float
     assert config.scan_layers is False
     assert config.logical_axis_rules == (("embed", ("fsdp",)),)
     assert config.axis_rules == (("embed", ("fsdp",)),)
-    assert config.mesh_axes == ("tensor", "data", "fsdp", "expert", "stage")
+    assert config.mesh_axes == ("tensor", "data", "fsdp", "expert", "stage", "context")
     assert config.run_name == "abc"
     assert config.per_device_batch_size == 2.0 and type(config.per_device_batch_size) is float
 

@@ -13,7 +13,7 @@ from maxpar.mesh import MeshShape, create_mesh, local_mesh_shape, num_slices_for
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = str(REPO / "configs" / "base.yml")
-AXES = ("data", "stage", "fsdp", "expert", "tensor")  # base.yml's mesh_axes
+AXES = ("data", "stage", "fsdp", "context", "expert", "tensor")  # base.yml's mesh_axes
 
 
 def cfg(*overrides: str):
@@ -64,23 +64,23 @@ def test_resolve_mesh_shape(overrides, devices, slices, expected):
 def test_ici_and_dcn_parts_are_kept_apart():
     shape = resolve_mesh_shape(cfg("dcn_data_parallelism=-1", "dcn_fsdp_parallelism=2", "ici_tensor_parallelism=2"),
                                32, 4)
-    assert dict(zip(AXES, shape.ici)) == {"data": 1, "stage": 1, "fsdp": 4, "expert": 1, "tensor": 2}
-    assert dict(zip(AXES, shape.dcn)) == {"data": 2, "stage": 1, "fsdp": 2, "expert": 1, "tensor": 1}
+    assert dict(zip(AXES, shape.ici)) == {"data": 1, "stage": 1, "fsdp": 4, "context": 1, "expert": 1, "tensor": 2}
+    assert dict(zip(AXES, shape.dcn)) == {"data": 2, "stage": 1, "fsdp": 2, "context": 1, "expert": 1, "tensor": 1}
     assert shape.describe() == "data=1x2 fsdp=4x2 tensor=2"
     assert resolve_mesh_shape(cfg(), 1).describe() == "single device"
 
 
 def test_shape_follows_mesh_axes_order():
-    config = cfg("mesh_axes=[tensor,fsdp,data,expert,stage]", "ici_tensor_parallelism=2", "ici_data_parallelism=2",
+    config = cfg("mesh_axes=[tensor,fsdp,data,expert,stage,context]", "ici_tensor_parallelism=2", "ici_data_parallelism=2",
                  "ici_fsdp_parallelism=-1")
     shape = resolve_mesh_shape(config, 16)
-    assert shape.axis_names == ("tensor", "fsdp", "data", "expert", "stage")
-    assert shape.shape == (2, 4, 2, 1, 1)
+    assert shape.axis_names == ("tensor", "fsdp", "data", "expert", "stage", "context")
+    assert shape.shape == (2, 4, 2, 1, 1, 1)
 
 
 def test_product_mismatch_names_degrees_and_device_count():
     config = cfg("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2")
-    assert resolve_mesh_shape(config, 8).shape == (1, 1, 4, 1, 2)
+    assert resolve_mesh_shape(config, 8).shape == (1, 1, 4, 1, 1, 2)
     with pytest.raises(ConfigError) as info:
         resolve_mesh_shape(config, 16)
     message = str(info.value)
@@ -129,7 +129,7 @@ def test_eight_cpu_devices():
     (["ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"],
      {"data": 2, "fsdp": 2, "tensor": 2}),
     (["ici_data_parallelism=8", "ici_fsdp_parallelism=1"], {"data": 8}),
-    (["mesh_axes=[tensor,expert,fsdp,stage,data]", "ici_tensor_parallelism=2"], {"fsdp": 4, "tensor": 2}),
+    (["mesh_axes=[tensor,expert,fsdp,stage,data,context]", "ici_tensor_parallelism=2"], {"fsdp": 4, "tensor": 2}),
 ])
 def test_create_mesh(overrides, expected):
     config = cfg(*overrides)
@@ -157,7 +157,7 @@ def test_single_process_is_one_slice():
 
 def test_num_slices_one_gives_flat_mesh():
     mesh = create_mesh(cfg("num_slices=1"))
-    assert dict(mesh.shape) == {"data": 1, "stage": 1, "fsdp": 8, "expert": 1, "tensor": 1}
+    assert dict(mesh.shape) == {"data": 1, "stage": 1, "fsdp": 8, "context": 1, "expert": 1, "tensor": 1}
 
 
 def test_num_slices_mismatch_on_one_process():
@@ -229,7 +229,7 @@ def test_hybrid_mesh_data_over_processes():
     assert dict(zip(shape.axis_names, shape.ici))["fsdp"] == 4
     assert dict(zip(shape.axis_names, shape.dcn))["data"] == 2
     mesh = create_mesh(config, devices)
-    assert dict(mesh.shape) == {"data": 2, "stage": 1, "fsdp": 4, "expert": 1, "tensor": 1}
+    assert dict(mesh.shape) == {"data": 2, "stage": 1, "fsdp": 4, "context": 1, "expert": 1, "tensor": 1}
     processes = _process_of(mesh.devices)
     for i in range(2):
         # The whole ICI block at data=i lies on process i.
@@ -246,11 +246,11 @@ def test_hybrid_mesh_default_config_fills_dcn_data():
 
 
 def test_hybrid_mesh_with_permuted_axes():
-    config = cfg("mesh_axes=[tensor,fsdp,stage,expert,data]", "dcn_data_parallelism=2", "ici_fsdp_parallelism=2",
+    config = cfg("mesh_axes=[tensor,fsdp,stage,context,expert,data]", "dcn_data_parallelism=2", "ici_fsdp_parallelism=2",
                  "ici_tensor_parallelism=2")
     mesh = create_mesh(config, two_processes())
-    assert mesh.axis_names == ("tensor", "fsdp", "stage", "expert", "data")
-    assert mesh.devices.shape == (2, 2, 1, 1, 2)
+    assert mesh.axis_names == ("tensor", "fsdp", "stage", "context", "expert", "data")
+    assert mesh.devices.shape == (2, 2, 1, 1, 1, 2)
     processes = _process_of(mesh.devices)
     for i in range(2):
         assert (processes[..., i] == i).all(), processes

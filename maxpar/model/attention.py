@@ -16,6 +16,9 @@ recent `sliding_window` positions (Mistral), GQA, softmax in float32, q pre-scal
   traffic (and its gradient, which the JAX wrapper always computes).
 - cudnn_flash_causal: the same kernel with the causal mask only, no bias. Exact only
   when every row is one document (`validate` refuses it for dataset_type=text).
+- blockwise: pure-JAX flash attention (maxpar/model/blockwise.py): blocks of
+  `attention_block_size`, online softmax, masked blocks skipped, a recomputing custom VJP;
+  on a mesh with a `context` axis it runs context-parallel (maxpar/model/context_parallel.py).
 
 The device and sharding checks of the cuDNN choices are in `maxpar.layout`.
 """
@@ -25,7 +28,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from maxpar.config import CUDNN_ATTENTION
+from maxpar.config import CUDNN_ATTENTION, Config
+from maxpar.layout import ContextLayout
+from maxpar.model.context_parallel import context_attention
 
 Array = jax.Array
 
@@ -68,8 +73,15 @@ def fused_attention(q: Array, k: Array, v: Array, segment_ids: Array, implementa
                                         implementation=implementation)
 
 
-def attend(q: Array, k: Array, v: Array, segment_ids: Array, choice: str, window: int = 0) -> Array:
-    """The attention core named by `choice` (a value of `config.attention`); `window` 0 = no sliding window."""
+def attend(q: Array, k: Array, v: Array, segment_ids: Array, choice: str, window: int = 0,
+           config: Config | None = None, context: ContextLayout | None = None) -> Array:
+    """The attention core named by `choice` (a value of `config.attention`); `window` 0 = no sliding window.
+
+    blockwise also reads its block size and context-parallel keys from `config`, and runs over the
+    context shards of the layout's `context` (None: no mesh, the whole arrays).
+    """
+    if choice == "blockwise":
+        return context_attention(q, k, v, segment_ids, config, context)
     if choice == "dot_product":
         return einsum_attention(q, k, v, segment_ids, window)
     if choice == "xla":

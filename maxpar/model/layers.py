@@ -95,7 +95,8 @@ class Attention(ModelModule):
 
         # Init only needs shapes: the portable core keeps it (and the planner's abstract init) off the GPU.
         choice = "dot_product" if self.is_initializing() else cfg.attention
-        out = constrain(attend(q, k, v, segment_ids, choice, cfg.sliding_window), ATTN_Q)
+        context = self.layout.context if self.layout else None
+        out = constrain(attend(q, k, v, segment_ids, choice, cfg.sliding_window, cfg, context), ATTN_Q)
         return constrain(jnp.einsum("blhd,hde->ble", out, wo.astype(dt)), RESIDUAL)
 
 

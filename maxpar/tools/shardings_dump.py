@@ -43,12 +43,15 @@ STRATEGIES: dict[str, tuple[str, list[str]]] = {
                                             "num_pipeline_repeats=2"]),
     "moe_ep4_fsdp2": ("base.yml", ["num_experts=8", "num_experts_per_tok=2", "ici_expert_parallelism=4",
                                    "ici_fsdp_parallelism=2"]),
+    "cp4_fsdp2_ring": ("base.yml", ["ici_context_parallelism=4", "ici_fsdp_parallelism=2", "attention=blockwise",
+                                    "context_parallel_strategy=ring"]),
 }
 
 
 def _spec(spec: Any) -> list[Any]:
     """A PartitionSpec as JSON: None, an axis name, or a list of axis names per dimension."""
-    return [entry if entry is None or isinstance(entry, str) else list(entry) for entry in spec]
+    return [None if entry is None else str(entry) if isinstance(entry, str) else [str(e) for e in entry]
+            for entry in spec]
 
 
 def strategy_shardings(config: Config) -> dict[str, Any]:

@@ -1,0 +1,79 @@
+"""Context parallelism: the sequence split over the `context` axis reproduces the 1-device losses."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import read_metrics, tiny_config
+from maxpar.config import ConfigError
+from maxpar.mesh import resolve_mesh_shape
+from maxpar.train_step import run_layout
+from test_equivalence import corpus, losses  # noqa: F401  (the module-scoped corpus fixture)
+
+BLOCKWISE = ["attention=blockwise", "attention_block_size=8"]
+CASES = {
+    "cp8_ring_balanced": ["ici_context_parallelism=8", "ici_fsdp_parallelism=1", "context_parallel_strategy=ring"],
+    "cp8_gather_unbalanced": ["ici_context_parallelism=8", "ici_fsdp_parallelism=1",
+                              "context_parallel_load_balance=false"],
+    "cp4_gather_fsdp2": ["ici_context_parallelism=4", "ici_fsdp_parallelism=2"],
+    "cp2_ring_unbalanced_tp2_dp2": ["ici_context_parallelism=2", "ici_fsdp_parallelism=1", "ici_tensor_parallelism=2",
+                                    "ici_data_parallelism=2", "context_parallel_strategy=ring",
+                                    "context_parallel_load_balance=false"],
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, corpus):  # noqa: F811
+    return losses(tmp_path_factory.mktemp("ref"), corpus, jax.devices()[:1], "per_device_batch_size=8")
+
+
+def test_blockwise_matches_dot_product_on_one_device(tmp_path, corpus, reference):  # noqa: F811
+    got = losses(tmp_path, corpus, jax.devices()[:1], "per_device_batch_size=8", *BLOCKWISE)
+    assert reference[-1] < reference[0]
+    np.testing.assert_allclose(got, reference, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_context_parallel_matches_single_device(name, tmp_path, corpus, reference):  # noqa: F811
+    got = losses(tmp_path, corpus, jax.devices(), "per_device_batch_size=1", *BLOCKWISE, *CASES[name])
+    np.testing.assert_allclose(got, reference, rtol=1e-5)
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["ici_context_parallelism=8", "ici_fsdp_parallelism=1"], ["attention=dot_product", "ici_context_parallelism"]),
+    (["ici_context_parallelism=8", "ici_fsdp_parallelism=1", "attention=blockwise", "max_target_length=40"],
+     ["max_target_length=40", "context_parallel_load_balance", "16"]),
+    (["ici_context_parallelism=8", "ici_fsdp_parallelism=1", "attention=blockwise", "max_target_length=36",
+      "context_parallel_load_balance=false"], ["max_target_length=36", "8"]),
+    (["attention=blockwise", "attention_block_size=12"], ["attention_block_size=12", "32"]),
+    (["ici_context_parallelism=2", "ici_stage_parallelism=2", "ici_fsdp_parallelism=-1", "attention=blockwise"],
+     ["ici_stage_parallelism=2", "pipeline"]),
+    (["ici_context_parallelism=2", "ici_fsdp_parallelism=-1", "attention=blockwise", "num_experts=4"],
+     ["num_experts=4"]),
+])
+def test_context_config_errors_name_the_keys(overrides, named):
+    """Refused before any device is used: by the run layout on an abstract mesh of 8."""
+    with pytest.raises(ConfigError) as info:
+        config = tiny_config(*overrides)
+        run_layout(config, resolve_mesh_shape(config, 8))
+    for word in named:
+        assert word in str(info.value)
+
+
+def test_checkpoint_restores_across_context_degrees_and_strategies(tmp_path, corpus):  # noqa: F811
+    """Saved by a CP=4 ring run, resumed at step 2 on one device with dot_product: the same steps 3 and 4."""
+    from test_checkpoint import copy_run, run_config
+    from maxpar.train import train
+
+    saved = tmp_path / "saved"
+    train(run_config(corpus, *BLOCKWISE, "ici_context_parallelism=4", "ici_fsdp_parallelism=2",
+                     "context_parallel_strategy=ring"), devices=jax.devices(), run_dir=saved)
+    resumed = copy_run(saved, tmp_path / "resumed", steps={2})
+    train(run_config(corpus, "per_device_batch_size=8"), devices=jax.devices()[:1], run_dir=resumed)
+    rows = {name: [(r["step"], r["loss"]) for r in read_metrics(run)] for name, run in (("saved", saved),
+                                                                                         ("resumed", resumed))}
+    assert [s for s, _ in rows["resumed"]] == [3, 4]
+    np.testing.assert_allclose([loss for _, loss in rows["resumed"]], [loss for _, loss in rows["saved"][2:]],
+                               rtol=1e-5)
