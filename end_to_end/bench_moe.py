@@ -14,19 +14,16 @@ machine are indicative only.
 
 from __future__ import annotations
 
-from maxpar.tools.host_devices import simulate_cpu_devices
+from preamble import prepare  # end_to_end/preamble.py: this script's folder is sys.path[0]
 
-simulate_cpu_devices(8)
+REPO = prepare(devices=8)
 
 import argparse
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 import jax
 import numpy as np

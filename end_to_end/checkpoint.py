@@ -17,22 +17,19 @@ Prints the figures and a final PASS/FAIL line; exits non-zero on FAIL.
 
 from __future__ import annotations
 
-from maxpar.tools.host_devices import simulate_cpu_devices
+from preamble import prepare  # end_to_end/preamble.py: this script's folder is sys.path[0]
 
-simulate_cpu_devices(8)
+REPO = prepare(devices=8)
 
 import argparse  # noqa: E402
 import random  # noqa: E402
 import re  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
-import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 from verdict import exit_with  # noqa: E402 - end_to_end/verdict.py (this script's folder is sys.path[0])
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

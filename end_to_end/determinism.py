@@ -9,21 +9,17 @@ logged losses bit for bit (float32 bit patterns), prints both and a PASS/FAIL li
 
 from __future__ import annotations
 
-from maxpar.tools.host_devices import simulate_cpu_devices
+from preamble import prepare  # end_to_end/preamble.py: this script's folder is sys.path[0]
 
-simulate_cpu_devices(8)
+REPO = prepare(devices=8)
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 from verdict import exit_with  # end_to_end/verdict.py: this script's folder is sys.path[0]
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
 
 import jax
 import numpy as np

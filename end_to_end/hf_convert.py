@@ -16,9 +16,9 @@ Prints the figures and a final PASS/FAIL line; exits non-zero on FAIL.
 
 from __future__ import annotations
 
-from maxpar.tools.host_devices import simulate_cpu_devices
+from preamble import prepare  # end_to_end/preamble.py: this script's folder is sys.path[0]
 
-simulate_cpu_devices(8)
+REPO = prepare(devices=8)
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -30,8 +30,6 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -14,21 +14,17 @@ difference from the reference, then a PASS/FAIL line; exits non-zero on FAIL.
 
 from __future__ import annotations
 
-from maxpar.tools.host_devices import simulate_cpu_devices
+from preamble import prepare  # end_to_end/preamble.py: this script's folder is sys.path[0]
 
-simulate_cpu_devices(8)
+REPO = prepare(devices=8)
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 from verdict import exit_with  # end_to_end/verdict.py: this script's folder is sys.path[0]
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
 
 import jax
 import numpy as np
