@@ -227,8 +227,18 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
             parsed = OmegaConf.to_container(OmegaConf.from_dotlist([item]))
         except omegaconf.errors.OmegaConfBaseException as e:
             raise ConfigError(f"override {item!r}: cannot parse value: {e}") from None
+        except Exception as e:  # yaml's ParserError, ScannerError, ReaderError...: the value is not valid YAML
+            raise ConfigError(f"override {item!r}: the value of {key} is not valid YAML ({_one_line(e)}); close "
+                              f"every bracket, and quote a string that YAML cannot read bare, e.g. {key}='\"@x\"' "
+                              f"(no control characters)") from None
         result[key] = parsed[key]
     return result
+
+
+def _one_line(error: BaseException) -> str:
+    """A multi-line YAML error as one line, without its '<unicode string>' locations."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip() and "<unicode string>" not in line]
+    return "; ".join(lines) or type(error).__name__
 
 
 def config_from_dict(values: Mapping[str, Any]) -> Config:

@@ -7,6 +7,7 @@ checkpoints. Everything device-dependent starts here, never while parsing config
 from __future__ import annotations
 
 import dataclasses
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -20,8 +21,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from tqdm import tqdm
 
-from maxpar import checkpoint, distributed
-from maxpar.guards import PREEMPTED_EXIT_STATUS, Preempted, PreemptionWatch, StepWatchdog, stop_on_nonfinite
+from maxpar import checkpoint, distributed, preflight
+from maxpar.guards import (INTERRUPTED_EXIT_STATUS, PREEMPTED_EXIT_STATUS, Preempted, PreemptionWatch, StepWatchdog,
+                           stop_on_nonfinite)
 from maxpar.config import Config, ConfigError, describe_keys, load_config, to_yaml
 from maxpar.data.pipeline import make_datasets
 from maxpar.mesh import create_mesh, mesh_shape_of
@@ -265,7 +267,7 @@ def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: 
                         manager.wait_until_finished()  # synchronous: the process may be killed soon
                     raise Preempted(step, saved=manager is not None,
                                     rerun="rerun the same command" if config.run_name else
-                                    f"rerun with run_name={run_dir.name}")
+                                    f"rerun with run_name={run_dir.name}", signum=preemption.signum or signal.SIGTERM)
                 if row.get("step") == step:
                     window_start, window_steps = time.perf_counter(), 0
                 watchdog.progress(step)
@@ -305,6 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if argv else 2
     try:
         config = load_config(argv)
+        preflight.check_output_directory(config)
         distributed.setup(config)  # before any JAX device use
         train(config)
     except ConfigError as e:
@@ -319,6 +322,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Preempted as e:
         print(f"maxpar: {e}", file=sys.stderr)
         return PREEMPTED_EXIT_STATUS
+    except KeyboardInterrupt:  # Ctrl-C before the training loop watches for it: nothing to save yet
+        print("\nmaxpar: interrupted before training started; nothing was saved", file=sys.stderr)
+        return INTERRUPTED_EXIT_STATUS
     except distributed.DistributedError as e:
         print(f"maxpar: {e}", file=sys.stderr)
         return 1
