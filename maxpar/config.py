@@ -105,6 +105,10 @@ class Config:
     load_full_state_path: str = _key("start a new run from another run's parameters, optimizer state and step "
                                      "(same forms as load_parameters_path); the data starts from its beginning")
     stop_on_nan: bool = _key("stop at the first NaN/Inf loss, before it is checkpointed (false = train on)")
+    skip_memory_check: bool = _key("start even when the planner's per-device memory estimate exceeds the device "
+                                   "memory (host memory on CPU); false = refuse with the numbers before allocating")
+    num_simulated_devices: int = _key("simulate this many CPU devices (applied before JAX starts, CPU only; "
+                                      "0 = off, or set XLA_FLAGS=--xla_force_host_platform_device_count=N)", min=0)
     peak_flops_per_device: float = _key("peak dense FLOP/s of one device for MFU (0 = look up the device kind)", min=0)
     # Data
     dataset_type: str = _key("input pipeline", choices=("synthetic", "text"))

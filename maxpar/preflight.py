@@ -5,10 +5,12 @@ Each raises ConfigError (exit status 2) naming the key, the value and what would
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
 from maxpar.config import Config, ConfigError
+from maxpar.tools.host_devices import simulate_cpu_devices
 
 
 def check_output_directory(config: Config) -> None:
@@ -33,3 +35,30 @@ def check_output_directory(config: Config) -> None:
         where = "" if directory == base else f" (the run directory {directory})"
         raise ConfigError(f"{key}={value!r}{where}: cannot write there ({e.strerror or e}); choose a directory you "
                           f"can write") from None
+
+
+def apply_simulated_devices(config: Config) -> None:
+    """num_simulated_devices=N: give this process N CPU devices, which must happen before JAX starts its backends.
+
+    Refused where it cannot take effect: JAX already running (in-process callers set XLA_FLAGS themselves) or
+    asked for another platform (JAX_PLATFORMS); it makes the run use the CPU even where accelerators exist.
+    """
+    count = config.num_simulated_devices
+    if not count:
+        return
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms not in ("", "cpu"):
+        raise ConfigError(f"num_simulated_devices={count} simulates CPU devices, but JAX_PLATFORMS={platforms!r}; "
+                          f"use num_simulated_devices=0 on accelerators")
+    from jax._src import xla_bridge  # the only way to ask whether the backends already started
+    if xla_bridge.backends_are_initialized():
+        raise ConfigError(f"num_simulated_devices={count}: JAX has already started in this process, so its device "
+                          f"count is fixed; set it before JAX starts (python -m maxpar.train ... does)")
+    simulate_cpu_devices(count)
+
+
+def check_memory(config: Config) -> None:
+    """Refuse (ConfigError) a config whose planned memory per device exceeds what the devices have."""
+    import jax
+    from maxpar.plan.fit import check_local_fit  # the planner imports the trainer, which imports this module
+    check_local_fit(config, jax.devices(), jax.local_devices())

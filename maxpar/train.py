@@ -307,8 +307,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if argv else 2
     try:
         config = load_config(argv)
+        preflight.apply_simulated_devices(config)  # before JAX starts
         preflight.check_output_directory(config)
         distributed.setup(config)  # before any JAX device use
+        preflight.check_memory(config)  # before anything is allocated
         train(config)
     except ConfigError as e:
         print(f"maxpar: config error: {e}", file=sys.stderr)
