@@ -21,7 +21,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from tqdm import tqdm
 
-from maxpar import checkpoint, distributed, preflight
+from maxpar import checkpoint, distributed, preflight, summary
 from maxpar.guards import (INTERRUPTED_EXIT_STATUS, PREEMPTED_EXIT_STATUS, Preempted, PreemptionWatch, StepWatchdog,
                            stop_on_nonfinite)
 from maxpar.config import Config, ConfigError, describe_keys, load_config, to_yaml
@@ -200,6 +200,7 @@ def initial_state(run: RunSetup, manager: Any, iterator: Any, log: Callable[[str
 
 def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: Path | None = None) -> dict[str, Any]:
     """Train per `config`; returns the last logged metrics row."""
+    setup_start = time.perf_counter()
     run = setup_run(config, devices)
     devices = run.devices
     run_dir = run_dir or run_directory(config)
@@ -230,6 +231,7 @@ def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: 
                        dynamic_ncols=True)
             row: dict[str, Any] = {}
             window_start, window_steps = time.perf_counter(), 0
+            loop_start = window_start
             unchecked: list[tuple[int, jax.Array]] = []  # losses not yet checked for NaN/Inf (checked in batches)
             for step in range(start + 1, config.steps + 1):
                 state, metrics = step_fn(state, global_batch(next(iterator), run.in_sharding))
@@ -278,6 +280,11 @@ def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: 
         if manager:
             manager.wait_until_finished()
             manager.close()
+    if lead:
+        totals = summary.RunTotals(start, max(start, config.steps), time.perf_counter() - setup_start,
+                                   time.perf_counter() - loop_start, run.shape.tokens_per_step)
+        for line in summary.finish_run(run_dir, totals, f"maxpar: {config.model_name or 'custom'}, {run_dir.name}"):
+            log(line)
     return row
 
 
