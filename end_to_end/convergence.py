@@ -20,28 +20,8 @@ from pathlib import Path
 from verdict import exit_with  # end_to_end/verdict.py: this script's folder is sys.path[0]
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def plot_losses(rows: list[dict], path: Path, threshold: float) -> None:
-    """Train and eval loss vs step as a PNG (matplotlib imported here, so the trainer never needs it)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train loss", linewidth=1)
-    evals = [r for r in rows if r.get("eval_loss") is not None]
-    if evals:
-        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss", markersize=4)
-    ax.axhline(threshold, color="gray", linestyle="--", linewidth=1, label=f"threshold {threshold}")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/byte)")
-    ax.set_title("maxpar convergence: configs/base.yml")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+sys.path.insert(0, str(REPO))
+from maxpar.summary import plot_losses  # noqa: E402 - the shared loss-curve drawing (the trainer draws one too)
 
 
 def main() -> int:
@@ -65,7 +45,7 @@ def main() -> int:
     for row in rows:
         eval_loss = "" if row["eval_loss"] is None else f"{row['eval_loss']:.4f}"
         print(f"{row['step']:>4}  {row['loss']:.4f}      {eval_loss}")
-    plot_losses(rows, args.out / "loss_curve.png", args.threshold)
+    plot_losses(rows, args.out / "loss_curve.png", "maxpar convergence: configs/base.yml", args.threshold)
     print(f"loss curve: {args.out / 'loss_curve.png'} (metrics: {args.out / 'metrics.jsonl'})")
     final = next((r["eval_loss"] for r in reversed(rows) if r["eval_loss"] is not None), None)
     if final is None or final >= args.threshold:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from maxpar.config import ConfigError, load_config
 from maxpar.mesh import resolve_mesh_shape
+from maxpar.plan.fit import check_target_fit
 from maxpar.train_step import run_layout
 
 TRAINER = ("python3", "-m", "maxpar.train")
@@ -23,6 +24,9 @@ TPU_GENERATIONS = {
     "v5litepod": ("tpu-v5-lite-podslice", 1, 2),
     "v6e": ("tpu-v6e-slice", 1, 2),
 }
+# TPU generation / GPU accelerator label -> hardware profile (configs/hardware) the memory check plans against
+TPU_PROFILES = {"v5p": "tpu-v5p", "v5litepod": "tpu-v5e", "v6e": "tpu-v6e"}
+GPU_PROFILES = {"h100": "h100", "h200": "h200"}
 CHIPS_PER_HOST = 4  # multi-host GKE TPU node pools (ct4p, ct5p, ct5lp-hightpu-4t, ct6e-standard-4t)
 
 
@@ -66,19 +70,32 @@ def parse_tpu_type(tpu_type: str) -> TpuSlice:
     return TpuSlice(tpu_type, accelerator, torus_topology(chips, dims), chips, hosts)
 
 
-def trainer_command(config_args: Sequence[str], num_devices: int, num_slices: int, job_name: str) -> list[str]:
+def hardware_profile(accelerator: str) -> str:
+    """The hardware profile of a TPU type (`v5p-128`) or GKE GPU label (`nvidia-h100-80gb`); '' when none exists."""
+    tpu = re.fullmatch(r"(v4|v5p|v5litepod|v6e)-\d+", accelerator)
+    if tpu:
+        return TPU_PROFILES.get(tpu.group(1), "")
+    return next((profile for key, profile in GPU_PROFILES.items() if key in accelerator.lower()), "")
+
+
+def trainer_command(config_args: Sequence[str], num_devices: int, num_slices: int, job_name: str,
+                    hardware: str = "") -> list[str]:
     """`python3 -m maxpar.train CONFIG.yml key=value ...`, checked against the job's devices and slices
     here (the whole run layout, every setup check the trainer makes before touching a device), so that a
-    bad override or a mesh that does not fit fails before anything is scheduled.
+    bad override or a mesh that does not fit fails before anything is scheduled; with a `hardware` profile
+    (or the config's `hardware` key) the planned memory per device must fit it too.
 
     Without a `run_name` the trainer would pick a fresh timestamped run at every start, so a restarted
     job (JobSet max_restarts, XPK --max-restarts) would train from step 0; the job's name is used instead,
     and every restart resumes from the newest checkpoint.
     """
     config = load_config(list(config_args))
-    run_layout(config, resolve_mesh_shape(config, num_devices, 1 if config.num_slices == 1 else num_slices))
+    mesh_slices = 1 if config.num_slices == 1 else num_slices
+    run_layout(config, resolve_mesh_shape(config, num_devices, mesh_slices))
     if config.num_slices not in (-1, 1, num_slices):
         raise ConfigError(f"num_slices={config.num_slices} but the job has {num_slices} slice(s); use -1 to detect")
+    if config.hardware or hardware:
+        check_target_fit(config, config.hardware or hardware, num_devices, mesh_slices)
     run_name = [] if config.run_name else [f"run_name={job_name}"]
     return [*TRAINER, *config_args, *run_name]
 

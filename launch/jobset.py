@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from launch.cluster import TpuSlice, dns_name, parse_tpu_type, positive, trainer_command
+from launch.cluster import TpuSlice, dns_name, hardware_profile, parse_tpu_type, positive, trainer_command
 from maxpar.config import ConfigError
 from maxpar.distributed import DEFAULT_COORDINATOR_PORT
 
@@ -86,7 +86,7 @@ def _jobset(name: str, replicas: int, hosts: int, pod_spec: dict[str, Any], max_
 def tpu_jobset(name: str, image: str, tpu: TpuSlice, num_slices: int, config_args: Sequence[str], *,
                max_restarts: int = 0, priority_class: str = "") -> dict[str, Any]:
     """Multi-slice TPU: one Job per slice, one pod per TPU host, each slice on its own node pool."""
-    command = trainer_command(config_args, tpu.chips * num_slices, num_slices, name)
+    command = trainer_command(config_args, tpu.chips * num_slices, num_slices, name, hardware_profile(tpu.tpu_type))
     pod = _pod_spec(image, command, contract_env(name, num_slices), {"google.com/tpu": tpu.chips_per_host},
                     {"cloud.google.com/gke-tpu-accelerator": tpu.accelerator,
                      "cloud.google.com/gke-tpu-topology": tpu.topology},
@@ -102,7 +102,7 @@ def tpu_jobset(name: str, image: str, tpu: TpuSlice, num_slices: int, config_arg
 def gpu_jobset(name: str, image: str, gpu_type: str, gpus_per_node: int, num_nodes: int,
                config_args: Sequence[str], *, max_restarts: int = 0, priority_class: str = "") -> dict[str, Any]:
     """Multi-node GPU: every node is one process and one DCN granule, so one single-pod Job per node."""
-    command = trainer_command(config_args, gpus_per_node * num_nodes, num_nodes, name)
+    command = trainer_command(config_args, gpus_per_node * num_nodes, num_nodes, name, hardware_profile(gpu_type))
     pod = _pod_spec(image, command, contract_env(name, num_nodes), {"nvidia.com/gpu": gpus_per_node},
                     {"cloud.google.com/gke-accelerator": gpu_type}, priority_class,
                     {"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]})

@@ -111,6 +111,13 @@ def _forward(rank: int, stream: IO[bytes], out: IO[str], lock: threading.Lock) -
             out.flush()
 
 
+# What a SIGABRT (exit 134, a C++ stack dump) from a rank means: JAX's distributed runtime aborts the process
+# from C++ when its coordinator stops answering, which Python cannot intercept (jax.distributed.initialize
+# in JAX 0.12 has no missed-heartbeat hook), so the launcher says it instead.
+RUNTIME_ABORT = ("JAX's distributed runtime aborted it: it lost the coordinator (rank 0) or a peer, which died or hung; "
+                 "the C++ stack dump above is that abort, and the first rank to fail says why")
+
+
 def _exit_status(code: int) -> int:
     """Shell convention: a process killed by signal S counts as 128 + S."""
     return code if code > 0 else 128 - code
@@ -157,6 +164,8 @@ class Job:
             if failed:
                 rank, code = failed[0]
                 how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+                if code in (-signal.SIGABRT, 128 + signal.SIGABRT):
+                    how += f" ({RUNTIME_ABORT})"
                 self.say(f"rank {rank} {how}; stopping the other processes")
                 return _exit_status(code)
             if all(code == 0 for code in codes):

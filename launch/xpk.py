@@ -18,7 +18,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from launch.cluster import dns_name, parse_tpu_type, positive, trainer_command
+from launch.cluster import dns_name, hardware_profile, parse_tpu_type, positive, trainer_command
 from maxpar.config import ConfigError
 
 PRIORITIES = ("very-low", "low", "medium", "high", "very-high")
@@ -35,7 +35,8 @@ def xpk_command(*, cluster: str, workload: str, tpu_type: str, num_slices: int, 
     if max_restarts < 0:
         raise ConfigError(f"--max_restarts={max_restarts}: must be >= 0")
     tpu = parse_tpu_type(tpu_type)
-    command = trainer_command(config_args, tpu.chips * positive("num_slices", num_slices), num_slices, workload)
+    command = trainer_command(config_args, tpu.chips * positive("num_slices", num_slices), num_slices, workload,
+                              hardware_profile(tpu_type))
     argv = ["xpk", "workload", "create", "--cluster", cluster, "--workload", workload, "--tpu-type", tpu_type,
             "--num-slices", str(num_slices), "--docker-image", docker_image, "--priority", priority,
             "--max-restarts", str(max_restarts), "--command", shlex.join(command)]

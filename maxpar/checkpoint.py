@@ -215,6 +215,9 @@ def _step_dir(manager: ocp.CheckpointManager, step: int) -> Path:
 
 def _read_json_items(manager: ocp.CheckpointManager, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """(meta, config) of `step`: small JSON files, read before any array."""
+    missing = [f"{item}/" for item in ("meta", "config") if not (_step_dir(manager, step) / item).is_dir()]
+    if missing:
+        raise ValueError(f"its {' and '.join(missing)} directory is missing")
     restored = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(),
                                                             config=ocp.args.JsonRestore()))
     meta, config = restored["meta"], restored["config"]
@@ -226,20 +229,52 @@ def _read_json_items(manager: ocp.CheckpointManager, step: int) -> tuple[dict[st
     return meta, config
 
 
-def _check_structure(manager: ocp.CheckpointManager, step: int, target: Target, items: Sequence[str],
-                     where: str) -> None:
-    metadata = manager.item_metadata(step)
-    for item in items:
-        if item not in metadata.keys():
+def _is_parameters_only(step_dir: Path) -> bool:
+    """Whether a step holds parameters but no training state by design (maxpar.convert writes such steps)."""
+    return (step_dir / "params").is_dir() and not (step_dir / "opt_state").exists() and not (step_dir / "data").exists()
+
+
+def _saved_arrays(metadata: Any, step_dir: Path, item: str, where: str) -> Any:
+    """The Orbax metadata tree of `item`; a missing directory or missing/empty metadata is damage (ValueError),
+    not an incompatibility: only an intact item says anything about the config that wrote it."""
+    if item not in metadata.keys():
+        if item != "params" and _is_parameters_only(step_dir):
             raise IncompatibleCheckpoint(f"{where} holds no {item} (a parameters-only checkpoint, as maxpar.convert "
                                          f"writes); start a run from it with load_parameters_path=")
+        raise ValueError(f"its {item}/ directory is missing")
+    tree = metadata[item]
+    if tree is None or not jax.tree_util.tree_leaves(tree):
+        raise ValueError(f"its {item}/_METADATA is missing or lists no arrays")
+    return tree
+
+
+def _check_structure(manager: ocp.CheckpointManager, step: int, target: Target, items: Sequence[str],
+                     where: str) -> None:
+    """Raise IncompatibleCheckpoint when an intact item's arrays differ from this config's, ValueError when damaged.
+
+    Called after the model keys of the checkpoint's config were found equal to this config's, so an item that
+    lists only some of this config's arrays (each with the right shape and dtype, none extra) has lost part
+    of its metadata: damage, not another model.
+    """
+    metadata = manager.item_metadata(step)
+    for item in items:
+        saved = _saved_arrays(metadata, _step_dir(manager, step), item, where)
+        expected = target.on_disk(item)
         # The optimizer state restores into this run's optimizer_state_dtype (a cast); the parameters'
         # dtype is weight_dtype, a model key checked before.
-        lines = structure_differences(metadata[item], target.on_disk(item), cast_floats=item == "opt_state")
+        lines = structure_differences(saved, expected, cast_floats=item == "opt_state")
+        if lines and _is_strict_subset(saved, expected):
+            raise ValueError(f"its {item}/_METADATA lists only {len(_array_table(saved))} of the "
+                             f"{len(_array_table(expected))} arrays its config implies")
         if lines:
             raise IncompatibleCheckpoint(f"{where}: its {item} arrays differ from this config's:\n" + "\n".join(lines)
                                          + "\nUse the config that wrote it (its config is in the checkpoint's "
                                            "config/ item).")
+
+
+def _is_strict_subset(saved: Any, expected: Any) -> bool:
+    old, new = _array_table(saved), _array_table(expected)
+    return len(old) < len(new) and all(new.get(name) == value for name, value in old.items())
 
 
 def _restore_arrays(manager: ocp.CheckpointManager, step: int, target: Target, items: Sequence[str]) -> dict[str, Any]:

@@ -115,6 +115,10 @@ class Config:
     load_full_state_path: str = _key("start a new run from another run's parameters, optimizer state and step "
                                      "(same forms as load_parameters_path); the data starts from its beginning")
     stop_on_nan: bool = _key("stop at the first NaN/Inf loss, before it is checkpointed (false = train on)")
+    skip_memory_check: bool = _key("start even when the planner's per-device memory estimate exceeds the device "
+                                   "memory (host memory on CPU); false = refuse with the numbers before allocating")
+    num_simulated_devices: int = _key("simulate this many CPU devices (applied before JAX starts, CPU only; "
+                                      "0 = off, or set XLA_FLAGS=--xla_force_host_platform_device_count=N)", min=0)
     peak_flops_per_device: float = _key("peak dense FLOP/s of one device for MFU (0 = look up the device kind)", min=0)
     # Data
     dataset_type: str = _key("input pipeline", choices=("synthetic", "text"))
@@ -250,8 +254,18 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
             parsed = OmegaConf.to_container(OmegaConf.from_dotlist([item]))
         except omegaconf.errors.OmegaConfBaseException as e:
             raise ConfigError(f"override {item!r}: cannot parse value: {e}") from None
+        except Exception as e:  # yaml's ParserError, ScannerError, ReaderError...: the value is not valid YAML
+            raise ConfigError(f"override {item!r}: the value of {key} is not valid YAML ({_one_line(e)}); close "
+                              f"every bracket, and quote a string that YAML cannot read bare, e.g. {key}='\"@x\"' "
+                              f"(no control characters)") from None
         result[key] = parsed[key]
     return result
+
+
+def _one_line(error: BaseException) -> str:
+    """A multi-line YAML error as one line, without its '<unicode string>' locations."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip() and "<unicode string>" not in line]
+    return "; ".join(lines) or type(error).__name__
 
 
 def config_from_dict(values: Mapping[str, Any]) -> Config:

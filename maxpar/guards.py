@@ -1,4 +1,5 @@
-"""Guards that stop a run safely: preemption (SIGTERM), non-finite losses, and steps that never finish.
+"""Guards that stop a run safely: preemption (SIGTERM) and Ctrl-C (SIGINT), non-finite losses, and steps that
+never finish.
 
 Preemption and NaN stops happen between steps, so the newest checkpoint is always a complete, good
 one. The step watchdog ends a process that is stuck (so that its peers, waiting on it in a
@@ -19,52 +20,71 @@ from typing import Any
 import jax
 
 
-# Exit status after a SIGTERM that stopped the run with a checkpoint written (sysexits' EX_TEMPFAIL:
+# Exit status after a SIGTERM or SIGINT that stopped the run with a checkpoint written (sysexits' EX_TEMPFAIL:
 # a temporary failure, retry): rerun the same command to resume exactly.
 PREEMPTED_EXIT_STATUS = 75
+# Exit status after a second Ctrl-C, which ends the process at once (the shell's convention for SIGINT).
+INTERRUPTED_EXIT_STATUS = 128 + signal.SIGINT
+
+_STOP_WORDS = {signal.SIGTERM: "preempted (SIGTERM)", signal.SIGINT: "interrupted (SIGINT)"}
 
 
 class Preempted(Exception):
-    """SIGTERM stopped the run after `step`; with checkpointing on, that step was saved synchronously."""
+    """SIGTERM or SIGINT stopped the run after `step`; with checkpointing on, that step was saved synchronously."""
 
-    def __init__(self, step: int, saved: bool, rerun: str = "rerun the same command"):
+    def __init__(self, step: int, saved: bool, rerun: str = "rerun the same command",
+                 signum: int = signal.SIGTERM):
         outcome = (f"checkpoint step {step} is written; {rerun} to resume" if saved else
                    "nothing was saved (enable_checkpointing=false)")
-        super().__init__(f"preempted (SIGTERM) after step {step}: {outcome}")
-        self.step, self.saved = step, saved
+        super().__init__(f"{_STOP_WORDS.get(signum, 'stopped')} after step {step}: {outcome}")
+        self.step, self.saved, self.signum = step, saved, signum
 
 
 class PreemptionWatch:
-    """Notices SIGTERM so that the loop stops between steps instead of dying mid-step.
+    """Notices SIGTERM and SIGINT (Ctrl-C) so that the loop stops between steps instead of dying mid-step.
 
-    One process: a SIGTERM handler sets a flag the loop polls. Several processes: they must stop
-    at the same step, which JAX's preemption service (started with the distributed runtime, and
-    notified by SIGTERM itself) agrees on; a Python handler would replace its notifier, so none
-    is installed then. The previous handler is restored on exit.
+    One process: a handler records the signal and the loop polls it. Several processes: they must
+    stop at the same step, which JAX's preemption service (started with the distributed runtime, and
+    notified by SIGTERM itself) agrees on; a Python SIGTERM handler would replace its notifier, so
+    SIGINT is passed on to it as a SIGTERM to this process. A second Ctrl-C ends the process at
+    once (exit status 130): a save it cuts short leaves only Orbax's temporary directory, which is
+    never restored, so the newest complete checkpoint stays intact. A repeated SIGTERM changes
+    nothing (the stop is already under way). The previous handlers are restored on exit.
     """
 
     def __init__(self) -> None:
-        self._signalled = False
-        self._previous: Any = None
-        self._installed = False
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> PreemptionWatch:
-        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-            self._installed = True
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        if jax.process_count() == 1:
+            self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_signal)
+        self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_signal)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        if self._installed:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if self._previous is None else self._previous)
+        for signum, previous in self._previous.items():
+            signal.signal(signum, signal.SIG_DFL if previous is None else previous)
 
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        self._signalled = True
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and self.signum == signal.SIGINT:
+            print("\nmaxpar: second interrupt: stopped at once; the newest complete checkpoint is intact (a save cut "
+                  "short is never used). Rerun the same command to resume from it.", file=sys.stderr, flush=True)
+            os._exit(INTERRUPTED_EXIT_STATUS)
+        if self.signum is None:
+            self.signum = signum
+            if signum == signal.SIGINT:
+                print("\nmaxpar: interrupt: stopping after this step with a checkpoint (Ctrl-C again to stop at once)",
+                      file=sys.stderr, flush=True)
+        if signum == signal.SIGINT and jax.process_count() > 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # JAX's preemption notifier makes every process stop together
 
     def requested(self, step: int) -> bool:
         """Whether to stop after `step` (every process calls this at every step)."""
         if jax.process_count() == 1:
-            return self._signalled
+            return self.signum is not None
         from jax.experimental import multihost_utils
         try:
             return multihost_utils.reached_preemption_sync_point(step)

@@ -40,6 +40,15 @@ class MeshShape:
                         for a, i, d in zip(self.axis_names, self.ici, self.dcn) if i * d > 1) or "single device"
 
 
+class DeviceCountError(ConfigError):
+    """The configured degrees need another number of devices than there are: `needed` per slice (a multiple of it
+    when one degree is -1)."""
+
+    def __init__(self, message: str, needed: int):
+        super().__init__(message)
+        self.needed = needed
+
+
 def _fill(level: str, degrees: Mapping[str, int], total: int, unit: str) -> dict[str, int]:
     """Replace the one -1 so that the product of degrees equals `total`."""
     known = math.prod(d for d in degrees.values() if d != -1)
@@ -47,12 +56,12 @@ def _fill(level: str, degrees: Mapping[str, int], total: int, unit: str) -> dict
     fills = [a for a, d in degrees.items() if d == -1]
     if fills:
         if total % known:
-            raise ConfigError(f"cannot fill {level}_{fills[0]}_parallelism=-1: the other {level} degrees "
-                              f"({listing}) multiply to {known}, which does not divide {total} {unit}")
+            raise DeviceCountError(f"cannot fill {level}_{fills[0]}_parallelism=-1: the other {level} degrees "
+                              f"({listing}) multiply to {known}, which does not divide {total} {unit}", known)
         return {a: (total // known if d == -1 else d) for a, d in degrees.items()}
     if known != total:
-        raise ConfigError(f"{level} degrees ({listing or 'all 1'}) multiply to {known} but there are {total} {unit}; "
-                          f"set one {level}_*_parallelism to -1 to fill it")
+        raise DeviceCountError(f"{level} degrees ({listing or 'all 1'}) multiply to {known} but there are {total} "
+                               f"{unit}; set one {level}_*_parallelism to -1 to fill it", known)
     return dict(degrees)
 
 
@@ -90,8 +99,16 @@ def num_slices_for(config: Config, devices: Sequence[jax.Device]) -> int:
 
 
 def local_mesh_shape(config: Config, devices: Sequence[jax.Device]) -> MeshShape:
-    """The degrees of `config`'s mesh over these devices (slices detected or as configured)."""
-    return resolve_mesh_shape(config, len(devices), num_slices_for(config, devices))
+    """`resolve_mesh_shape` for real devices; on the CPU, too few devices come with how to simulate more."""
+    num_slices = num_slices_for(config, devices)
+    try:
+        return resolve_mesh_shape(config, len(devices), num_slices)
+    except DeviceCountError as e:
+        if devices[0].platform != "cpu" or "devices per slice" not in str(e):
+            raise
+        count = e.needed * num_slices
+        raise ConfigError(f"{e}; on a CPU machine simulate devices with num_simulated_devices={count} or "
+                          f"XLA_FLAGS=--xla_force_host_platform_device_count={count}") from None
 
 
 def create_mesh(config: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -21,9 +22,10 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from tqdm import tqdm
 
-from maxpar import checkpoint, distributed
+from maxpar import checkpoint, distributed, preflight, summary
 from maxpar.cadence import cadence
-from maxpar.guards import PREEMPTED_EXIT_STATUS, Preempted, PreemptionWatch, StepWatchdog, stop_on_nonfinite
+from maxpar.guards import (INTERRUPTED_EXIT_STATUS, PREEMPTED_EXIT_STATUS, Preempted, PreemptionWatch, StepWatchdog,
+                           stop_on_nonfinite)
 from maxpar.config import Config, ConfigError, describe_keys, load_config, to_yaml
 from maxpar.data.pipeline import make_datasets
 from maxpar.layout import BatchShape, RunLayout, check_devices
@@ -159,6 +161,7 @@ def initial_state(run: RunSetup, manager: Any, iterator: Any, log: Callable[[str
 
 def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: Path | None = None) -> dict[str, Any]:
     """Train per `config`; returns the last logged metrics row."""
+    setup_start = time.perf_counter()
     run = setup_run(config, devices)
     devices = run.devices
     run_dir = run_dir or run_directory(config)
@@ -190,6 +193,7 @@ def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: 
             row: dict[str, Any] = {}
             when = cadence(config, has_eval_data=eval_fn is not None, checkpointing=manager is not None)
             window_start, window_steps = time.perf_counter(), 0
+            loop_start = window_start
             unchecked: list[tuple[int, jax.Array]] = []  # losses not yet checked for NaN/Inf (checked in batches)
             for step in range(start + 1, config.steps + 1):
                 state, metrics = step_fn(state, global_batch(next(iterator), run.in_sharding))
@@ -217,7 +221,7 @@ def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: 
                         manager.wait_until_finished()  # synchronous: the process may be killed soon
                     raise Preempted(step, saved=manager is not None,
                                     rerun="rerun the same command" if config.run_name else
-                                    f"rerun with run_name={run_dir.name}")
+                                    f"rerun with run_name={run_dir.name}", signum=preemption.signum or signal.SIGTERM)
                 if due.log:  # the next window starts after this step's eval and save
                     window_start, window_steps = time.perf_counter(), 0
                 watchdog.progress(step)
@@ -228,6 +232,11 @@ def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: 
         if manager:
             manager.wait_until_finished()
             manager.close()
+    if lead:
+        totals = summary.RunTotals(start, max(start, config.steps), time.perf_counter() - setup_start,
+                                   time.perf_counter() - loop_start, run.shape.tokens_per_step)
+        for line in summary.finish_run(run_dir, totals, f"maxpar: {config.model_name or 'custom'}, {run_dir.name}"):
+            log(line)
     return row
 
 
@@ -267,7 +276,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if argv else 2
     try:
         config = load_config(argv)
+        preflight.apply_simulated_devices(config)  # before JAX starts
+        preflight.check_output_directory(config)
         distributed.setup(config)  # before any JAX device use
+        preflight.check_memory(config)  # before anything is allocated
         train(config)
     except ConfigError as e:
         print(f"maxpar: config error: {e}", file=sys.stderr)
@@ -281,6 +293,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Preempted as e:
         print(f"maxpar: {e}", file=sys.stderr)
         return PREEMPTED_EXIT_STATUS
+    except KeyboardInterrupt:  # Ctrl-C before the training loop watches for it: nothing to save yet
+        print("\nmaxpar: interrupted before training started; nothing was saved", file=sys.stderr)
+        return INTERRUPTED_EXIT_STATUS
     except distributed.DistributedError as e:
         print(f"maxpar: {e}", file=sys.stderr)
         return 1

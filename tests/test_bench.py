@@ -72,6 +72,14 @@ def test_gpu_smoke_rows_measure_or_say_why_not(tmp_path):
     assert (tmp_path / "bench.png").stat().st_size > 0
 
 
+def test_without_matplotlib_the_chart_is_reported_skipped_and_never_written(tmp_path, monkeypatch, capsys):
+    def no_matplotlib(*_):
+        raise ImportError("No module named 'matplotlib'")
+    monkeypatch.setattr(bench, "write_chart", no_matplotlib)
+    assert bench.write_outputs(tmp_path, "table", "header", []) == ["bench.md", "bench.json"]
+    assert "bench.png skipped" in capsys.readouterr().err and not (tmp_path / "bench.png").exists()
+
+
 def test_llama_1b_preset_is_about_one_billion_parameters():
     from maxpar.config import load_config
     from maxpar.metrics import matmul_params

@@ -197,6 +197,7 @@ def test_unrolled_run_resumes_a_scanned_checkpoint_and_saves_the_same_layout(sav
 # ---------------------------------------------------------------- damaged and interrupted checkpoints
 
 def damage(step_dir: Path, kind: str) -> None:
+    """Damage one item of a step directory the way a crash, a full disk or a bad copy leaves it."""
     arrays = sorted((step_dir / "params").rglob("d/*"), key=lambda p: p.stat().st_size)
     if kind == "truncated array file":
         data = arrays[-1].read_bytes()
@@ -205,13 +206,28 @@ def damage(step_dir: Path, kind: str) -> None:
         arrays[-1].unlink()
     elif kind == "missing data file":
         (step_dir / "data" / "process_0-of-1.json").unlink()
+    elif kind == "garbled data file":
+        (step_dir / "data" / "process_0-of-1.json").write_text("{not json")
     elif kind == "truncated config":
         path = step_dir / "config" / "metadata"
         path.write_text(path.read_text()[:100])
+    elif kind.startswith("missing ") and kind.endswith(" directory"):
+        shutil.rmtree(step_dir / kind.split()[1])
+    elif kind.endswith(" metadata"):
+        how, item, _ = kind.split()
+        path = step_dir / item / ("_METADATA" if item in checkpoint.ARRAY_ITEMS else "metadata")
+        path.unlink() if how == "missing" else path.write_bytes(b"\x00{[")
+    else:
+        raise ValueError(kind)
 
 
-@pytest.mark.parametrize("kind", ["truncated array file", "missing array file", "missing data file",
-                                  "truncated config"])
+DAMAGE = ["truncated array file", "missing array file", "missing data file", "garbled data file", "truncated config",
+          *(f"missing {item} directory" for item in ("params", "opt_state", "meta", "data", "config")),
+          *(f"missing {item} metadata" for item in ("params", "opt_state", "meta", "config")),
+          *(f"garbled {item} metadata" for item in ("params", "opt_state", "meta"))]
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
 def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(saved_run, corpus, tmp_path, kind):
     run_dir = copy_run(saved_run, tmp_path / "run")
     damage(run_dir / "checkpoints" / "4", kind)
@@ -225,6 +241,17 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(saved_run, cor
     # Nothing deleted: the bad step is set aside (so it can be saved again), the good one kept.
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name[0].isdigit()) == ["2", "4.unusable"]
     assert "moved unusable checkpoint step 4 aside" in warnings[1]
+
+
+def test_a_run_resumes_past_a_damaged_newest_checkpoint_and_trains_on(saved_run, corpus, tmp_path, capsys):
+    copy_run(saved_run, tmp_path / "run")
+    damage(tmp_path / "run" / "checkpoints" / "4", "missing params directory")
+    status = main(["configs/base.yml", *TINY, *run_overrides(corpus), f"base_output_directory={tmp_path}",
+                   "run_name=run"])
+    err = capsys.readouterr().err
+    assert status == 0, err
+    assert "checkpoint step 4" in err and "params/ directory is missing" in err and "falling back to step 2" in err
+    assert (tmp_path / "run" / "checkpoints" / "4.unusable").is_dir() and (tmp_path / "run" / "checkpoints" / "4").is_dir()
 
 
 def test_no_readable_checkpoint_is_an_error_and_deletes_nothing(saved_run, corpus, tmp_path):

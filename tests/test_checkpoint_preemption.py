@@ -1,4 +1,5 @@
-"""Real processes: kill -9 and SIGTERM mid-run resume bitwise identically; a save killed mid-write is never used."""
+"""Real processes: kill -9, Ctrl-C (once or twice) and SIGTERM mid-run resume bitwise identically; a save killed
+mid-write is never used."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import pytest
@@ -14,7 +16,7 @@ import pytest
 from helpers import (REPO, compilation_cache_env, logged_steps, read_metrics, start_training, tiny_config,
                      train_command, wait_for_step, wait_until, write_corpus)
 from maxpar import checkpoint
-from maxpar.guards import PREEMPTED_EXIT_STATUS
+from maxpar.guards import INTERRUPTED_EXIT_STATUS, PREEMPTED_EXIT_STATUS
 from maxpar.train import setup_run, train
 
 STEPS = 32
@@ -23,6 +25,14 @@ STEPS = 32
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory):
+    """The uninterrupted run the interrupted ones must match bit for bit."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    train(tiny_config(*overrides(corpus)), devices=jax.devices(), run_dir=run_dir)
+    return run_dir
 
 
 def overrides(corpus) -> list[str]:
@@ -35,32 +45,54 @@ def output(log_path) -> str:
     return log_path.read_text(encoding="utf-8", errors="replace")
 
 
-def test_kill9_then_sigterm_then_finish_matches_the_uninterrupted_run(corpus, tmp_path):
-    reference = tmp_path / "reference"
-    train(tiny_config(*overrides(corpus)), devices=jax.devices(), run_dir=reference)
+def stop_at_once(process, how: str, log_path) -> None:
+    """End a training process with no chance to finish its step: kill -9, or Ctrl-C twice."""
+    if how == "kill -9":
+        process.kill()
+        assert process.wait(timeout=60) == -signal.SIGKILL
+    else:
+        process.send_signal(signal.SIGINT)
+        time.sleep(0.05)  # the first interrupt asks for a checkpointed stop; the second one cuts it short
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == INTERRUPTED_EXIT_STATUS
+        assert "second interrupt: stopped at once" in output(log_path)
+
+
+# (how the first run is stopped at once, the signal that then stops the second one after a step, how it is named)
+STOPS = {"sigterm": ("kill -9", signal.SIGTERM, r"preempted \(SIGTERM\)"),
+         "ctrl-c": ("Ctrl-C twice", signal.SIGINT, r"interrupted \(SIGINT\)")}
+
+
+@pytest.mark.parametrize("stops", STOPS.values(), ids=STOPS.keys())
+def test_stop_at_once_then_stop_after_a_step_then_finish_matches_the_uninterrupted_run(corpus, reference, tmp_path,
+                                                                                        stops):
+    hard_stop, soft_stop, stop_words = stops
 
     command = train_command(*overrides(corpus), f"base_output_directory={tmp_path}", "run_name=run")
     run_dir = tmp_path / "run"
     env = compilation_cache_env(tmp_path / "jax_cache")
 
-    # 1. SIGKILL at whatever step it has reached once the first checkpoint is complete: no chance to clean up.
+    # 1. Stopped at once at whatever step it has reached once the first checkpoint is complete: no chance to
+    #    finish the step; a save it cuts short must never be used.
     first = start_training(command, tmp_path / "first.log", env)
     wait_for_step(first, run_dir, 6)
     wait_until(first, (run_dir / "checkpoints" / "4").is_dir, "checkpoint 4 was complete")
-    first.kill()
-    assert first.wait(timeout=60) == -signal.SIGKILL
+    stop_at_once(first, hard_stop, tmp_path / "first.log")
     killed_at = max(logged_steps(run_dir))
     assert killed_at < STEPS, "the run finished before it could be killed"
 
-    # 2. The same command resumes from the newest complete checkpoint; SIGTERM a few steps later.
+    # 2. The same command resumes from the newest complete checkpoint; a signal a few steps later stops it after a
+    #    step, with that step saved, and the one-line message.
     second = start_training(command, tmp_path / "second.log", env)
     wait_for_step(second, run_dir, killed_at + 3)
-    second.send_signal(signal.SIGTERM)
+    second.send_signal(soft_stop)
     assert second.wait(timeout=120) == PREEMPTED_EXIT_STATUS, output(tmp_path / "second.log")[-3000:]
     log = output(tmp_path / "second.log")
+    assert "Traceback" not in log
     resumed_from = int(re.search(r"resumed from checkpoint at step (\d+)", log)[1])
     assert 4 <= resumed_from <= killed_at and resumed_from % 4 == 0
-    stopped_at = int(re.search(r"preempted \(SIGTERM\) after step (\d+): checkpoint step \1 is written", log)[1])
+    stopped_at = int(re.search(stop_words + r" after step (\d+): checkpoint step \1 is written; rerun the same "
+                               r"command to resume", log)[1])
     assert killed_at + 3 <= stopped_at < STEPS
 
     # 3. The same command again resumes exactly at the preempted step and finishes.

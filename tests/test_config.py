@@ -227,6 +227,21 @@ def test_wrong_type_names_key_value_and_type(override, expected):
         assert part in message, (part, message)
 
 
+@pytest.mark.parametrize("override", ["logical_axis_rules=[[activation_batch,[data,fsdp]],[embed,[fsdp]]",
+                                      "steps=[1,2", "steps={a", "run_name=@x", "run_name=a\x01b"])
+def test_override_that_is_not_yaml_names_key_and_value(override):
+    message = config_error(override)
+    key = override.split("=")[0]
+    assert f"override {override!r}" in message and f"the value of {key} is not valid YAML" in message, message
+
+
+def test_yaml_file_that_does_not_parse_names_the_file(tmp_path):
+    bad = tmp_path / "bad.yml"
+    bad.write_text(f"base_config: {BASE}\nsteps: [1, 2\n")
+    with pytest.raises(ConfigError, match="cannot parse .*bad.yml"):
+        load_config([str(bad)])
+
+
 @pytest.mark.parametrize("override, bound", [
     ("steps=-1", ">= 0"),
     ("adam_b1=1.5", "<= 1"),
@@ -403,6 +418,14 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     # Valid as a config; the sequence-parallel preset cannot split 33 tokens over tensor=2.
     (["configs/tp_sequence.yml", *TINY, "ici_tensor_parallelism=2", "max_target_length=33",
       "dataset_type=synthetic", "steps=0"], ["max_target_length=33", "degree 2"]),
+    # Not valid YAML: one bracket missing.
+    (["configs/base.yml", "logical_axis_rules=[[activation_batch,[data,fsdp]],[embed,[fsdp]]"],
+     ["logical_axis_rules", "not valid YAML"]),
+    # An output directory that cannot be created (its parent is a file): refused before any device work.
+    (["configs/base.yml", "base_output_directory=configs/base.yml/runs"], ["base_output_directory", "base.yml/runs"]),
+    # A tokenizer file that cannot be read as one.
+    (["configs/base.yml", *TINY, "dataset_type=text", "dataset_path=README.md", "tokenizer_path=tests/goldens/shardings.json",
+      "steps=0"], ["tokenizer_path", "shardings.json", "could not load"]),
 ])
 def test_cli_config_errors_exit_2_without_traceback(args, expected):
     result = _cli(*args)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -23,10 +24,20 @@ def text_config(corpus, *overrides):
     return tiny_config("dataset_type=text", f"dataset_path={corpus}", "per_device_batch_size=2", *overrides)
 
 
-def test_outputs_metrics_and_eval(tmp_path, corpus):
-    config = text_config(corpus, "steps=6", "log_period=2", "eval_interval=3", "eval_steps=2", "eval_fraction=0.2")
+def test_outputs_metrics_and_eval(tmp_path, corpus, capsys):
+    config = text_config(corpus, "steps=6", "log_period=2", "eval_interval=3", "eval_steps=2", "eval_fraction=0.2",
+                         "enable_checkpointing=true", "checkpoint_period=4")
     train(config, devices=jax.devices()[:2], run_dir=tmp_path)
     rows = read_metrics(tmp_path)
+    # The end-of-run summary: what was trained, how fast, the final losses, where everything is.
+    out = capsys.readouterr().out
+    summary = out[out.index("maxpar: done:"):].splitlines()
+    assert re.fullmatch(r"maxpar: done: steps 1-6 \(6\) in [\d.]+ s wall, [\d.]+ s of them training: [\d,]+ tokens/s",
+                        summary[0]), summary
+    assert summary[1] == f"  final train loss {rows[-1]['loss']:.4f} (step 6), eval loss {rows[-1]['eval_loss']:.4f} (step 6)"
+    assert summary[2] == f"  checkpoint: {tmp_path / 'checkpoints' / '6'}"
+    assert summary[3] == f"  metrics: {tmp_path / 'metrics.jsonl'}; loss curve: {tmp_path / 'loss_curve.png'}"
+    assert (tmp_path / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [r["step"] for r in rows] == [2, 3, 4, 6]  # log steps plus the eval step 3 and the last step
     for row in rows:
         assert tuple(row) == METRIC_KEYS
@@ -91,3 +102,5 @@ def test_command_line_training_run(tmp_path, corpus):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "parameters" in result.stdout + result.stderr
     assert [r["step"] for r in read_metrics(tmp_path / "cli")] == [1, 2, 3]
+    assert "maxpar: done: steps 1-3 (3)" in result.stdout
+    assert "checkpoint: none (enable_checkpointing=false)" in result.stdout

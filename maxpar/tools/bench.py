@@ -269,8 +269,8 @@ def build_cases(args: argparse.Namespace, parser: argparse.ArgumentParser) -> li
         parser.error(str(e))
 
 
-def write_outputs(out: Path, table: str, run: str, results: Sequence[dict[str, Any]]) -> None:
-    """bench.md, bench.json and (with matplotlib, the `plot` extra) bench.png."""
+def write_outputs(out: Path, table: str, run: str, results: Sequence[dict[str, Any]]) -> list[str]:
+    """bench.md, bench.json and (with matplotlib, the `plot` extra) bench.png; returns the names written."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.md").write_text(table, encoding="utf-8")
     (out / "bench.json").write_text(json.dumps({"run": run, "results": results}, indent=2), encoding="utf-8")
@@ -278,6 +278,8 @@ def write_outputs(out: Path, table: str, run: str, results: Sequence[dict[str, A
         write_chart(results, out / "bench.png", run)
     except ImportError:
         print("maxpar bench: bench.png skipped: matplotlib is missing (pip install -e '.[plot]')", file=sys.stderr)
+        return ["bench.md", "bench.json"]
+    return ["bench.md", "bench.json", "bench.png"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -324,8 +326,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = markdown_table(results, run, GPU_COLUMNS if args.gpu else CPU_COLUMNS)
     print(table)
     out = args.out or REPO / "outputs" / ("bench_gpu" if args.gpu else "bench")
-    write_outputs(out, table, run, results)
-    print(f"maxpar bench: wrote {out}/bench.md, bench.json, bench.png")
+    written = write_outputs(out, table, run, results)
+    print(f"maxpar bench: wrote {', '.join(str(out / name) for name in written)}")
     # Refused and out-of-memory rows are findings; a crash or a timeout is a failure.
     return 1 if any("error" in r for r in results) or all(not_measured(r) for r in results) else 0
 

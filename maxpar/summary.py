@@ -1,0 +1,104 @@
+"""The end of a run: a few summary lines and the loss curve, so that a finished run says what it did and where.
+
+matplotlib is optional (the `plot` extra): it is imported only to draw, and a run without it simply has
+no loss_curve.png (the summary says so).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+LOSS_CURVE = "loss_curve.png"
+
+
+def plot_losses(rows: Sequence[dict[str, Any]], path: Path, title: str, threshold: float | None = None) -> None:
+    """Train and eval loss vs step as a PNG. Raises ImportError without matplotlib."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train loss", linewidth=1)
+    evals = [r for r in rows if r.get("eval_loss") is not None]
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss", markersize=4)
+    if threshold is not None:
+        ax.axhline(threshold, color="gray", linestyle="--", linewidth=1, label=f"threshold {threshold}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunTotals:
+    """What the training loop of this invocation did."""
+
+    first_step: int          # the step it resumed from (0 = a fresh run)
+    last_step: int
+    wall_s: float            # from setup to the end, compilation and restore included
+    train_s: float           # the step loop alone
+    tokens_per_step: int
+
+
+def read_rows(metrics_path: Path) -> list[dict[str, Any]]:
+    """The rows of metrics.jsonl (earlier invocations of a resumed run included); a torn last line is skipped."""
+    rows = []
+    if metrics_path.exists():
+        for line in metrics_path.read_text(encoding="utf-8").splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue
+    return rows
+
+
+def newest_checkpoint(run_dir: Path) -> Path | None:
+    directory = run_dir / "checkpoints"
+    steps = [int(p.name) for p in directory.iterdir() if p.name.isdigit()] if directory.is_dir() else []
+    return directory / str(max(steps)) if steps else None
+
+
+def summary_lines(run_dir: Path, totals: RunTotals, rows: Sequence[dict[str, Any]], curve: Path | str) -> list[str]:
+    """The end-of-run report: steps, time, throughput, final losses, where the checkpoint and metrics are."""
+    trained = totals.last_step - totals.first_step
+    if trained > 0:
+        rate = trained * totals.tokens_per_step / totals.train_s if totals.train_s > 0 else 0.0
+        done = (f"steps {totals.first_step + 1}-{totals.last_step} ({trained}) in {totals.wall_s:.1f} s wall, "
+                f"{totals.train_s:.1f} s of them training: {rate:,.0f} tokens/s")
+    else:
+        done = f"nothing to train: the run was already at step {totals.last_step}"
+    lines = [f"maxpar: done: {done}"]
+    last = rows[-1] if rows else None
+    evals = [r for r in rows if r.get("eval_loss") is not None]
+    if last is not None:
+        losses = f"final train loss {last['loss']:.4f} (step {last['step']})"
+        if evals:
+            losses += f", eval loss {evals[-1]['eval_loss']:.4f} (step {evals[-1]['step']})"
+        lines.append(f"  {losses}")
+    checkpoint = newest_checkpoint(run_dir)
+    lines.append(f"  checkpoint: {checkpoint if checkpoint else 'none (enable_checkpointing=false)'}")
+    metrics = run_dir / "metrics.jsonl"
+    lines.append(f"  metrics: {metrics if metrics.exists() else 'none'}; loss curve: {curve}")
+    return lines
+
+
+def finish_run(run_dir: Path, totals: RunTotals, title: str) -> list[str]:
+    """Draw RUN/loss_curve.png (when matplotlib is installed and there are losses) and return the summary lines."""
+    rows = read_rows(run_dir / "metrics.jsonl")
+    curve: Path | str = "none (no losses logged)"
+    if rows:
+        try:
+            plot_losses(rows, run_dir / LOSS_CURVE, title)
+            curve = run_dir / LOSS_CURVE
+        except ImportError:
+            curve = "not drawn (matplotlib is missing: pip install -e '.[plot]')"
+    return summary_lines(run_dir, totals, rows, curve)
