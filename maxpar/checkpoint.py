@@ -252,9 +252,10 @@ def _check_structure(manager: ocp.CheckpointManager, step: int, target: Target, 
                      where: str) -> None:
     """Raise IncompatibleCheckpoint when an intact item's arrays differ from this config's, ValueError when damaged.
 
-    Called after the model keys of the checkpoint's config were found equal to this config's, so an item that
-    lists only some of this config's arrays (each with the right shape and dtype, none extra) has lost part
-    of its metadata: damage, not another model.
+    Called after the model keys of the checkpoint's config were found equal to this config's, which fix the
+    parameter tree: a params item that lists only some of this config's arrays (each with the right shape and
+    dtype, none extra) has lost part of its metadata, which is damage. The optimizer state's tree also depends
+    on optimizer settings (clipping on or off), so any difference there is an incompatibility.
     """
     metadata = manager.item_metadata(step)
     for item in items:
@@ -263,7 +264,7 @@ def _check_structure(manager: ocp.CheckpointManager, step: int, target: Target, 
         # The optimizer state restores into this run's optimizer_state_dtype (a cast); the parameters'
         # dtype is weight_dtype, a model key checked before.
         lines = structure_differences(saved, expected, cast_floats=item == "opt_state")
-        if lines and _is_strict_subset(saved, expected):
+        if lines and item == "params" and _is_strict_subset(saved, expected):
             raise ValueError(f"its {item}/_METADATA lists only {len(_array_table(saved))} of the "
                              f"{len(_array_table(expected))} arrays its config implies")
         if lines:

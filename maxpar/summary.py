@@ -22,7 +22,9 @@ def plot_losses(rows: Sequence[dict[str, Any]], path: Path, title: str, threshol
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train loss", linewidth=1)
+    few = len(rows) <= 20  # points, or a short run's single row would not show
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train loss", linewidth=1,
+            marker="." if few else None)
     evals = [r for r in rows if r.get("eval_loss") is not None]
     if evals:
         ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss", markersize=4)

@@ -294,6 +294,13 @@ def test_resume_with_another_model_shape_is_refused_before_training(saved_run, c
     assert "vocab_size: 264 in the checkpoint, 300 now" in capsys.readouterr().err
 
 
+def test_an_intact_optimizer_state_of_other_settings_is_refused_not_set_aside(saved_run, corpus, tmp_path):
+    run_dir = copy_run(saved_run, tmp_path / "run")
+    with pytest.raises(checkpoint.IncompatibleCheckpoint, match=r"its opt_state arrays differ from this config's"):
+        restore(run_dir, run_config(corpus, "gradient_clipping_threshold=0"), jax.devices())
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["2", "4"]
+
+
 def test_resume_with_another_global_batch_is_refused(saved_run, corpus, tmp_path):
     run_dir = copy_run(saved_run, tmp_path / "run")
     with pytest.raises(checkpoint.IncompatibleCheckpoint, match=r"8 rows per global batch, this run has 16.*"

@@ -94,3 +94,18 @@ def test_num_simulated_devices_gives_a_fresh_process_that_many_devices(tmp_path)
     assert done.returncode == 2, done.stderr[-3000:]
     assert "multiply to 8 but there are 4 devices per slice" in done.stderr, done.stderr
     assert "num_simulated_devices=8" in done.stderr
+
+
+def test_an_output_directory_under_a_file_is_a_config_error(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match=r"base_output_directory='.*file/runs': cannot create it"):
+        preflight.check_output_directory(tiny_config(f"base_output_directory={tmp_path / 'file' / 'runs'}"))
+    preflight.check_output_directory(tiny_config(f"base_output_directory={tmp_path / 'runs'}"))
+    assert (tmp_path / "runs").is_dir() and not list((tmp_path / "runs").iterdir())  # the probe file is gone
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write into a read-only directory")
+def test_a_read_only_run_directory_is_a_config_error(tmp_path):
+    (tmp_path / "run").mkdir(mode=0o500)
+    with pytest.raises(ConfigError, match=r"the run directory .*run\): cannot write there"):
+        preflight.check_output_directory(tiny_config(f"base_output_directory={tmp_path}", "run_name=run"))

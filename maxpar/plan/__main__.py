@@ -16,6 +16,7 @@ import jax
 
 from maxpar.config import Config, ConfigError, load_config
 from maxpar.mesh import num_slices_for, resolve_mesh_shape
+from maxpar.preflight import apply_simulated_devices
 from maxpar.plan import report, verify
 from maxpar.plan.hardware import available, default_num_slices, hardware_for_device_kind, load_hardware
 from maxpar.plan.predict import Target, make_plan
@@ -93,6 +94,7 @@ def run(argv: Sequence[str]) -> tuple[dict[str, object], str, int]:
     if not rest:
         raise ConfigError(USAGE)
     config = load_config(rest)
+    apply_simulated_devices(config)  # num_simulated_devices=N: before the local devices are looked at
     devices = None
     if flags["verify"] or not config.hardware or not config.num_devices:  # only then look at local devices
         devices = jax.devices()
