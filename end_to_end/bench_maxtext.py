@@ -42,10 +42,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from preamble import prepare  # end_to_end/preamble.py: this script's folder is sys.path[0]
+from verdict import exit_with  # end_to_end/verdict.py
 
-from verdict import exit_with  # noqa: E402 - end_to_end/verdict.py (this script's folder is sys.path[0])
+REPO = prepare(devices=None, tests=False)  # each run is a child process with its own device count
+
 from maxpar.tools.bench import (BASE_CONFIG, GLOBAL_ROWS, MODEL, config_overrides, cpu_env,  # noqa: E402
                                 strategy_degrees, strategy_devices)
 

@@ -21,16 +21,15 @@ first step's loss of the first one (rtol 1e-5).
 
 from __future__ import annotations
 
+from preamble import prepare  # end_to_end/preamble.py: this script's folder is sys.path[0]
+
+REPO = prepare(devices=8, tests=False)
+
 import argparse
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
-
-from maxpar.tools.host_devices import simulate_cpu_devices
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def measure(overrides: list[str], steps: int) -> dict:
@@ -75,8 +74,6 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per schedule (after one warm-up step)")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides for every schedule")
     args = parser.parse_args()
-    simulate_cpu_devices(8)
-    sys.path.insert(0, str(REPO))
 
     s, m = args.stages, args.microbatches
     rows_per_device = 2 * m / s  # 2 rows per pipeline microbatch on each of the 8/S data-parallel replicas

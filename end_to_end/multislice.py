@@ -29,9 +29,9 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from verdict import exit_with  # end_to_end/verdict.py: this script's folder is sys.path[0]
+from preamble import REPO  # end_to_end/preamble.py: this script's folder is sys.path[0]
+from verdict import exit_with  # end_to_end/verdict.py
 
-REPO = Path(__file__).resolve().parent.parent
 TINY = ["emb_dim=64", "num_query_heads=4", "num_kv_heads=2", "head_dim=16", "mlp_dim=128", "num_decoder_layers=2",
         "vocab_size=264", "max_target_length=64", "dtype=float32", "weight_dtype=float32", "warmup_steps=2",
         "learning_rate=3e-3", "log_period=1", "eval_interval=-1", "per_device_batch_size=1"]

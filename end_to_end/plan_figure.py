@@ -15,8 +15,9 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from preamble import prepare  # end_to_end/preamble.py: this script's folder is sys.path[0]
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = prepare(devices=None, tests=False)  # a plan needs no devices: JAX keeps its own
 DEVICES = 4096
 MODEL = ["model_name=llama3-70b", "dtype=bfloat16", "weight_dtype=bfloat16", "max_target_length=8192"]
 STRATEGIES = {  # DP and FSDP coincide in the backward pass: an all-reduce is a reduce-scatter + all-gather
@@ -52,7 +53,6 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(REPO / "docs" / "plan_comms_vs_compute.png"))
     args = parser.parse_args()
-    sys.path.insert(0, str(REPO))
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

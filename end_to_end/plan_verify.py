@@ -12,13 +12,13 @@ line per strategy and exits non-zero if any fails. Extra key=value overrides app
 
 from __future__ import annotations
 
+from preamble import prepare  # end_to_end/preamble.py: this script's folder is sys.path[0]
+
+REPO = prepare(devices=8, tests=False)
+
 import argparse
-import sys
-from pathlib import Path
-from maxpar.tools.host_devices import simulate_cpu_devices
 from verdict import exit_with  # end_to_end/verdict.py: this script's folder is sys.path[0]
 
-REPO = Path(__file__).resolve().parent.parent
 TINY = ["emb_dim=64", "num_query_heads=4", "num_kv_heads=2", "head_dim=16", "mlp_dim=128", "num_decoder_layers=2",
         "vocab_size=264", "max_target_length=32", "per_device_batch_size=4", "dtype=float32",
         "weight_dtype=float32", "hardware=tpu-v5p"]
@@ -71,8 +71,6 @@ def main() -> int:
     parser.add_argument("--extended", action="store_true", help="also bf16, remat and accumulation variants")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides for every strategy")
     args = parser.parse_args()
-    simulate_cpu_devices(8)
-    sys.path.insert(0, str(REPO))
     from maxpar.config import ConfigError
     from maxpar.plan.__main__ import run
 
