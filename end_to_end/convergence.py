@@ -17,10 +17,10 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from preamble import prepare  # end_to_end/preamble.py: this script's folder is sys.path[0]
 from verdict import exit_with  # end_to_end/verdict.py: this script's folder is sys.path[0]
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+REPO = prepare(devices=None, tests=False)
 from maxpar.summary import plot_losses  # noqa: E402 - the shared loss-curve drawing (the trainer draws one too)
 
 
