@@ -135,6 +135,9 @@ class Config:
                                           "(-1 = the number of stages S)", min=1, allow=(-1,))
     num_pipeline_repeats: int = _key("pipeline repeats R: 1 = gPipe; R > 1 = circular, each stage runs R "
                                      "blocks of num_decoder_layers / (S x R) layers", min=1)
+    pipeline_fsdp_ag_per_repeat: bool = _key("all-gather the FSDP-sharded stage weights once per pipeline repeat "
+                                             "(a window of M iterations; two repeats' blocks held at a time), "
+                                             "rematerialized in the backward pass: between the default and ag_once")
     pipeline_fsdp_ag_once: bool = _key("all-gather the FSDP-sharded stage weights once per step before the "
                                        "pipeline loop instead of every iteration (more memory, less communication)")
     # Multi-process jobs (maxpar/distributed.py; '' / -1 = from the environment GKE, XPK or launch.local set)
@@ -458,6 +461,9 @@ def check_pipeline(config: Config, stages: int | None) -> None:
     if repeats > 1 and layers % repeats:
         raise ConfigError(f"num_pipeline_repeats={repeats}: num_decoder_layers={layers} must be divisible by it "
                           f"(each stage runs {repeats} blocks of num_decoder_layers / (stages x repeats) layers)")
+    if config.pipeline_fsdp_ag_once and config.pipeline_fsdp_ag_per_repeat:
+        raise ConfigError("pipeline_fsdp_ag_once=true and pipeline_fsdp_ag_per_repeat=true: choose one way to gather "
+                          "the stage weights (once per step, or once per repeat; both false: every iteration)")
     if repeats > 1 and not config.scan_layers:
         raise ConfigError(f"num_pipeline_repeats={repeats} needs scan_layers=true (pipelining runs the scanned "
                           f"layer stack)")
@@ -468,7 +474,8 @@ def check_pipeline(config: Config, stages: int | None) -> None:
     if stages == 1:
         extra = [f"{key}={value}" for key, value, default in (
             ("num_pipeline_repeats", repeats, 1), ("num_pipeline_microbatches", micro, -1),
-            ("pipeline_fsdp_ag_once", config.pipeline_fsdp_ag_once, False)) if value != default]
+            ("pipeline_fsdp_ag_once", config.pipeline_fsdp_ag_once, False),
+            ("pipeline_fsdp_ag_per_repeat", config.pipeline_fsdp_ag_per_repeat, False)) if value != default]
         if extra:
             raise ConfigError(f"{', '.join(extra)} need(s) pipeline stages, but {stage_keys}; set "
                               f"ici_stage_parallelism (or dcn_stage_parallelism) > 1, or drop these keys")

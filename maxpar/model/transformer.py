@@ -141,7 +141,8 @@ class Decoder(nn.Module):
         abstract = jax.eval_shape(stack(cfg, **kwargs).init, jax.random.key(0), x, positions, segment_ids)
         return pipeline(run_block, self.variables["params"]["layers"], nn.get_partition_spec(abstract)["params"],
                         x, (positions, segment_ids), schedule=schedule, rules=rules, x_axes=RESIDUAL,
-                        side_axes=RESIDUAL[:2], gather_once=cfg.pipeline_fsdp_ag_once)
+                        side_axes=RESIDUAL[:2], gather_once=cfg.pipeline_fsdp_ag_once,
+                        gather_per_repeat=cfg.pipeline_fsdp_ag_per_repeat)
 
 
 class Transformer(nn.Module):

@@ -29,7 +29,12 @@ once, after the loop. FSDP-sharded weights are gathered inside the loop by the
 partitioner (per iteration, gradients reduce-scattered per iteration), or, with
 `gather_once`, all-gathered before the loop so their batch axes become manual too
 (one gather and one reduction per step; the gathered stage weights stay in memory
-for the whole loop).
+for the whole loop). Between the two, `gather_per_repeat` (the MaxText guide's mode 2)
+runs the loop as windows of M iterations, one per repeat, and gathers at the start
+of each window the blocks its stages run in it: a stage s switches repeat s
+iterations into a window, so every window but the first and the last holds two
+repeats' blocks (this one and the previous). The gather is rematerialized, so the
+backward pass gathers again rather than keeping the gathered blocks alive.
 """
 
 from __future__ import annotations
@@ -100,7 +105,7 @@ def through_stage_vmap(policy: Callable[..., bool]) -> Callable[..., bool]:
 
 def pipeline(stage_fn: StageFn, params: Any, param_specs: Any, x: Array, side: Sequence[Array], *,
              schedule: Schedule, rules: Sequence[AxisRule], x_axes: Sequence[str], side_axes: Sequence[str],
-             gather_once: bool) -> Array:
+             gather_once: bool, gather_per_repeat: bool = False) -> Array:
     """Run `stage_fn` over every layer block, pipelined; same result as applying the blocks in order.
 
     params / param_specs: the stacked unit's parameters and their logical PartitionSpecs.
@@ -126,10 +131,12 @@ def pipeline(stage_fn: StageFn, params: Any, param_specs: Any, x: Array, side: S
     # activation dimension may use their mesh axes (outside, the batch may be split over them too).
     inner_rules = [(name, axes) if name == STAGED else (name, tuple(a for a in axes if a not in stage_axes))
                    for name, axes in strip_rules(rules, set(manual))]
+    block_specs = (jax.tree.map(lambda s: _gathered_block_spec(s, schedule, stage_axes, set(batch_axes)),
+                                weight_specs, is_leaf=is_spec) if gather_per_repeat else None)
 
     def loop(params: Any, x: Array, *side: Array) -> Array:
         with nn.logical_axis_rules(inner_rules):
-            return _loop(stage_fn, params, x, side, schedule, stage_axes, x_axes, side_axes)
+            return _loop(stage_fn, params, x, side, schedule, stage_axes, x_axes, side_axes, block_specs)
 
     if not manual:
         return loop(params, x, *side)
@@ -137,6 +144,15 @@ def pipeline(stage_fn: StageFn, params: Any, param_specs: Any, x: Array, side: S
     sharded = jax.shard_map(loop, mesh=mesh, in_specs=(PartitionSpec(), rows, *(rows for _ in side)),
                             out_specs=rows, axis_names=set(manual), check_vma=False)
     return sharded(params, x, *side)
+
+
+def _gathered_block_spec(spec: PartitionSpec, schedule: Schedule, stage_axes: tuple[str, ...],
+                         batch_axes: set[str]) -> PartitionSpec:
+    """The mesh spec of one repeat's blocks [S, L/(S R), ...] of a stacked leaf with mesh spec `spec`, gathered
+    over the batch axes (FSDP): the stages keep splitting S, the rest of the leaf loses its batch axes."""
+    lead = 1 if schedule.num_repeats == 1 else 2
+    rest = _without(PartitionSpec(*tuple(spec)[lead:]), batch_axes)
+    return PartitionSpec(stage_axes or None, None, *rest)
 
 
 def _blocks(params: Any, schedule: Schedule) -> Any:
@@ -157,8 +173,12 @@ def _merge(x: Array) -> Array:
 
 
 def _loop(stage_fn: StageFn, params: Any, x: Array, side: Sequence[Array], schedule: Schedule,
-          stage_axes: tuple[str, ...], x_axes: Sequence[str], side_axes: Sequence[str]) -> Array:
-    """The M x R + S - 1 iterations, under rules that name no manual axis."""
+          stage_axes: tuple[str, ...], x_axes: Sequence[str], side_axes: Sequence[str],
+          block_specs: Any = None) -> Array:
+    """The M x R + S - 1 iterations, under rules that name no manual axis.
+
+    block_specs: gather each repeat's blocks once per window (`gather_per_repeat`) into these mesh specs.
+    """
     s_count, m_count, r_count = schedule.num_stages, schedule.num_microbatches, schedule.num_repeats
     constrain = nn.with_logical_constraint
     blocks = _blocks(params, schedule)
@@ -171,13 +191,23 @@ def _loop(stage_fn: StageFn, params: Any, x: Array, side: Sequence[Array], sched
     pick_repeat = jax.vmap(lambda block, r: jax.tree.map(lambda p: p[r], block), in_axes=(1, 0),
                            spmd_axis_name=stage_axes)
 
-    def iteration(carry: tuple[Array, Array], t: Array) -> tuple[tuple[Array, Array], None]:
+    def per_stage(mask: Array, a: Array, b: Array) -> Array:
+        return jnp.where(mask.reshape(-1, *([1] * (a.ndim - 1))), a, b)
+
+    def default_weights(task: Any) -> Any:
+        return jax.tree.map(lambda p: p[0], blocks) if r_count == 1 else pick_repeat(blocks, task.repeat)
+
+    def make_iteration(weights_of: Callable[[Any], Any]) -> Callable:
+        return lambda carry, t: iteration(carry, t, weights_of)
+
+    def iteration(carry: tuple[Array, Array], t: Array, weights_of: Callable[[Any], Any]
+                  ) -> tuple[tuple[Array, Array], None]:
         state, buffer = carry
         task = stage_task(t, stages, m_count, r_count)
         first = stage_task(t, 0, m_count, r_count)
         fresh = jax.lax.dynamic_index_in_dim(buffer, first.microbatch, axis=1, keepdims=False)
-        inputs = jnp.where((stages == 0).reshape(-1, *([1] * (state.ndim - 1))), fresh, state)
-        weights = jax.tree.map(lambda p: p[0], blocks) if r_count == 1 else pick_repeat(blocks, task.repeat)
+        inputs = per_stage(stages == 0, fresh, state)
+        weights = weights_of(task)
         # Tie the weights to this iteration, so that FSDP gathers them here, every iteration, even where
         # they are loop-invariant (gPipe): whether XLA would hoist the gather otherwise depends on dtype
         # and remat. Gathering once before the loop is what pipeline_fsdp_ag_once asks for.
@@ -191,5 +221,38 @@ def _loop(stage_fn: StageFn, params: Any, x: Array, side: Sequence[Array], sched
                                                      last.microbatch, axis=1)
         return (passed, buffer), None
 
-    (_, buffer), _ = jax.lax.scan(iteration, (state, buffer), jnp.arange(schedule.num_iterations))
-    return constrain(_merge(buffer[0]), tuple(x_axes))
+    if block_specs is None:
+        (_, buffer), _ = jax.lax.scan(make_iteration(default_weights), (state, buffer),
+                                      jnp.arange(schedule.num_iterations))
+        return constrain(_merge(buffer[0]), tuple(x_axes))
+
+    # gather_per_repeat: window w runs iterations [w M, (w + 1) M) (the last one the S - 1 after them), in which
+    # stage s runs repeat w - 1 for its first s iterations and repeat w after (repeats past R - 1: idle). Each
+    # window is rematerialized: the backward pass gathers its blocks and re-runs its forward again, so only one
+    # window's gathered blocks (and activations) are alive at a time.
+    carry = (state, buffer)
+    for window in range(r_count + 1):
+        needed = tuple(sorted({min(max(window - 1, 0), r_count - 1), min(window, r_count - 1)}))
+        length = m_count if window < r_count else s_count - 1
+        if length:
+            carry = _window(make_iteration, blocks, carry, block_specs, needed, window * m_count, length, per_stage)
+    return constrain(_merge(carry[1][0]), tuple(x_axes))
+
+
+def _window(make_iteration: Callable, blocks: Any, carry: tuple[Array, Array], block_specs: Any,
+            repeats: tuple[int, ...], start: int, length: int, per_stage: Callable) -> tuple[Array, Array]:
+    """`length` pipeline iterations from `start` with the blocks of `repeats` gathered once for all of them."""
+    @jax.checkpoint
+    def run(blocks: Any, carry: tuple[Array, Array]) -> tuple[Array, Array]:
+        gathered = [jax.lax.with_sharding_constraint(jax.tree.map(lambda p, r=r: p[r], blocks), block_specs)
+                    for r in repeats]
+
+        def weights_of(task: Any) -> Any:  # a stage still on the earlier repeat takes the earlier block
+            if len(gathered) == 1:
+                return gathered[0]
+            return jax.tree.map(lambda later, earlier: per_stage(task.repeat == repeats[-1], later, earlier),
+                                gathered[-1], gathered[0])
+
+        carry, _ = jax.lax.scan(make_iteration(weights_of), carry, start + jnp.arange(length))
+        return carry
+    return run(blocks, carry)
