@@ -25,6 +25,7 @@ if "jax" not in sys.modules:  # run as a command: simulate the 8 devices before 
     simulate_cpu_devices(8)
 
 import jax
+import optax
 
 from maxpar.config import Config, load_config
 from maxpar.mesh import create_mesh, resolve_mesh_shape
@@ -47,6 +48,12 @@ STRATEGIES: dict[str, tuple[str, list[str]]] = {
     "fsdp_transpose": ("fsdp_transpose.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
     "tp_sequence": ("tp_sequence.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
     "tp_transpose": ("tp_transpose.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
+    "dp8_zero1": ("base.yml", ["ici_data_parallelism=8", "ici_fsdp_parallelism=1", "shard_optimizer_over_data=true"]),
+    "dp2_fsdp2_tp2_zero1": ("base.yml", ["ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2",
+                                         "shard_optimizer_over_data=true"]),
+    "pp2_fsdp4_circular_ag_per_repeat": ("base.yml", ["ici_stage_parallelism=2", "ici_fsdp_parallelism=4",
+                                                      "num_decoder_layers=4", "num_pipeline_repeats=2",
+                                                      "num_pipeline_microbatches=2", "pipeline_fsdp_ag_per_repeat=true"]),
     "pp2_fsdp2_tp2_circular": ("base.yml", ["ici_stage_parallelism=2", "ici_fsdp_parallelism=2",
                                             "ici_tensor_parallelism=2", "num_decoder_layers=4",
                                             "num_pipeline_repeats=2"]),
@@ -80,7 +87,20 @@ def strategy_shardings(config: Config) -> dict[str, Any]:
     for (path, leaf), logical_spec, sharding in zip(leaves, logical_leaves, mesh_leaves, strict=True):
         name = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
         params[name] = {"shape": list(leaf.shape), "logical": _spec(logical_spec), "mesh": _spec(sharding.spec)}
-    return {"mesh": {a: d for a, d in zip(shape.axis_names, shape.shape) if d > 1}, "params": params}
+    result = {"mesh": {a: d for a, d in zip(shape.axis_names, shape.shape) if d > 1}, "params": params}
+    if config.shard_optimizer_over_data:  # ZeRO-1: the moments are sharded apart from the parameters
+        result["moments"] = moment_specs(abstract, shardings)
+    return result
+
+
+def moment_specs(abstract: Any, shardings: Any) -> dict[str, Any]:
+    """The AdamW first moment's mesh PartitionSpec per parameter (the second moment's is the same)."""
+    is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)  # noqa: E731
+    adam_abstract = [x for x in jax.tree.leaves(abstract.opt_state, is_leaf=is_adam) if is_adam(x)][0]
+    adam_shardings = [x for x in jax.tree.leaves(shardings.opt_state, is_leaf=is_adam) if is_adam(x)][0]
+    leaves = jax.tree_util.tree_leaves_with_path(adam_abstract.mu)
+    return {"/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path): _spec(sharding.spec)
+            for (path, _), sharding in zip(leaves, jax.tree_util.tree_leaves(adam_shardings.mu), strict=True)}
 
 
 def dump() -> dict[str, Any]:
@@ -93,7 +113,12 @@ def to_json(data: dict[str, Any]) -> str:
     blocks = []
     for name, entry in data.items():
         params = ",\n".join(f"   {json.dumps(p)}: {json.dumps(v)}" for p, v in entry["params"].items())
-        blocks.append(f' {json.dumps(name)}: {{\n  "mesh": {json.dumps(entry["mesh"])},\n  "params": {{\n{params}\n  }}\n }}')
+        moments = ""
+        if "moments" in entry:
+            lines = ",\n".join(f"   {json.dumps(p)}: {json.dumps(v)}" for p, v in entry["moments"].items())
+            moments = f',\n  "moments": {{\n{lines}\n  }}'
+        blocks.append(f' {json.dumps(name)}: {{\n  "mesh": {json.dumps(entry["mesh"])},\n  "params": {{\n{params}\n  }}'
+                      f'{moments}\n }}')
     return "{\n" + ",\n".join(blocks) + "\n}\n"
 
 
@@ -120,6 +145,10 @@ def diff(golden: dict[str, Any], current: dict[str, Any]) -> list[str]:
                 for key in ("shape", "logical", "mesh"):
                     if gp[key] != cp[key]:
                         lines.append(f"{name}: {param}: {key} {gp[key]} -> {cp[key]}")
+        gm, cm = g.get("moments", {}), c.get("moments", {})
+        for param in sorted(set(gm) | set(cm)):
+            if gm.get(param) != cm.get(param):
+                lines.append(f"{name}: moments of {param}: {gm.get(param)} -> {cm.get(param)}")
     return lines
 
 
