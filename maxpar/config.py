@@ -480,10 +480,6 @@ def check_pipeline(config: Config, stages: int | None) -> None:
             raise ConfigError(f"{', '.join(extra)} need(s) pipeline stages, but {stage_keys}; set "
                               f"ici_stage_parallelism (or dcn_stage_parallelism) > 1, or drop these keys")
         return
-    if config.num_experts > 1:
-        raise ConfigError(f"num_experts={config.num_experts} with {stage_keys}: mixture-of-experts layers are not "
-                          f"pipelined yet (their load-balance loss and drop counts do not flow through the pipeline "
-                          f"loop); use ici_stage_parallelism=1 with MoE, or num_experts=1 with pipelining")
     if not config.scan_layers:
         raise ConfigError(f"{stage_keys} needs scan_layers=true: the pipeline runs the scanned layer stack "
                           f"(scan_layers=false is not supported with pipelining)")

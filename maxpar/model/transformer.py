@@ -135,14 +135,19 @@ class Decoder(nn.Module):
             return x
         block = layer_stack(_rematerialized(cfg, unit, under_stage_vmap=True), schedule.layers_per_block)
 
-        def run_block(params, x, positions, segment_ids):
-            return block(cfg, **kwargs).apply({"params": params}, x, positions, segment_ids)[0]
+        def run_block(params, x, positions, segment_ids):  # (x, the block's MoE sums: {} when dense)
+            (x, _), stats = block(cfg, **kwargs).apply({"params": params}, x, positions, segment_ids,
+                                                       mutable=[MOE_STATS])
+            return x, stats.get(MOE_STATS, {})
 
         abstract = jax.eval_shape(stack(cfg, **kwargs).init, jax.random.key(0), x, positions, segment_ids)
-        return pipeline(run_block, self.variables["params"]["layers"], nn.get_partition_spec(abstract)["params"],
-                        x, (positions, segment_ids), schedule=schedule, rules=rules, x_axes=RESIDUAL,
-                        side_axes=RESIDUAL[:2], gather_once=cfg.pipeline_fsdp_ag_once,
-                        gather_per_repeat=cfg.pipeline_fsdp_ag_per_repeat)
+        x, stats = pipeline(run_block, self.variables["params"]["layers"], nn.get_partition_spec(abstract)["params"],
+                            x, (positions, segment_ids), schedule=schedule, rules=rules, x_axes=RESIDUAL,
+                            side_axes=RESIDUAL[:2], gather_once=cfg.pipeline_fsdp_ag_once,
+                            gather_per_repeat=cfg.pipeline_fsdp_ag_per_repeat)
+        if stats:  # blocks [R, S, units per block, ...] -> the stack's units in layer order, as the scan sows them
+            self.sow(MOE_STATS, "layers", jax.tree.map(lambda a: a.reshape(-1, *a.shape[3:]), stats))
+        return x
 
 
 class Transformer(nn.Module):

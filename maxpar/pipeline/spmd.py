@@ -1,7 +1,8 @@
 """The pipeline as one SPMD program: a loop of M x R + S - 1 iterations over all stages at once.
 
-What it pipelines is generic: `stage_fn(block_params, x, *side) -> x` runs one
-block of layers (the model passes its scanned layer unit applied to stacked
+What it pipelines is generic: `stage_fn(block_params, x, *side) -> (x, stats)` runs one
+block of layers (stats: a tree of per-block sums, e.g. the MoE layers' balance-loss sums and drop counts,
+added up over the iterations where the stage is active and returned per block; `{}` for none) (the model passes its scanned layer unit applied to stacked
 params), and `params` is that unit's stacked parameter tree, leaves
 [L, ...] (gPipe) or [R, L / R, ...] (circular; `maxpar.pipeline.layout.REPEATS`).
 Which block each stage runs at each iteration comes from
@@ -105,8 +106,10 @@ def through_stage_vmap(policy: Callable[..., bool]) -> Callable[..., bool]:
 
 def pipeline(stage_fn: StageFn, params: Any, param_specs: Any, x: Array, side: Sequence[Array], *,
              schedule: Schedule, rules: Sequence[AxisRule], x_axes: Sequence[str], side_axes: Sequence[str],
-             gather_once: bool, gather_per_repeat: bool = False) -> Array:
+             gather_once: bool, gather_per_repeat: bool = False) -> tuple[Array, Any]:
     """Run `stage_fn` over every layer block, pipelined; same result as applying the blocks in order.
+
+    Returns (x, stats): stats' leaves [R, S, ...], block (r, s)'s sums over every microbatch (and data replica).
 
     params / param_specs: the stacked unit's parameters and their logical PartitionSpecs.
     x: [B, ...] activations with logical axes `x_axes`; side: per-row inputs every block reads
@@ -134,15 +137,16 @@ def pipeline(stage_fn: StageFn, params: Any, param_specs: Any, x: Array, side: S
     block_specs = (jax.tree.map(lambda s: _gathered_block_spec(s, schedule, stage_axes, set(batch_axes)),
                                 weight_specs, is_leaf=is_spec) if gather_per_repeat else None)
 
-    def loop(params: Any, x: Array, *side: Array) -> Array:
+    def loop(params: Any, x: Array, *side: Array) -> tuple[Array, Any]:
         with nn.logical_axis_rules(inner_rules):
-            return _loop(stage_fn, params, x, side, schedule, stage_axes, x_axes, side_axes, block_specs)
+            x, stats = _loop(stage_fn, params, x, side, schedule, stage_axes, x_axes, side_axes, block_specs)
+        return x, (jax.lax.psum(stats, manual) if manual else stats)  # each replica summed its own rows
 
     if not manual:
         return loop(params, x, *side)
     rows = PartitionSpec(manual)
     sharded = jax.shard_map(loop, mesh=mesh, in_specs=(PartitionSpec(), rows, *(rows for _ in side)),
-                            out_specs=rows, axis_names=set(manual), check_vma=False)
+                            out_specs=(rows, PartitionSpec()), axis_names=set(manual), check_vma=False)
     return sharded(params, x, *side)
 
 
@@ -200,9 +204,9 @@ def _loop(stage_fn: StageFn, params: Any, x: Array, side: Sequence[Array], sched
     def make_iteration(weights_of: Callable[[Any], Any]) -> Callable:
         return lambda carry, t: iteration(carry, t, weights_of)
 
-    def iteration(carry: tuple[Array, Array], t: Array, weights_of: Callable[[Any], Any]
-                  ) -> tuple[tuple[Array, Array], None]:
-        state, buffer = carry
+    def iteration(carry: tuple[Array, Array, Any], t: Array, weights_of: Callable[[Any], Any]
+                  ) -> tuple[tuple[Array, Array, Any], None]:
+        state, buffer, stats = carry
         task = stage_task(t, stages, m_count, r_count)
         first = stage_task(t, 0, m_count, r_count)
         fresh = jax.lax.dynamic_index_in_dim(buffer, first.microbatch, axis=1, keepdims=False)
@@ -213,37 +217,47 @@ def _loop(stage_fn: StageFn, params: Any, x: Array, side: Sequence[Array], sched
         # and remat. Gathering once before the loop is what pipeline_fsdp_ag_once asks for.
         weights, inputs = jax.lax.optimization_barrier((weights, inputs))
         side_now = [constrain(a[task.microbatch], (STAGED, *side_axes)) for a in micro_side]
-        outputs = constrain(run_stages(weights, inputs, *side_now), (STAGED, *x_axes))
+        outputs, block_stats = run_stages(weights, inputs, *side_now)
+        outputs = constrain(outputs, (STAGED, *x_axes))
+        # Block (repeat, stage) of each active stage adds this iteration's sums; idle stages add nothing.
+        slot = ((jnp.arange(r_count)[:, None] == task.repeat[None, :]) & task.active[None, :]).astype(jnp.float32)
+        stats = jax.tree.map(lambda acc, new: acc + slot.reshape(*slot.shape, *([1] * (new.ndim - 1))) * new[None],
+                             stats, block_stats)
         passed = jnp.roll(outputs, 1, axis=0)  # stage s -> s + 1; the last stage -> stage 0
         last = stage_task(t, s_count - 1, m_count, r_count)
         slot = jax.lax.dynamic_index_in_dim(buffer, last.microbatch, axis=1, keepdims=False)
         buffer = jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(last.active, passed, slot),
                                                      last.microbatch, axis=1)
-        return (passed, buffer), None
+        return (passed, buffer, stats), None
 
+    first_side = [constrain(a[0], side_axes) for a in micro_side]
+    stats_shape = jax.eval_shape(lambda: run_stages(default_weights(stage_task(0, stages, m_count, r_count)),
+                                                    state, *(jnp.broadcast_to(a, (s_count, *a.shape))
+                                                             for a in first_side))[1])
+    stats = jax.tree.map(lambda leaf: jnp.zeros((r_count, *leaf.shape), jnp.float32), stats_shape)
     if block_specs is None:
-        (_, buffer), _ = jax.lax.scan(make_iteration(default_weights), (state, buffer),
-                                      jnp.arange(schedule.num_iterations))
-        return constrain(_merge(buffer[0]), tuple(x_axes))
+        (_, buffer, stats), _ = jax.lax.scan(make_iteration(default_weights), (state, buffer, stats),
+                                             jnp.arange(schedule.num_iterations))
+        return constrain(_merge(buffer[0]), tuple(x_axes)), stats
 
     # gather_per_repeat: window w runs iterations [w M, (w + 1) M) (the last one the S - 1 after them), in which
     # stage s runs repeat w - 1 for its first s iterations and repeat w after (repeats past R - 1: idle). Each
     # window is rematerialized: the backward pass gathers its blocks and re-runs its forward again, so only one
     # window's gathered blocks (and activations) are alive at a time.
-    carry = (state, buffer)
+    carry = (state, buffer, stats)
     for window in range(r_count + 1):
         needed = tuple(sorted({min(max(window - 1, 0), r_count - 1), min(window, r_count - 1)}))
         length = m_count if window < r_count else s_count - 1
         if length:
             carry = _window(make_iteration, blocks, carry, block_specs, needed, window * m_count, length, per_stage)
-    return constrain(_merge(carry[1][0]), tuple(x_axes))
+    return constrain(_merge(carry[1][0]), tuple(x_axes)), carry[2]
 
 
-def _window(make_iteration: Callable, blocks: Any, carry: tuple[Array, Array], block_specs: Any,
-            repeats: tuple[int, ...], start: int, length: int, per_stage: Callable) -> tuple[Array, Array]:
+def _window(make_iteration: Callable, blocks: Any, carry: tuple[Array, Array, Any], block_specs: Any,
+            repeats: tuple[int, ...], start: int, length: int, per_stage: Callable) -> tuple[Array, Array, Any]:
     """`length` pipeline iterations from `start` with the blocks of `repeats` gathered once for all of them."""
     @jax.checkpoint
-    def run(blocks: Any, carry: tuple[Array, Array]) -> tuple[Array, Array]:
+    def run(blocks: Any, carry: tuple[Array, Array, Any]) -> tuple[Array, Array, Any]:
         gathered = [jax.lax.with_sharding_constraint(jax.tree.map(lambda p, r=r: p[r], blocks), block_specs)
                     for r in repeats]
 
