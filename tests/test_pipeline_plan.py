@@ -118,3 +118,16 @@ def test_verify_per_repeat_gathers_match_the_compiled_collectives():
     assert {("fsdp", "all-gather"), ("stage", "collective-permute")} <= {
         (b["axis"], b["collective"]) for b in v["buckets"] if b["status"] == "ok"}, text
     assert any("pipeline_fsdp_ag_per_repeat" in n for n in v["notes"]), text
+
+
+def test_verify_passes_for_moe_layers_inside_pipeline_stages():
+    # EP(2)xPP(2)xDP(2), dropless: the experts' all-to-alls and gathers run per pipeline iteration (bubble
+    # included) on a pipeline microbatch; their data-parallel reduction once per step after the loop.
+    result, text, status = run([BASE, *TINY, "per_device_batch_size=1", "hardware=tpu-v5p", "num_experts=4",
+                                "num_experts_per_tok=2", "capacity_factor=0", "ici_expert_parallelism=2",
+                                "ici_stage_parallelism=2", "ici_data_parallelism=2", "ici_fsdp_parallelism=1",
+                                "num_pipeline_microbatches=2", "--verify"])
+    v = result["verify"]
+    assert status == 0 and v["passed"], text
+    ok = {(b["axis"], b["collective"]) for b in v["buckets"] if b["status"] == "ok"}
+    assert {("expert", "all-to-all"), ("expert", "all-gather"), ("stage", "collective-permute")} <= ok, text

@@ -203,7 +203,13 @@ def memory_per_device(config: Config, layout: Layout, tokens_per_microbatch: flo
         residual = loop_tokens * config.emb_dim / (tp["length"] * tp["embed"]) * dtype_bytes(config.dtype)
         saved += 2 * residual  # stage 0's microbatch buffer and its gradient
         working = run_tokens * per_token["none"]  # one layer re-run (or kept) in the backward pass
-    else:  # (MoE layers are not pipelined: config.check_pipeline)
+        if config.num_moe_layers:  # a block's MoE layers, on the same tokens
+            moe = moe_activation_bytes_per_token(config, layout, masked_ragged_dot)
+            moe_per_block = pipe.layers_per_block * config.num_moe_layers / config.num_decoder_layers
+            saved += run_tokens * moe[config.remat_policy] * moe_per_block * pipe.num_iterations
+            rerun = moe["working"] if config.remat_policy != "none" else 0.0
+            working += run_tokens * (moe["none"] + rerun)
+    else:
         moe = moe_activation_bytes_per_token(config, layout, masked_ragged_dot)
         layers = config.num_decoder_layers / layer_split(layout)
         moe_layers = config.num_moe_layers / layer_split(layout)
