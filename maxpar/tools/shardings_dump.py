@@ -57,6 +57,8 @@ STRATEGIES: dict[str, tuple[str, list[str]]] = {
     "pp2_fsdp2_tp2_circular": ("base.yml", ["ici_stage_parallelism=2", "ici_fsdp_parallelism=2",
                                             "ici_tensor_parallelism=2", "num_decoder_layers=4",
                                             "num_pipeline_repeats=2"]),
+    "moe_ep2_pp2_dp2": ("base.yml", ["num_experts=8", "num_experts_per_tok=2", "ici_expert_parallelism=2",
+                                     "ici_stage_parallelism=2", "ici_data_parallelism=2", "ici_fsdp_parallelism=1"]),
     "moe_ep4_fsdp2": ("base.yml", ["num_experts=8", "num_experts_per_tok=2", "ici_expert_parallelism=4",
                                    "ici_fsdp_parallelism=2"]),
 }
