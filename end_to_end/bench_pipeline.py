@@ -17,6 +17,14 @@ the bubble is idle time instead, with the same proportion.
 
 PASS when every schedule's permute bytes match the plan within 10% and all schedules give the
 first step's loss of the first one (rtol 1e-5).
+
+    python end_to_end/bench_pipeline.py --fsdp_modes [--repeats R] ...
+
+compares instead the three ways a circular pipeline on S stages x 8/S FSDP shards gathers its
+FSDP-sharded stage weights: every iteration (default), once per repeat
+(pipeline_fsdp_ag_per_repeat) and once per step (pipeline_fsdp_ag_once): the FSDP all-gather bytes
+(measured in the compiled step and planned), the planned gathered-weight memory, XLA's temporaries,
+and the step time. PASS when the gathered bytes match the plan within 10% and the losses agree.
 """
 
 from __future__ import annotations
@@ -52,10 +60,13 @@ def measure(overrides: list[str], steps: int) -> dict:
     compile_s = time.perf_counter() - start
     text = compiled.as_text()
     axes = dict(run.mesh.shape)
-    permutes = [c for c in hlo.collectives(text, len(jax.devices()))
-                if c.kind == "collective-permute" and hlo.label_groups(c, axes) == "stage"]
+    collectives = hlo.collectives(text, len(jax.devices()))
+    permutes = [c for c in collectives if c.kind == "collective-permute" and hlo.label_groups(c, axes) == "stage"]
+    gathers = [c for c in collectives if c.kind == "all-gather" and hlo.label_groups(c, axes) == "fsdp"]
     plan = make_plan(config, Target(load_hardware("tpu-v5p"), len(jax.devices()), 1))
     predicted = sum(c["bytes_per_device"] for c in plan["comms"] if c["collective"] == "collective-permute")
+    predicted_gathers = sum(c["bytes_per_device"] for c in plan["comms"]
+                            if c["collective"] == "all-gather" and c["axis"] == "fsdp")
     times, cpu_times, losses = time_steps(compiled, state, run, steps + 1)  # the first step is warm-up
     schedule = run.pipeline
     return {"schedule": schedule, "compile_s": compile_s, "step_s": statistics.median(times[1:]),
@@ -63,7 +74,47 @@ def measure(overrides: list[str], steps: int) -> dict:
             "first_loss": losses[0], "permute_instructions": collective_counts(text).get("collective-permute", 0),
             "permute_executions": sum(c.count for c in permutes),
             "permute_bytes": sum(hlo.collective_wire_bytes(c) * c.count for c in permutes),
-            "predicted_permute_bytes": predicted, "tokens_per_step": run.shape.tokens_per_step}
+            "predicted_permute_bytes": predicted, "tokens_per_step": run.shape.tokens_per_step,
+            "gather_bytes": sum(hlo.collective_wire_bytes(c) * c.count for c in gathers),
+            "predicted_gather_bytes": predicted_gathers,
+            "planned_gathered_weights": plan["memory_per_device_bytes"]["gathered_weights"],
+            "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
+
+
+def table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    for line in (header, tuple("-" * w for w in widths), *rows):
+        print("  " + "  ".join(cell.rjust(w) for cell, w in zip(line, widths)))
+
+
+def compare_fsdp_modes(args: argparse.Namespace) -> int:
+    """The three FSDP gather modes of one circular pipeline: measured and planned gathers, memory, time."""
+    s, m, repeats = args.stages, args.microbatches, int(args.repeats.split(",")[-1])
+    common = ["dataset_type=synthetic", "dtype=float32", "enable_checkpointing=false", f"ici_stage_parallelism={s}",
+              "ici_fsdp_parallelism=-1", f"per_device_batch_size={2 * m / s:g}",
+              f"num_pipeline_microbatches={m}", f"num_pipeline_repeats={repeats}", f"num_decoder_layers={s * repeats * 2}"]
+    print(f"bench_pipeline --fsdp_modes: tiny model ({s * repeats * 2} layers), {s} stages x {8 // s} FSDP shards on 8 "
+          f"simulated CPU devices, M={m}, R={repeats}, float32; {os.cpu_count()} CPU cores, "
+          f"load average {os.getloadavg()[0]:.1f}")
+    modes = {"per iteration (default)": [], "per repeat": ["pipeline_fsdp_ag_per_repeat=true"],
+             "once per step": ["pipeline_fsdp_ag_once=true"]}
+    results = {name: measure([*common, *extra, *args.overrides], args.steps) for name, extra in modes.items()}
+    first = next(iter(results.values()))
+    rows = [(name, f"{r['gather_bytes']:,.0f}", f"{r['predicted_gather_bytes']:,.0f}",
+             f"{r['planned_gathered_weights']:,.0f}", f"{r['temp_bytes']:,.0f}", f"{r['step_s']:.3f}",
+             f"{r['cpu_s']:.2f}", f"{r['first_loss']:.6f}") for name, r in results.items()]
+    table(("FSDP gathers", "all-gather bytes/device", "plan predicts", "planned gathered weights",
+           "XLA temporaries", "step s", "CPU s/step", "loss step 1"), rows)
+    failures = []
+    for name, r in results.items():
+        if abs(r["gather_bytes"] - r["predicted_gather_bytes"]) > 0.10 * max(r["gather_bytes"], 1):
+            failures.append(f"{name}: all-gather bytes {r['gather_bytes']:,.0f} vs plan {r['predicted_gather_bytes']:,.0f}")
+        if abs(r["first_loss"] - first["first_loss"]) > 1e-5 * abs(first["first_loss"]):
+            failures.append(f"{name}: first loss {r['first_loss']} vs {first['first_loss']}")
+    for failure in failures:
+        print(f"  - {failure}")
+    print("PASS" if not failures else "FAIL")
+    return 1 if failures else 0
 
 
 def main() -> int:
@@ -72,8 +123,12 @@ def main() -> int:
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--repeats", default="1,2", help="comma-separated; 1 = gPipe, > 1 = circular")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per schedule (after one warm-up step)")
+    parser.add_argument("--fsdp_modes", action="store_true",
+                        help="compare the three FSDP gather modes of one circular pipeline (R = last of --repeats)")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides for every schedule")
     args = parser.parse_args()
+    if args.fsdp_modes:
+        return compare_fsdp_modes(args)
 
     s, m = args.stages, args.microbatches
     rows_per_device = 2 * m / s  # 2 rows per pipeline microbatch on each of the 8/S data-parallel replicas

@@ -4,10 +4,11 @@ gives the single-device run's per-step losses.
     python end_to_end/sharding_matrix.py [--steps 5] [--rtol 1e-5] [key=value ...]
 
 Strategies: DP(8), FSDP(8), FSDP-transpose (configs/fsdp_transpose.yml, FSDP(4)xTP(2)), FSDP(4)xTP(2),
-TP(8), TP-sequence (configs/tp_sequence.yml, FSDP(4)xTP(2)), DP(2)xFSDP(2)xTP(2), and gPipe pipelines
-PP(2)xDP(2)xTP(2) and PP(2)xFSDP(4) with pipeline_fsdp_ag_once (circular pipelines need 4+ layers:
-tests/test_pipeline*.py); then the same model with 8 dropless experts (top-2) under EP(8), EP(4)xFSDP(2)
-and DP(2)xEP(2)xTP(2). The reference is 1 device with the same global batch (8 rows), dense or MoE. The tiny dims are chosen so that 8 divides heads, kv heads,
+TP(8), TP-sequence (configs/tp_sequence.yml, FSDP(4)xTP(2)), TP-transpose (configs/tp_transpose.yml,
+FSDP(4)xTP(2)), DP(2)xFSDP(2)xTP(2), ZeRO-1 (shard_optimizer_over_data) on DP(8) and DP(2)xFSDP(2)xTP(2),
+and gPipe pipelines PP(2)xDP(2)xTP(2) and PP(2)xFSDP(4) with pipeline_fsdp_ag_once (circular pipelines,
+and pipeline_fsdp_ag_per_repeat, need 4+ layers: tests/test_pipeline*.py); then the same model with 8 dropless experts (top-2) under EP(8), EP(4)xFSDP(2),
+EP(2)xPP(2)xDP(2) (MoE layers inside pipeline stages) and DP(2)xEP(2)xTP(2). The reference is 1 device with the same global batch (8 rows), dense or MoE. The tiny dims are chosen so that 8 divides heads, kv heads,
 mlp and vocab (TP(8) needs that). Prints the strategy x step loss matrix and each row's max relative
 difference from the reference, then a PASS/FAIL line; exits non-zero on FAIL.
 """
@@ -53,8 +54,14 @@ STRATEGIES = {  # name: (config file, overrides); all with per_device_batch_size
                                        "ici_tensor_parallelism=2", "num_pipeline_microbatches=4"]),
     "PP(2)xFSDP(4) ag_once": ("base.yml", ["ici_stage_parallelism=2", "ici_fsdp_parallelism=4",
                                            "num_pipeline_microbatches=2", "pipeline_fsdp_ag_once=true"]),
+    "DP(8) ZeRO-1": ("base.yml", ["ici_data_parallelism=8", "ici_fsdp_parallelism=1", "shard_optimizer_over_data=true"]),
+    "DP(2)xFSDP(2)xTP(2) ZeRO-1": ("base.yml", ["ici_data_parallelism=2", "ici_fsdp_parallelism=2",
+                                                "ici_tensor_parallelism=2", "shard_optimizer_over_data=true"]),
     "MoE EP(8)": ("base.yml", [*MOE, "ici_expert_parallelism=8", "ici_fsdp_parallelism=1"]),
     "MoE EP(4)xFSDP(2)": ("base.yml", [*MOE, "ici_expert_parallelism=4", "ici_fsdp_parallelism=2"]),
+    "MoE EP(2)xPP(2)xDP(2)": ("base.yml", [*MOE, "ici_expert_parallelism=2", "ici_stage_parallelism=2",
+                                           "ici_data_parallelism=2", "ici_fsdp_parallelism=1",
+                                           "num_pipeline_microbatches=2"]),
     "MoE DP(2)xEP(2)xTP(2)": ("base.yml", [*MOE, "ici_data_parallelism=2", "ici_expert_parallelism=2",
                                            "ici_fsdp_parallelism=1", "ici_tensor_parallelism=2"]),
 }

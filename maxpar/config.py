@@ -152,6 +152,9 @@ class Config:
                                           "(-1 = the number of stages S)", min=1, allow=(-1,))
     num_pipeline_repeats: int = _key("pipeline repeats R: 1 = gPipe; R > 1 = circular, each stage runs R "
                                      "blocks of num_decoder_layers / (S x R) layers", min=1)
+    pipeline_fsdp_ag_per_repeat: bool = _key("all-gather the FSDP-sharded stage weights once per pipeline repeat "
+                                             "(a window of M iterations; two repeats' blocks held at a time), "
+                                             "rematerialized in the backward pass: between the default and ag_once")
     pipeline_fsdp_ag_once: bool = _key("all-gather the FSDP-sharded stage weights once per step before the "
                                        "pipeline loop instead of every iteration (more memory, less communication)")
     # Multi-process jobs (maxpar/distributed.py; '' / -1 = from the environment GKE, XPK or launch.local set)
@@ -476,6 +479,9 @@ def _validate_pipeline(config: Config) -> None:
     if repeats > 1 and layers % repeats:
         raise ConfigError(f"num_pipeline_repeats={repeats}: num_decoder_layers={layers} must be divisible by it "
                           f"(each stage runs {repeats} blocks of num_decoder_layers / (stages x repeats) layers)")
+    if config.pipeline_fsdp_ag_once and config.pipeline_fsdp_ag_per_repeat:
+        raise ConfigError("pipeline_fsdp_ag_once=true and pipeline_fsdp_ag_per_repeat=true: choose one way to gather "
+                          "the stage weights (once per step, or once per repeat; both false: every iteration)")
     if repeats > 1 and not config.scan_layers:
         raise ConfigError(f"num_pipeline_repeats={repeats} needs scan_layers=true (pipelining runs the scanned "
                           f"layer stack)")

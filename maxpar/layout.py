@@ -135,6 +135,12 @@ class ModelLayout:
     experts: ExpertAxes | None = None
     context: ContextLayout | None = None
 
+    def in_pipeline_loop(self, rules: Sequence[AxisRule]) -> ModelLayout:
+        """The layout a pipeline stage's layers run under: the loop's rules (its manual and stage axes taken out
+        by `maxpar.pipeline.spmd`), the expert axes resolved from them, no pipeline."""
+        experts = expert_axes(rules, dict(self.experts.sizes)) if self.experts else None
+        return ModelLayout(rules=tuple(rules), experts=experts, context=self.context)
+
 
 # ---------------------------------------------------------------- the run layout
 
@@ -273,15 +279,12 @@ def check_pipeline(config: Config, stages: int) -> None:
     if stages == 1:
         extra = [f"{key}={value}" for key, value, default in (
             ("num_pipeline_repeats", repeats, 1), ("num_pipeline_microbatches", micro, -1),
-            ("pipeline_fsdp_ag_once", config.pipeline_fsdp_ag_once, False)) if value != default]
+            ("pipeline_fsdp_ag_once", config.pipeline_fsdp_ag_once, False),
+            ("pipeline_fsdp_ag_per_repeat", config.pipeline_fsdp_ag_per_repeat, False)) if value != default]
         if extra:
             raise ConfigError(f"{', '.join(extra)} need(s) pipeline stages, but {stage_keys}; set "
                               f"ici_stage_parallelism (or dcn_stage_parallelism) > 1, or drop these keys")
         return
-    if config.num_experts > 1:
-        raise ConfigError(f"num_experts={config.num_experts} with {stage_keys}: mixture-of-experts layers are not "
-                          f"pipelined yet (their load-balance loss and drop counts do not flow through the pipeline "
-                          f"loop); use ici_stage_parallelism=1 with MoE, or num_experts=1 with pipelining")
     if not config.scan_layers:
         raise ConfigError(f"{stage_keys} needs scan_layers=true: the pipeline runs the scanned layer stack "
                           f"(scan_layers=false is not supported with pipelining)")

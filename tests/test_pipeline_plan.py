@@ -85,3 +85,49 @@ def test_verify_passes_for_pipelines(name):
     ok = {(b["axis"], b["collective"]) for b in v["buckets"] if b["status"] == "ok"}
     assert {("stage", "collective-permute"), ("stage", "all-gather"), ("stage", "all-reduce")} <= ok, text
     assert all(b["status"] != "MISMATCH" for b in v["buckets"])
+
+
+def gathered_ratio(a: dict, b: dict) -> float:
+    return a["memory_per_device_bytes"]["gathered_weights"] / b["memory_per_device_bytes"]["gathered_weights"]
+
+
+def test_per_repeat_gathers_sit_between_the_default_and_ag_once():
+    # With R = 4 repeats a window's two blocks are half the stage's stack (with R = 2, all of it: ag_once's memory).
+    circular = (*LLAMA70, "num_pipeline_microbatches=8", "num_pipeline_repeats=4")
+    default, once = plan(*circular), plan(*circular, "pipeline_fsdp_ag_once=true")
+    per_repeat = plan(*circular, "pipeline_fsdp_ag_per_repeat=true")
+    # 2R blocks (1/R of the stage each) per pass: the first and last windows one repeat's, the others two.
+    assert comm(per_repeat, "FSDP stage-block all-gather (per repeat, forward)")["count_per_step"] == 8
+    assert 0.5 < gathered_ratio(per_repeat, once) < 0.6  # half the stacked weights, and the same top-level ones
+    def fsdp_bytes(result):
+        return {r["axis"]: r["bytes_per_device"] for r in result["axes"]}["fsdp"]
+    def gathered(result):
+        return result["memory_per_device_bytes"]["gathered_weights"]
+    assert fsdp_bytes(once) < fsdp_bytes(per_repeat) < fsdp_bytes(default)
+    assert gathered(default) < gathered(per_repeat) < gathered(once)
+
+
+def test_verify_per_repeat_gathers_match_the_compiled_collectives():
+    # PP(2)xFSDP(4) circular: each window's gathers and the rematerialized forward's permutes are counted
+    # exactly; XLA:CPU's temporaries are a named known misprediction.
+    result, text, status = run([BASE, *TINY, "num_decoder_layers=4", "per_device_batch_size=1", "hardware=tpu-v5p",
+                                "ici_stage_parallelism=2", "ici_fsdp_parallelism=4", "num_pipeline_repeats=2",
+                                "num_pipeline_microbatches=2", "pipeline_fsdp_ag_per_repeat=true", "--verify"])
+    v = result["verify"]
+    assert all(b["status"] in ("ok", "negligible") for b in v["buckets"]), text
+    assert {("fsdp", "all-gather"), ("stage", "collective-permute")} <= {
+        (b["axis"], b["collective"]) for b in v["buckets"] if b["status"] == "ok"}, text
+    assert any("pipeline_fsdp_ag_per_repeat" in n for n in v["notes"]), text
+
+
+def test_verify_passes_for_moe_layers_inside_pipeline_stages():
+    # EP(2)xPP(2)xDP(2), dropless: the experts' all-to-alls and gathers run per pipeline iteration (bubble
+    # included) on a pipeline microbatch; their data-parallel reduction once per step after the loop.
+    result, text, status = run([BASE, *TINY, "per_device_batch_size=1", "hardware=tpu-v5p", "num_experts=4",
+                                "num_experts_per_tok=2", "capacity_factor=0", "ici_expert_parallelism=2",
+                                "ici_stage_parallelism=2", "ici_data_parallelism=2", "ici_fsdp_parallelism=1",
+                                "num_pipeline_microbatches=2", "--verify"])
+    v = result["verify"]
+    assert status == 0 and v["passed"], text
+    ok = {(b["axis"], b["collective"]) for b in v["buckets"] if b["status"] == "ok"}
+    assert {("expert", "all-to-all"), ("expert", "all-gather"), ("stage", "collective-permute")} <= ok, text

@@ -19,6 +19,9 @@ PIPELINES = {  # 8 rows per step everywhere, so every run sees the same batches
               "pipeline_fsdp_ag_once=true"),
     "circular": ("ici_stage_parallelism=2", "ici_data_parallelism=2", "ici_fsdp_parallelism=1",
                  "ici_tensor_parallelism=2", "num_pipeline_repeats=2", "num_pipeline_microbatches=4"),
+    # The MaxText guide's mode 2: the stage weights gathered once per repeat (a window of M iterations).
+    "circular_fsdp_per_repeat": ("ici_stage_parallelism=2", "ici_fsdp_parallelism=4", "num_pipeline_repeats=2",
+                                 "num_pipeline_microbatches=2", "pipeline_fsdp_ag_per_repeat=true"),
 }
 
 

@@ -23,12 +23,15 @@ from maxpar.axes import RESIDUAL, Logical
 from maxpar.model.layers import ModelModule, kernel
 from maxpar.sharding import constrain
 from maxpar.model.moe_dispatch import capacity_local, dropless_local, expert_parallel, on_token_shards
-from maxpar.model.routing import capacity_slots, expert_capacity, load_balance_loss, route
+from maxpar.model.routing import balance_loss_from_sums, balance_sums, capacity_slots, expert_capacity, route
 
 Array = jax.Array
 
 MOE_STATS = "moe_stats"
 STATS = ("load_balance_loss", "dropped", "routed")
+# What a layer sows for its balance loss: sums over its tokens (maxpar.model.routing.balance_sums), so that a
+# pipeline can add them over its microbatches and still give the loss of the whole batch.
+BALANCE_SUMS = ("expert_routed", "expert_probability", "balance_tokens")
 
 
 class MoeBlock(ModelModule):
@@ -62,16 +65,26 @@ class MoeBlock(ModelModule):
             y = expert_parallel(dropless_local, axes, x, (routing.experts, routing.weights), *weights, flat_tokens=True,
                                 num_experts=n)
             dropped = jnp.zeros((), jnp.float32)
-        self.sow(MOE_STATS, "load_balance_loss", load_balance_loss(routing, valid))
+        for name, value in zip(BALANCE_SUMS, balance_sums(routing, valid)):
+            self.sow(MOE_STATS, name, value)
         self.sow(MOE_STATS, "dropped", dropped)
         self.sow(MOE_STATS, "routed", routed)
         return constrain(y, RESIDUAL)
 
 
 def moe_totals(stats: Any) -> dict[str, Array]:
-    """Each statistic summed over every MoE layer of a `moe_stats` collection (any nesting or stacking)."""
+    """Each statistic summed over every MoE layer of a `moe_stats` collection (any nesting or stacking):
+    dropped and routed copies, and the load-balancing loss computed per layer from its sums."""
     totals = {name: jnp.zeros((), jnp.float32) for name in STATS}
+    sums: dict[tuple[str, ...], dict[str, Array]] = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(stats):
-        name = next(str(key.key) for key in path if getattr(key, "key", None) in STATS)
-        totals[name] = totals[name] + jnp.sum(leaf)
+        keys = [str(getattr(key, "key", getattr(key, "idx", ""))) for key in path]
+        name = next(k for k in keys if k in STATS + BALANCE_SUMS)
+        if name in BALANCE_SUMS:  # one layer (or a stack of layers) per path prefix
+            sums.setdefault(tuple(keys[:keys.index(name)]), {})[name] = leaf
+        else:
+            totals[name] = totals[name] + jnp.sum(leaf)
+    for layer in sums.values():
+        loss = balance_loss_from_sums(*(layer[name] for name in BALANCE_SUMS))
+        totals["load_balance_loss"] = totals["load_balance_loss"] + jnp.sum(loss)
     return totals

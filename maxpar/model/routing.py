@@ -45,14 +45,25 @@ def load_balance_loss(routing: Routing, valid: Array) -> Array:
     certainty scores E, the worst.
     `valid` [...] masks padding tokens out of both means.
     """
+    return balance_loss_from_sums(*balance_sums(routing, valid))
+
+
+def balance_sums(routing: Routing, valid: Array) -> tuple[Array, Array, Array]:
+    """The load-balancing loss's sufficient statistics over the real tokens: per expert the routed copies
+    and the summed router probability [E], and the token count. Sums add over microbatches and pipeline
+    iterations, so the loss of a whole step can be computed from its pieces' sums."""
     num_experts = routing.probs.shape[-1]
     mask = valid.astype(jnp.float32)
-    tokens = jnp.maximum(jnp.sum(mask), 1.0)
     chosen = jnp.sum(jax.nn.one_hot(routing.experts, num_experts, dtype=jnp.float32), axis=-2)  # [..., E]
     reduce = tuple(range(mask.ndim))
-    fraction = jnp.sum(chosen * mask[..., None], axis=reduce) / tokens
-    probability = jnp.sum(routing.probs * mask[..., None], axis=reduce) / tokens
-    return num_experts * jnp.sum(fraction * probability)
+    return (jnp.sum(chosen * mask[..., None], axis=reduce), jnp.sum(routing.probs * mask[..., None], axis=reduce),
+            jnp.sum(mask))
+
+
+def balance_loss_from_sums(routed: Array, probability: Array, tokens: Array) -> Array:
+    """num_experts x sum_i f_i P_i from `balance_sums` (leading dims: one loss per entry, e.g. per layer)."""
+    tokens = jnp.maximum(tokens, 1.0)[..., None]
+    return routed.shape[-1] * jnp.sum((routed / tokens) * (probability / tokens), axis=-1)
 
 
 def expert_capacity(row_length: int, k: int, num_experts: int, capacity_factor: float) -> int:

@@ -95,13 +95,18 @@ class Decoder(ModelModule):
         block = layer_stack(_rematerialized(cfg, unit, under_stage_vmap=True), schedule.layers_per_block,
                             collections=(MOE_STATS,))
 
-        def run_block(params, x, positions, segment_ids):
-            return block(cfg, layout, **kwargs).apply({"params": params}, x, positions, segment_ids)[0]
+        def run_block(params, x, positions, segment_ids, rules):  # (x, the block's MoE sums: {} when dense)
+            (x, _), stats = block(cfg, layout.in_pipeline_loop(rules), **kwargs).apply(
+                {"params": params}, x, positions, segment_ids, mutable=[MOE_STATS])
+            return x, stats.get(MOE_STATS, {})
 
         abstract = jax.eval_shape(stack(cfg, layout, **kwargs).init, jax.random.key(0), x, positions, segment_ids)
-        return pipeline(run_block, self.variables["params"][STACKED], nn.get_partition_spec(abstract)["params"],
-                        x, (positions, segment_ids), layout=layout, x_axes=RESIDUAL, side_axes=RESIDUAL[:2],
-                        gather_once=cfg.pipeline_fsdp_ag_once)
+        x, stats = pipeline(run_block, self.variables["params"][STACKED], nn.get_partition_spec(abstract)["params"],
+                            x, (positions, segment_ids), layout=layout, x_axes=RESIDUAL, side_axes=RESIDUAL[:2],
+                            gather_once=cfg.pipeline_fsdp_ag_once, gather_per_repeat=cfg.pipeline_fsdp_ag_per_repeat)
+        if stats:  # blocks [R, S, units per block, ...] -> the stack's units in layer order, as the scan sows them
+            self.sow(MOE_STATS, STACKED, jax.tree.map(lambda a: a.reshape(-1, *a.shape[3:]), stats))
+        return x
 
 
 class Transformer(ModelModule):

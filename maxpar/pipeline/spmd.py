@@ -1,7 +1,8 @@
 """The pipeline as one SPMD program: a loop of M x R + S - 1 iterations over all stages at once.
 
-What it pipelines is generic: `stage_fn(block_params, x, *side) -> x` runs one
-block of layers (the model passes its scanned layer unit applied to stacked
+What it pipelines is generic: `stage_fn(block_params, x, *side) -> (x, stats)` runs one
+block of layers (stats: a tree of per-block sums, e.g. the MoE layers' balance-loss sums and drop counts,
+added up over the iterations where the stage is active and returned per block; `{}` for none) (the model passes its scanned layer unit applied to stacked
 params), and `params` is that unit's stacked parameter tree, leaves
 [L, ...] (gPipe) or [R, L / R, ...] (circular; `maxpar.model.stack`).
 Which block each stage runs at each iteration comes from
@@ -29,12 +30,18 @@ once, after the loop. FSDP-sharded weights are gathered inside the loop by the
 partitioner (per iteration, gradients reduce-scattered per iteration), or, with
 `gather_once`, all-gathered before the loop so their batch axes become manual too
 (one gather and one reduction per step; the gathered stage weights stay in memory
-for the whole loop).
+for the whole loop). Between the two, `gather_per_repeat` (the MaxText guide's mode 2)
+runs the loop as windows of M iterations, one per repeat, and gathers at the start
+of each window the blocks its stages run in it: a stage s switches repeat s
+iterations into a window, so every window but the first and the last holds two
+repeats' blocks (this one and the previous). The gather is rematerialized, so the
+backward pass gathers again rather than keeping the gathered blocks alive.
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -102,9 +109,12 @@ def through_stage_vmap(policy: Callable[..., bool]) -> Callable[..., bool]:
 
 
 def pipeline(stage_fn: StageFn, params: Any, param_specs: Any, x: Array, side: Sequence[Array], *,
-             layout: ModelLayout, x_axes: Sequence[str], side_axes: Sequence[str], gather_once: bool) -> Array:
+             layout: ModelLayout, x_axes: Sequence[str], side_axes: Sequence[str], gather_once: bool,
+             gather_per_repeat: bool = False) -> tuple[Array, Any]:
     """Run `stage_fn` over every layer block, pipelined per `layout.pipeline`; same result as applying the
-    blocks in order.
+    blocks in order. `stage_fn(params, x, *side, rules)` gets the rules the loop runs under.
+
+    Returns (x, stats): stats' leaves [R, S, ...], block (r, s)'s sums over every microbatch (and data replica).
 
     params / param_specs: the stacked unit's parameters and their logical PartitionSpecs.
     x: [B, ...] activations with logical axes `x_axes`; side: per-row inputs every block reads
@@ -129,17 +139,30 @@ def pipeline(stage_fn: StageFn, params: Any, param_specs: Any, x: Array, side: S
     # activation dimension may use their mesh axes (outside, the batch may be split over them too).
     inner_rules = [(name, axes) if name == STAGED else (name, tuple(a for a in axes if a not in stage_axes))
                    for name, axes in strip_rules(rules, set(manual))]
+    block_specs = (jax.tree.map(lambda s: _gathered_block_spec(s, schedule, stage_axes, set(batch_axes)),
+                                weight_specs, is_leaf=is_spec) if gather_per_repeat else None)
 
-    def loop(params: Any, x: Array, *side: Array) -> Array:
+    def loop(params: Any, x: Array, *side: Array) -> tuple[Array, Any]:
         with nn.logical_axis_rules(inner_rules):
-            return _loop(stage_fn, params, x, side, schedule, stage_axes, x_axes, side_axes)
+            x, stats = _loop(partial(stage_fn, rules=tuple(inner_rules)), params, x, side, schedule, stage_axes,
+                             x_axes, side_axes, block_specs)
+        return x, (jax.lax.psum(stats, manual) if manual else stats)  # each replica summed its own rows
 
     if not manual:
         return loop(params, x, *side)
     rows = PartitionSpec(manual)
     sharded = jax.shard_map(loop, mesh=mesh, in_specs=(PartitionSpec(), rows, *(rows for _ in side)),
-                            out_specs=rows, axis_names=set(manual), check_vma=False)
+                            out_specs=(rows, PartitionSpec()), axis_names=set(manual), check_vma=False)
     return sharded(params, x, *side)
+
+
+def _gathered_block_spec(spec: PartitionSpec, schedule: Schedule, stage_axes: tuple[str, ...],
+                         batch_axes: set[str]) -> PartitionSpec:
+    """The mesh spec of one repeat's blocks [S, L/(S R), ...] of a stacked leaf with mesh spec `spec`, gathered
+    over the batch axes (FSDP): the stages keep splitting S, the rest of the leaf loses its batch axes."""
+    lead = 1 if schedule.num_repeats == 1 else 2
+    rest = _without(PartitionSpec(*tuple(spec)[lead:]), batch_axes)
+    return PartitionSpec(stage_axes or None, None, *rest)
 
 
 def _blocks(params: Any, schedule: Schedule) -> Any:
@@ -150,8 +173,12 @@ def _blocks(params: Any, schedule: Schedule) -> Any:
 
 
 def _loop(stage_fn: StageFn, params: Any, x: Array, side: Sequence[Array], schedule: Schedule,
-          stage_axes: tuple[str, ...], x_axes: Sequence[str], side_axes: Sequence[str]) -> Array:
-    """The M x R + S - 1 iterations, under rules that name no manual axis."""
+          stage_axes: tuple[str, ...], x_axes: Sequence[str], side_axes: Sequence[str],
+          block_specs: Any = None) -> Array:
+    """The M x R + S - 1 iterations, under rules that name no manual axis.
+
+    block_specs: gather each repeat's blocks once per window (`gather_per_repeat`) into these mesh specs.
+    """
     s_count, m_count, r_count = schedule.num_stages, schedule.num_microbatches, schedule.num_repeats
     blocks = _blocks(params, schedule)
     micro_x = constrain(split_microbatches(x, m_count), (None, *x_axes))
@@ -163,25 +190,78 @@ def _loop(stage_fn: StageFn, params: Any, x: Array, side: Sequence[Array], sched
     pick_repeat = jax.vmap(lambda block, r: jax.tree.map(lambda p: p[r], block), in_axes=(1, 0),
                            spmd_axis_name=stage_axes)
 
-    def iteration(carry: tuple[Array, Array], t: Array) -> tuple[tuple[Array, Array], None]:
-        state, buffer = carry
+    def per_stage(mask: Array, a: Array, b: Array) -> Array:
+        return jnp.where(mask.reshape(-1, *([1] * (a.ndim - 1))), a, b)
+
+    def default_weights(task: Any) -> Any:
+        return jax.tree.map(lambda p: p[0], blocks) if r_count == 1 else pick_repeat(blocks, task.repeat)
+
+    def make_iteration(weights_of: Callable[[Any], Any]) -> Callable:
+        return lambda carry, t: iteration(carry, t, weights_of)
+
+    def iteration(carry: tuple[Array, Array, Any], t: Array, weights_of: Callable[[Any], Any]
+                  ) -> tuple[tuple[Array, Array, Any], None]:
+        state, buffer, stats = carry
         task = stage_task(t, stages, m_count, r_count)
         first = stage_task(t, 0, m_count, r_count)
         fresh = jax.lax.dynamic_index_in_dim(buffer, first.microbatch, axis=1, keepdims=False)
-        inputs = jnp.where((stages == 0).reshape(-1, *([1] * (state.ndim - 1))), fresh, state)
-        weights = jax.tree.map(lambda p: p[0], blocks) if r_count == 1 else pick_repeat(blocks, task.repeat)
+        inputs = per_stage(stages == 0, fresh, state)
+        weights = weights_of(task)
         # Tie the weights to this iteration, so that FSDP gathers them here, every iteration, even where
         # they are loop-invariant (gPipe): whether XLA would hoist the gather otherwise depends on dtype
         # and remat. Gathering once before the loop is what pipeline_fsdp_ag_once asks for.
         weights, inputs = jax.lax.optimization_barrier((weights, inputs))
         side_now = [constrain(a[task.microbatch], (STAGED, *side_axes)) for a in micro_side]
-        outputs = constrain(run_stages(weights, inputs, *side_now), (STAGED, *x_axes))
+        outputs, block_stats = run_stages(weights, inputs, *side_now)
+        outputs = constrain(outputs, (STAGED, *x_axes))
+        # Block (repeat, stage) of each active stage adds this iteration's sums; idle stages add nothing.
+        slot = ((jnp.arange(r_count)[:, None] == task.repeat[None, :]) & task.active[None, :]).astype(jnp.float32)
+        stats = jax.tree.map(lambda acc, new: acc + slot.reshape(*slot.shape, *([1] * (new.ndim - 1))) * new[None],
+                             stats, block_stats)
         passed = jnp.roll(outputs, 1, axis=0)  # stage s -> s + 1; the last stage -> stage 0
         last = stage_task(t, s_count - 1, m_count, r_count)
         slot = jax.lax.dynamic_index_in_dim(buffer, last.microbatch, axis=1, keepdims=False)
         buffer = jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(last.active, passed, slot),
                                                      last.microbatch, axis=1)
-        return (passed, buffer), None
+        return (passed, buffer, stats), None
 
-    (_, buffer), _ = jax.lax.scan(iteration, (state, buffer), jnp.arange(schedule.num_iterations))
-    return constrain(merge_microbatches(buffer[0]), tuple(x_axes))
+    first_side = [constrain(a[0], side_axes) for a in micro_side]
+    stats_shape = jax.eval_shape(lambda: run_stages(default_weights(stage_task(0, stages, m_count, r_count)),
+                                                    state, *(jnp.broadcast_to(a, (s_count, *a.shape))
+                                                             for a in first_side))[1])
+    stats = jax.tree.map(lambda leaf: jnp.zeros((r_count, *leaf.shape), jnp.float32), stats_shape)
+    if block_specs is None:
+        (_, buffer, stats), _ = jax.lax.scan(make_iteration(default_weights), (state, buffer, stats),
+                                             jnp.arange(schedule.num_iterations))
+        return constrain(merge_microbatches(buffer[0]), tuple(x_axes)), stats
+
+    # gather_per_repeat: window w runs iterations [w M, (w + 1) M) (the last one the S - 1 after them), in which
+    # stage s runs repeat w - 1 for its first s iterations and repeat w after (repeats past R - 1: idle). Each
+    # window is rematerialized: the backward pass gathers its blocks and re-runs its forward again, so only one
+    # window's gathered blocks (and activations) are alive at a time.
+    carry = (state, buffer, stats)
+    for window in range(r_count + 1):
+        needed = tuple(sorted({min(max(window - 1, 0), r_count - 1), min(window, r_count - 1)}))
+        length = m_count if window < r_count else s_count - 1
+        if length:
+            carry = _window(make_iteration, blocks, carry, block_specs, needed, window * m_count, length, per_stage)
+    return constrain(merge_microbatches(carry[1][0]), tuple(x_axes)), carry[2]
+
+
+def _window(make_iteration: Callable, blocks: Any, carry: tuple[Array, Array, Any], block_specs: Any,
+            repeats: tuple[int, ...], start: int, length: int, per_stage: Callable) -> tuple[Array, Array, Any]:
+    """`length` pipeline iterations from `start` with the blocks of `repeats` gathered once for all of them."""
+    @jax.checkpoint
+    def run(blocks: Any, carry: tuple[Array, Array, Any]) -> tuple[Array, Array, Any]:
+        gathered = [jax.lax.with_sharding_constraint(jax.tree.map(lambda p, r=r: p[r], blocks), block_specs)
+                    for r in repeats]
+
+        def weights_of(task: Any) -> Any:  # a stage still on the earlier repeat takes the earlier block
+            if len(gathered) == 1:
+                return gathered[0]
+            return jax.tree.map(lambda later, earlier: per_stage(task.repeat == repeats[-1], later, earlier),
+                                gathered[-1], gathered[0])
+
+        carry, _ = jax.lax.scan(make_iteration(weights_of), carry, start + jnp.arange(length))
+        return carry
+    return run(blocks, carry)

@@ -163,6 +163,7 @@ def weight_comms(layout: Layout, microbatches: int) -> list[Comm]:
     # pipeline_fsdp_ag_once it gathers them once per step (hoisted out of gradient accumulation too).
     per_iteration = pipe.num_iterations / pipe.num_repeats if pipe else 1.0
     once = pipe is not None and config.pipeline_fsdp_ag_once
+    per_repeat = pipe is not None and config.pipeline_fsdp_ag_per_repeat
     manual = pipeline_manual_axes(layout) if pipe else ()
     for t in layout.params():
         if t.role == "experts":
@@ -188,6 +189,15 @@ def weight_comms(layout: Layout, microbatches: int) -> list[Comm]:
                 comms += hierarchical(layout, "FSDP stage-weight all-gather (once per step: pipeline_fsdp_ag_once)",
                                       gather, "all-gather", size, count=1, phase=FORWARD, dtype=dtype,
                                       scales=False, tensor=name)
+            elif t.layered and per_repeat:
+                # One window of M iterations per repeat gathers the blocks its stages run (two repeats' but in
+                # the first and the last window): 2R blocks of 1/R of the stage's stack, in the weights' dtype,
+                # and again in the backward pass (the window is rematerialized). Gradients: per iteration.
+                block = elements / pipe.num_repeats * dtype_bytes(t.dtype)
+                for phase in (FORWARD, BACKWARD):
+                    comms += hierarchical(layout, f"FSDP stage-block all-gather (per repeat, {phase})", gather,
+                                          "all-gather", block, count=microbatches * 2 * pipe.num_repeats, phase=phase,
+                                          dtype=t.dtype, scales=False, tensor=name)
             elif t.layered:
                 # Under TP-sequence the backward's gathers name their replica groups differently from the
                 # forward's (mesh vs iota form), so XLA's CSE does not merge them even in unscanned layers.
@@ -379,6 +389,14 @@ def activation_comms(layout: Layout, tokens: float, microbatches: int) -> list[C
                                   "collective-permute", layer_residual * local,
                                   count=pipe.num_iterations * microbatches, phase=phase, dtype=config.dtype,
                                   scales=True)
+        if config.pipeline_fsdp_ag_per_repeat:
+            # The backward pass re-runs each window's iterations; a one-iteration window's roll feeds nothing
+            # there (its output only leaves the window), so XLA drops it.
+            windows = [pipe.num_microbatches] * pipe.num_repeats + [pipe.num_stages - 1]
+            comms += hierarchical(layout, "PP stage-to-stage collective-permute (forward re-run in the backward)",
+                                  stage_axes, "collective-permute", layer_residual * local,
+                                  count=sum(n for n in windows if n > 1) * microbatches, phase=BACKWARD,
+                                  dtype=config.dtype, scales=True)
         # Outside the loop the stages split the batch: its input is gathered over them, and stage 0's
         # outputs scattered back (a reduce-scatter of the output left on stage 0); the reverse when differentiated.
         whole = residual * local * pipe.num_stages

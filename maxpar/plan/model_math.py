@@ -144,9 +144,11 @@ def gathered_weight_bytes(config: Config, layout: Layout) -> float:
     """FSDP-gathered copies alive at once: two decoder layers' (this and the next; all of them when kept for
     the backward pass), and the top-level weights.
 
-    With pipeline_fsdp_ag_once a pipeline keeps its stage's whole stack gathered through the loop.
+    With pipeline_fsdp_ag_once a pipeline keeps its stage's whole stack gathered through the loop; with
+    pipeline_fsdp_ag_per_repeat one window's blocks, two repeats' (2/R of the stage's stack).
     """
     whole_stage = layout.pipeline is not None and config.pipeline_fsdp_ag_once
+    per_repeat = layout.pipeline is not None and config.pipeline_fsdp_ag_per_repeat
     total = 0.0
     for t in layout.params():
         batch = layout.weight_batch_axes(t)
@@ -158,11 +160,13 @@ def gathered_weight_bytes(config: Config, layout: Layout) -> float:
         kept = _degree(layout, [a for dim, axes in zip(t.logical, t.mesh_axes) if dim != Logical.LAYERS
                                 for a in axes if a not in batch or dim == Logical.EXP])
         # The table is gathered in its own dtype, and so are the stage weights gathered before the pipeline loop.
-        size = t.dtype if t.role == "embedding" or (whole_stage and t.layered) else config.dtype
+        size = t.dtype if t.role == "embedding" or ((whole_stage or per_repeat) and t.layered) else config.dtype
         gathered = t.size / kept * dtype_bytes(size)
         # Unscanned layers without remat keep every layer's gathered weights for the backward pass.
         kept = not regathers_in_backward(config) and not sequence_parallel(layout)
-        if t.layered and not kept:
+        if t.layered and per_repeat:  # one window's blocks: two repeats' (1/R of the stage's stack each)
+            gathered = gathered / layer_split(layout) / layout.pipeline.num_repeats * 2
+        elif t.layered and not kept:
             gathered = gathered / layer_split(layout) if whole_stage else gathered / config.num_decoder_layers * 2
         total += gathered
     return total
@@ -202,7 +206,13 @@ def memory_per_device(config: Config, layout: Layout, tokens_per_microbatch: flo
         residual = loop_tokens * config.emb_dim / (tp["length"] * tp["embed"]) * dtype_bytes(config.dtype)
         saved += 2 * residual  # stage 0's microbatch buffer and its gradient
         working = run_tokens * per_token["none"]  # one layer re-run (or kept) in the backward pass
-    else:  # (MoE layers are not pipelined: config.check_pipeline)
+        if config.num_moe_layers:  # a block's MoE layers, on the same tokens
+            moe = moe_activation_bytes_per_token(config, layout, masked_ragged_dot)
+            moe_per_block = pipe.layers_per_block * config.num_moe_layers / config.num_decoder_layers
+            saved += run_tokens * moe[config.remat_policy] * moe_per_block * pipe.num_iterations
+            rerun = moe["working"] if config.remat_policy != "none" else 0.0
+            working += run_tokens * (moe["none"] + rerun)
+    else:
         moe = moe_activation_bytes_per_token(config, layout, masked_ragged_dot)
         layers = config.num_decoder_layers / layer_split(layout)
         moe_layers = config.num_moe_layers / layer_split(layout)

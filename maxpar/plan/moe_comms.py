@@ -29,7 +29,8 @@ import math
 from maxpar.axes import Logical
 from maxpar.config import Config
 from maxpar.model.routing import expert_capacity
-from maxpar.plan.comms import BACKWARD, FORWARD, Comm, expert_all_to_all_bytes, hierarchical
+from maxpar.plan.comms import (BACKWARD, FORWARD, Comm, expert_all_to_all_bytes, hierarchical,
+                               pipeline_manual_axes)
 from maxpar.plan.layout import Layout, Tensor
 from maxpar.plan.model_math import dtype_bytes, layer_split
 
@@ -48,20 +49,32 @@ def expert_weight_comms(layout: Layout, microbatches: int) -> list[Comm]:
     """FSDP gathers, reduce-scatters and DP all-reduces of the expert weights (written in the shard_map)."""
     config = layout.config
     gathers = 1 if config.remat_policy == "none" else 2
+    pipe = layout.pipeline
+    # In a pipeline every iteration runs one block (1/R of a stage's layers) on a pipeline microbatch: the
+    # dispatch gathers that block's experts then and reduces their gradient then; the batch axes the loop
+    # runs per replica reduce once per step after it.
+    per_iteration = pipe.num_iterations / pipe.num_repeats if pipe else 1.0
+    manual = pipeline_manual_axes(layout) if pipe else ()
     comms: list[Comm] = []
     for t in layout.params("experts"):
         size = layout.local_bytes(t) / dtype_bytes(t.dtype) * dtype_bytes(config.dtype)
         gather = gathered_axes(layout, t)
         full = size * _degree(layout, gather)
         common = dict(dtype=config.dtype, scales=False, tensor=_name(t))
+        looped = microbatches * per_iteration
         comms += hierarchical(layout, "MoE expert-weight all-gather (forward)", gather, "all-gather", size,
-                              count=microbatches, phase=FORWARD, **common)
+                              count=looped, phase=FORWARD, **common)
         comms += hierarchical(layout, "MoE expert-weight all-gather recomputed by remat (backward)", gather,
-                              "all-gather", size, count=microbatches * (gathers - 1), phase=BACKWARD, **common)
+                              "all-gather", size, count=looped * (gathers - 1), phase=BACKWARD, **common)
         comms += [_explicit(c) for c in hierarchical(layout, "MoE expert-weight gradient reduce-scatter", gather,
-                                                     "reduce-scatter", full, count=microbatches, phase=BACKWARD,
+                                                     "reduce-scatter", full, count=looped, phase=BACKWARD,
                                                      **common)]
-        reduce = layout.live(a for a in layout.batch_axes if a not in t.axes)
+        reduce = layout.live(a for a in layout.weight_batch_axes(t) if a not in t.axes)
+        inner = tuple(a for a in reduce if a not in manual)
+        if pipe and inner:
+            comms += hierarchical(layout, "MoE expert-weight gradient all-reduce (DP, per pipeline iteration)", inner,
+                                  "all-reduce", size, count=looped, phase=BACKWARD, **common)
+            reduce = tuple(a for a in reduce if a in manual)
         comms += hierarchical(layout, "MoE expert-weight gradient all-reduce (DP)", reduce, "all-reduce", size,
                               count=microbatches, phase=BACKWARD, **common)
     return comms
@@ -100,7 +113,13 @@ def expert_activation_comms(layout: Layout, tokens: float, microbatches: int) ->
     experts = next(iter(layout.params("experts")))
     ep_axes = layout.live(experts.dim_axes(Logical.EXP))
     hidden = layout.live(a for a in experts.dim_axes(Logical.MLP) if a not in layout.batch_axes)
-    count = config.num_moe_layers / layer_split(layout) * microbatches
+    pipe = layout.pipeline
+    if pipe:  # every iteration (bubble too) runs a block's MoE layers on a pipeline microbatch of all stages' rows
+        count = pipe.num_iterations * pipe.layers_per_block * config.num_moe_layers / config.num_decoder_layers \
+            * microbatches
+        tokens = tokens * pipe.num_stages / pipe.num_microbatches
+    else:
+        count = config.num_moe_layers / layer_split(layout) * microbatches
     recomputed = 0 if config.remat_policy == "none" else 2
     comms: list[Comm] = []
     if ep_axes:

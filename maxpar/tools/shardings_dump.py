@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import optax
 
 from maxpar.config import Config, load_config
 from maxpar.mesh import resolve_mesh_shape
@@ -38,9 +39,17 @@ STRATEGIES: dict[str, tuple[str, list[str]]] = {
     "fsdp_transpose": ("fsdp_transpose.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
     "tp_sequence": ("tp_sequence.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
     "tp_transpose": ("tp_transpose.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
+    "dp8_zero1": ("base.yml", ["ici_data_parallelism=8", "ici_fsdp_parallelism=1", "shard_optimizer_over_data=true"]),
+    "dp2_fsdp2_tp2_zero1": ("base.yml", ["ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2",
+                                         "shard_optimizer_over_data=true"]),
+    "pp2_fsdp4_circular_ag_per_repeat": ("base.yml", ["ici_stage_parallelism=2", "ici_fsdp_parallelism=4",
+                                                      "num_decoder_layers=4", "num_pipeline_repeats=2",
+                                                      "num_pipeline_microbatches=2", "pipeline_fsdp_ag_per_repeat=true"]),
     "pp2_fsdp2_tp2_circular": ("base.yml", ["ici_stage_parallelism=2", "ici_fsdp_parallelism=2",
                                             "ici_tensor_parallelism=2", "num_decoder_layers=4",
                                             "num_pipeline_repeats=2"]),
+    "moe_ep2_pp2_dp2": ("base.yml", ["num_experts=8", "num_experts_per_tok=2", "ici_expert_parallelism=2",
+                                     "ici_stage_parallelism=2", "ici_data_parallelism=2", "ici_fsdp_parallelism=1"]),
     "moe_ep4_fsdp2": ("base.yml", ["num_experts=8", "num_experts_per_tok=2", "ici_expert_parallelism=4",
                                    "ici_fsdp_parallelism=2"]),
     "cp4_fsdp2_ring": ("base.yml", ["ici_context_parallelism=4", "ici_fsdp_parallelism=2", "attention=blockwise",
@@ -66,7 +75,21 @@ def strategy_shardings(config: Config) -> dict[str, Any]:
     for (path, leaf), logical_spec, mesh_spec in zip(leaves, logical_leaves, mesh_leaves, strict=True):
         name = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
         params[name] = {"shape": list(leaf.shape), "logical": _spec(logical_spec), "mesh": _spec(mesh_spec)}
-    return {"mesh": {a: d for a, d in zip(shape.axis_names, shape.shape) if d > 1}, "params": params}
+    result = {"mesh": {a: d for a, d in zip(shape.axis_names, shape.shape) if d > 1}, "params": params}
+    if config.shard_optimizer_over_data:  # ZeRO-1: the moments are sharded apart from the parameters
+        result["moments"] = moment_specs(layout.state.abstract, layout.state_specs)
+    return result
+
+
+def moment_specs(abstract: Any, specs: Any) -> dict[str, Any]:
+    """The AdamW first moment's mesh PartitionSpec per parameter (the second moment's is the same)."""
+    is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)  # noqa: E731
+    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
+    adam_abstract = [x for x in jax.tree.leaves(abstract.opt_state, is_leaf=is_adam) if is_adam(x)][0]
+    adam_specs = [x for x in jax.tree.leaves(specs.opt_state, is_leaf=is_adam) if is_adam(x)][0]
+    leaves = jax.tree_util.tree_leaves_with_path(adam_abstract.mu)
+    return {"/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path): _spec(spec)
+            for (path, _), spec in zip(leaves, jax.tree_util.tree_leaves(adam_specs.mu, is_leaf=is_spec), strict=True)}
 
 
 def dump() -> dict[str, Any]:
@@ -79,7 +102,12 @@ def to_json(data: dict[str, Any]) -> str:
     blocks = []
     for name, entry in data.items():
         params = ",\n".join(f"   {json.dumps(p)}: {json.dumps(v)}" for p, v in entry["params"].items())
-        blocks.append(f' {json.dumps(name)}: {{\n  "mesh": {json.dumps(entry["mesh"])},\n  "params": {{\n{params}\n  }}\n }}')
+        moments = ""
+        if "moments" in entry:
+            lines = ",\n".join(f"   {json.dumps(p)}: {json.dumps(v)}" for p, v in entry["moments"].items())
+            moments = f',\n  "moments": {{\n{lines}\n  }}'
+        blocks.append(f' {json.dumps(name)}: {{\n  "mesh": {json.dumps(entry["mesh"])},\n  "params": {{\n{params}\n  }}'
+                      f'{moments}\n }}')
     return "{\n" + ",\n".join(blocks) + "\n}\n"
 
 
@@ -106,6 +134,10 @@ def diff(golden: dict[str, Any], current: dict[str, Any]) -> list[str]:
                 for key in ("shape", "logical", "mesh"):
                     if gp[key] != cp[key]:
                         lines.append(f"{name}: {param}: {key} {gp[key]} -> {cp[key]}")
+        gm, cm = g.get("moments", {}), c.get("moments", {})
+        for param in sorted(set(gm) | set(cm)):
+            if gm.get(param) != cm.get(param):
+                lines.append(f"{name}: moments of {param}: {gm.get(param)} -> {cm.get(param)}")
     return lines
 
 
