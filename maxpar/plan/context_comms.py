@@ -16,6 +16,8 @@ reduce-scatters come from `maxpar.plan.comms.weight_comms` like any other weight
 
 from __future__ import annotations
 
+import dataclasses
+
 from maxpar.plan.comms import BACKWARD, FORWARD, Comm, hierarchical
 from maxpar.plan.layout import Layout
 from maxpar.plan.model_math import context_degree, dtype_bytes, layer_split, tp_degrees
@@ -49,8 +51,10 @@ def predict_context_comms(layout: Layout, tokens_per_shard: float, microbatches:
         for what, size in (("k", kv_bytes), ("v", kv_bytes)):
             comms += hierarchical(layout, f"CP {what} all-gather (forward)", (CONTEXT_AXIS,), "all-gather", size,
                                   count=count * forwards, phase=FORWARD, **common)
-            comms += hierarchical(layout, f"CP d{what} reduce-scatter (backward)", (CONTEXT_AXIS,), "reduce-scatter",
-                                  size * degree, count=count, phase=BACKWARD, **common)
+            # the gather's transpose, written in the shard_map: XLA:CPU keeps it a reduce-scatter
+            comms += [dataclasses.replace(c, explicit=True) for c in hierarchical(
+                layout, f"CP d{what} reduce-scatter (backward)", (CONTEXT_AXIS,), "reduce-scatter", size * degree,
+                count=count, phase=BACKWARD, **common)]
         comms += hierarchical(layout, "CP key segment ids all-gather (forward)", (CONTEXT_AXIS,), "all-gather",
                               seg_bytes, count=count * forwards, phase=FORWARD, dtype="int32", scales=True)
         return comms

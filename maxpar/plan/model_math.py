@@ -148,8 +148,8 @@ def regathers_in_backward(config: Config) -> bool:
 
 
 def sequence_parallel(layout: Layout) -> bool:
-    """TP-sequence: the residual stream is split on its length by a non-batch axis."""
-    return bool(layout.live(a for a in layout.residual_axes[1] if a not in layout.batch_axes))
+    """TP-sequence: the residual stream is split on its length by a non-batch axis (not `context`)."""
+    return bool(layout.live(a for a in layout.residual_axes[1] if a not in layout.batch_axes + ("context",)))
 
 
 def gathered_weight_bytes(config: Config, layout: Layout) -> float:
