@@ -253,3 +253,16 @@ def test_cli_recommends_even_when_the_configured_mesh_cannot_run(capsys):
     assert first, out
     assert math.isfinite(make_plan(config("model_name=llama3-70b", "per_device_batch_size=0.5",
                                           *first.group(1).split()), Target(V5P, 8960, 1))["step_time_s"])
+
+
+def test_recommend_considers_context_parallelism_for_long_sequences():
+    """At 32k tokens per row the dense scores do not fit; the search offers blockwise attention and CP."""
+    base = config("model_name=llama3-8b", "dtype=bfloat16", "max_target_length=32768", "per_device_batch_size=0.25")
+    target = Target(V5P, 64, 1)
+    rec = recommend(base, target, abstract_model_state(base), top=50)
+    assert rec["best"], rec["why_none"]
+    assert all("attention=blockwise" in b["overrides"] for b in rec["best"])  # dot_product's seq^2 never fits
+    assert any("ici_context_parallelism=" in b["overrides"] for b in rec["best"])
+    short = config("model_name=llama3-8b", "dtype=bfloat16", "max_target_length=2048")
+    from maxpar.plan.recommend import candidate_overrides
+    assert not any("ici_context_parallelism" in c for c in candidate_overrides(short, target))
