@@ -1,6 +1,6 @@
 """Long context (printed figures, not a timed test): dot_product vs blockwise attention, and context parallelism.
 
-    python end_to_end/long_context.py [--lengths 4096,8192,16384,32768] [--memory-gib 12] [--timeout 600]
+    python end_to_end/long_context.py [--lengths 4096,8192,16384,32768] [--memory-gib 12] [--timeout 600] [--warmup 1]
 
 A tiny model (emb 64, 4 query / 2 kv heads of 16, 2 layers, float32, one row of synthetic
 tokens) trained one warm-up step and one timed step per row, each row in its own Python
@@ -53,7 +53,7 @@ ROWS = {
 }
 
 
-def worker(name: str, length: int, memory_gib: float) -> None:
+def worker(name: str, length: int, memory_gib: float, warmup: int) -> None:
     """One row in this process: cap the address space, then build, compile and time the trainer's step."""
     cap = int(memory_gib * 2**30)
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
@@ -62,13 +62,13 @@ def worker(name: str, length: int, memory_gib: float) -> None:
     simulate_cpu_devices(devices)
     from maxpar.tools.bench import run_worker
 
-    result = run_worker(name, [*MODEL, f"max_target_length={length}", *overrides], devices, steps=1, warmup=1)
+    result = run_worker(name, [*MODEL, f"max_target_length={length}", *overrides], devices, steps=1, warmup=warmup)
     print(PREFIX + json.dumps({**result, "length": length}), flush=True)
 
 
 def spawn(name: str, length: int, args: argparse.Namespace) -> dict:
     command = [sys.executable, __file__, "--worker", name, "--length", str(length), "--memory-gib",
-               str(args.memory_gib)]
+               str(args.memory_gib), "--warmup", str(args.warmup)]
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
     start = time.perf_counter()
     try:
@@ -105,11 +105,13 @@ def main() -> int:
     parser.add_argument("--rows", default=",".join(ROWS))
     parser.add_argument("--memory-gib", type=float, default=12.0)
     parser.add_argument("--timeout", type=int, default=600)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps before the timed one (0: the timed "
+                        "step is the first run of the compiled step)")
     parser.add_argument("--worker")
     parser.add_argument("--length", type=int)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.length, args.memory_gib)
+        worker(args.worker, args.length, args.memory_gib, args.warmup)
         return 0
     print(f"# long context: tiny model, one row, float32, block 512, cap {args.memory_gib:g} GiB per row; "
           f"load average at start {os.getloadavg()[0]:.1f} (shared, noisy machine)")
