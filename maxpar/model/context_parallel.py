@@ -61,6 +61,7 @@ def reorder_batch(batch: dict[str, Array], config: Config) -> dict[str, Array]:
     Done once per step at the input; the loss, a sum over tokens, is unchanged.
     """
     degree = mesh_context_degree()
+    check_context(config, degree)  # a -1-filled context degree is only known here, with the mesh
     if degree == 1 or not config.context_parallel_load_balance:
         return batch
     length = next(iter(batch.values())).shape[1]
