@@ -7,8 +7,10 @@ Strategies: DP(8), FSDP(8), FSDP-transpose (configs/fsdp_transpose.yml, FSDP(4)x
 TP(8), TP-sequence (configs/tp_sequence.yml, FSDP(4)xTP(2)), TP-transpose (configs/tp_transpose.yml,
 FSDP(4)xTP(2)), DP(2)xFSDP(2)xTP(2), ZeRO-1 (shard_optimizer_over_data) on DP(8) and DP(2)xFSDP(2)xTP(2),
 and gPipe pipelines PP(2)xDP(2)xTP(2) and PP(2)xFSDP(4) with pipeline_fsdp_ag_once (circular pipelines,
-and pipeline_fsdp_ag_per_repeat, need 4+ layers: tests/test_pipeline*.py); then the same model with 8 dropless experts (top-2) under EP(8), EP(4)xFSDP(2),
-EP(2)xPP(2)xDP(2) (MoE layers inside pipeline stages) and DP(2)xEP(2)xTP(2). The reference is 1 device with the same global batch (8 rows), dense or MoE. The tiny dims are chosen so that 8 divides heads, kv heads,
+and pipeline_fsdp_ag_per_repeat, need 4+ layers: tests/test_pipeline*.py); then the same model with 8 dropless
+experts (top-2) under EP(8), EP(4)xFSDP(2), EP(2)xPP(2)xDP(2) (MoE layers inside pipeline stages) and
+DP(2)xEP(2)xTP(2); and context parallelism (attention=blockwise) CP 2/4/8 x all_gather/ring x load balance
+on/off, and CP mixed with FSDP, TP and DP. The reference is 1 device with the same global batch (8 rows), dense or MoE. The tiny dims are chosen so that 8 divides heads, kv heads,
 mlp and vocab (TP(8) needs that). Prints the strategy x step loss matrix and each row's max relative
 difference from the reference, then a PASS/FAIL line; exits non-zero on FAIL.
 """
@@ -65,6 +67,26 @@ STRATEGIES = {  # name: (config file, overrides); all with per_device_batch_size
     "MoE DP(2)xEP(2)xTP(2)": ("base.yml", [*MOE, "ici_data_parallelism=2", "ici_expert_parallelism=2",
                                            "ici_fsdp_parallelism=1", "ici_tensor_parallelism=2"]),
 }
+# Context parallelism (attention=blockwise; the dense reference runs dot_product): CP 2/4/8 alone (the rest
+# of the 8 devices data-parallel) x all_gather/ring x load balance on/off, then mixed with FSDP, TP and DP.
+BLOCKWISE = ["attention=blockwise", "attention_block_size=4"]
+for _cp in (2, 4, 8):
+    for _strategy in ("all_gather", "ring"):
+        for _balance in ("true", "false"):
+            STRATEGIES[f"CP({_cp}, {_strategy}, balance={_balance})"] = ("base.yml", [
+                *BLOCKWISE, f"ici_context_parallelism={_cp}", "ici_fsdp_parallelism=1", "ici_data_parallelism=-1",
+                f"context_parallel_strategy={_strategy}", f"context_parallel_load_balance={_balance}"])
+for _strategy in ("all_gather", "ring"):
+    STRATEGIES[f"CP(2, {_strategy})xFSDP(4)"] = ("base.yml", [*BLOCKWISE, "ici_context_parallelism=2",
+                                                                "ici_fsdp_parallelism=4",
+                                                                f"context_parallel_strategy={_strategy}"])
+    STRATEGIES[f"CP(4, {_strategy})xTP(2)"] = ("base.yml", [*BLOCKWISE, "ici_context_parallelism=4",
+                                                              "ici_fsdp_parallelism=1", "ici_tensor_parallelism=2",
+                                                              f"context_parallel_strategy={_strategy}"])
+    STRATEGIES[f"CP(2, {_strategy})xDP(2)xTP(2)"] = ("base.yml", [*BLOCKWISE, "ici_context_parallelism=2",
+                                                                    "ici_data_parallelism=2", "ici_fsdp_parallelism=1",
+                                                                    "ici_tensor_parallelism=2",
+                                                                    f"context_parallel_strategy={_strategy}"])
 
 
 def run_losses(config_file: str, overrides: list[str], devices, workdir: Path) -> list[float]:

@@ -77,3 +77,12 @@ def test_checkpoint_restores_across_context_degrees_and_strategies(tmp_path, cor
     assert [s for s, _ in rows["resumed"]] == [3, 4]
     np.testing.assert_allclose([loss for _, loss in rows["resumed"]], [loss for _, loss in rows["saved"][2:]],
                                rtol=1e-5)
+
+
+def test_a_filled_context_degree_is_checked_when_the_step_is_built(tmp_path):
+    """ici_context_parallelism=-1 is only resolved with the devices: dot_product attention is refused then."""
+    from maxpar.train import setup_run
+    config = tiny_config("ici_context_parallelism=-1", "ici_fsdp_parallelism=1", "per_device_batch_size=1",
+                         "dataset_type=synthetic")
+    with pytest.raises(ConfigError, match="attention=dot_product"):
+        setup_run(config, jax.devices()).compile_train_step()

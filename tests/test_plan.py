@@ -283,3 +283,36 @@ def test_zero1_divides_the_moments_by_the_data_degree_and_keeps_dp_bytes():
     assert data_bytes(zero, ("all-reduce",)) < data_bytes(plain, ("all-reduce",)) / 100  # only norm-like leftovers
     assert data_bytes(zero, ("reduce-scatter", "all-gather", "all-reduce")) == pytest.approx(
         data_bytes(plain, ("all-reduce",)), rel=0.02)
+
+
+def test_recommend_considers_context_parallelism_for_long_sequences():
+    """At 32k tokens per row the dense scores do not fit; the search offers blockwise attention and CP."""
+    base = config("model_name=llama3-8b", "dtype=bfloat16", "max_target_length=32768", "per_device_batch_size=0.25")
+    target = Target(V5P, 64, 1)
+    rec = recommend(base, target, trace_state(base), top=50)
+    assert rec["best"], rec["why_none"]
+    assert all("attention=blockwise" in b["overrides"] for b in rec["best"])  # dot_product's seq^2 never fits
+    assert any("ici_context_parallelism=" in b["overrides"] for b in rec["best"])
+    short = config("model_name=llama3-8b", "dtype=bfloat16", "max_target_length=2048")
+    from maxpar.plan.recommend import candidate_overrides
+    assert not any("ici_context_parallelism" in c for c in candidate_overrides(short, target))
+
+
+def test_context_parallel_comms_follow_the_seed():
+    """CP(8) at 32k, bf16: per layer the k and v all-gathers receive the seed's 4·B·T·KV·D bytes, activations
+    carry no seq^2 term, and the seed's intensity T·H/(KV·C) is what attention FLOPs / gathered bytes give."""
+    from maxpar.plan.context_comms import cp_intensity
+    cfg = ("model_name=llama3-8b", "dtype=bfloat16", "max_target_length=32768", "attention=blockwise",
+           "ici_context_parallelism=8", "ici_fsdp_parallelism=-1", "per_device_batch_size=0.125")
+    result = plan(*cfg, devices=64)
+    c = config(*cfg)
+    rows_per_shard = 0.125 * 64 / 8  # the batch is split over fsdp (8) only
+    seed_bytes = 4 * rows_per_shard * c.max_target_length * c.num_kv_heads * c.head_dim  # k and v, bf16
+    gathered = sum(r["bytes_per_device"] for r in result["comms"]
+                   if r["pattern"] in ("CP k all-gather (forward)", "CP v all-gather (forward)"))
+    assert gathered == pytest.approx(seed_bytes * 7 / 8 * c.num_decoder_layers)  # ring cost: (n-1)/n received
+    attention_flops = 4 * rows_per_shard * c.max_target_length ** 2 * c.num_query_heads * c.head_dim / 8
+    assert attention_flops / seed_bytes == pytest.approx(cp_intensity(c.max_target_length, c.num_query_heads,
+                                                                      c.num_kv_heads, 8))
+    dense = plan(*cfg[:3], "ici_fsdp_parallelism=-1", "per_device_batch_size=0.125", devices=64)
+    assert result["memory_per_device_bytes"]["activations"] < dense["memory_per_device_bytes"]["activations"] / 10

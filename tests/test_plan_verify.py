@@ -53,6 +53,15 @@ STRATEGIES = {
                                                 "ici_tensor_parallelism=2", "shard_optimizer_over_data=true"],
                                    {("data", "all-reduce"), ("data", "all-gather"), ("data+fsdp", "all-reduce"),
                                     ("fsdp", "all-gather"), ("fsdp", "all-reduce"), ("tensor", "all-reduce")}),
+    # Context parallelism: weights gathered over fsdp+context like FSDP; k/v gathered (or permuted round the
+    # ring) per layer in the attention shard_map; the lookup's table gradient all-reduced over context first.
+    "CP(4, all_gather)xFSDP(2)": ("base.yml", ["ici_context_parallelism=4", "ici_fsdp_parallelism=2",
+                                               "attention=blockwise", "attention_block_size=8"],
+                                  {("fsdp+context", "all-gather"), ("context", "all-gather"),
+                                   ("context", "reduce-scatter"), ("context", "all-reduce")}),
+    "CP(4, ring)xFSDP(2)": ("base.yml", ["ici_context_parallelism=4", "ici_fsdp_parallelism=2", "attention=blockwise",
+                                         "attention_block_size=8", "context_parallel_strategy=ring"],
+                            {("fsdp+context", "all-gather"), ("context", "collective-permute")}),
     # The table's lookup and projection gradients are reduced apart.
     "FSDP(8) tied embeddings": ("base.yml", ["ici_fsdp_parallelism=-1", "logits_via_embedding=true"],
                                 {("fsdp", "all-gather"), ("fsdp", "all-reduce")}),

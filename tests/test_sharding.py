@@ -218,7 +218,7 @@ def test_logical_names_of_the_model():
     assert names["['final_norm']['scale']"] == ("norm",)
 
 
-FE = ("fsdp", "expert")
+FE = ("fsdp", "context", "expert")  # embed: FSDP-like axes (context: weights sharded like FSDP under CP)
 HAND_SPECS = {
     "fsdp4_tp2": {
         f"{LAYER}['mlp']['wi_gate']": P("stage", FE, "tensor"),
@@ -353,14 +353,16 @@ def test_tp_sequence_rules_move_length_to_tensor():
     base = config_for("base.yml", *FSDP4_TP2).axis_rules
     seq = config_for("tp_sequence.yml", *FSDP4_TP2).axis_rules
     batch = ("data", "fsdp", "expert", "stage")
-    assert normalize(nn.logical_to_mesh_axes(RESIDUAL, list(base)), 3) == (batch, None, None)
+    # The sequence is split over `context` (degree 1 here) by default; TP-sequence's residual takes tensor first.
+    ctx = ("context",)
+    assert normalize(nn.logical_to_mesh_axes(RESIDUAL, list(base)), 3) == (batch, ctx, None)
     assert normalize(nn.logical_to_mesh_axes(RESIDUAL, list(seq)), 3) == (batch, ("tensor",), None)
-    assert normalize(nn.logical_to_mesh_axes(MLP_HIDDEN, list(base)), 3) == (batch, None, ("tensor",))
-    assert normalize(nn.logical_to_mesh_axes(MLP_HIDDEN, list(seq)), 3) == (batch, None, ("tensor",))
+    assert normalize(nn.logical_to_mesh_axes(MLP_HIDDEN, list(base)), 3) == (batch, ctx, ("tensor",))
+    assert normalize(nn.logical_to_mesh_axes(MLP_HIDDEN, list(seq)), 3) == (batch, ctx, ("tensor",))
     # Attention stays head-sharded.
     for rules in (base, seq):
-        assert normalize(nn.logical_to_mesh_axes(ATTN_Q, list(rules)), 4) == (batch, None, ("tensor",), None)
-        assert normalize(nn.logical_to_mesh_axes(ATTN_KV, list(rules)), 4) == (batch, None, ("tensor",), None)
+        assert normalize(nn.logical_to_mesh_axes(ATTN_Q, list(rules)), 4) == (batch, ctx, ("tensor",), None)
+        assert normalize(nn.logical_to_mesh_axes(ATTN_KV, list(rules)), 4) == (batch, ctx, ("tensor",), None)
 
 
 CONSTRAINT = re.compile(r"sdy\.sharding_constraint[^<]*<@\w+, \[(.*?)\]>\s*:\s*tensor<((?:\d+x)+)\w+>")
@@ -388,15 +390,15 @@ def _constraints(preset: str) -> dict[tuple[int, ...], set[tuple[frozenset, ...]
 
 def test_tp_sequence_lowered_constraints_split_length():
     batch = frozenset({"data", "fsdp", "expert", "stage"})
-    none, tensor = frozenset(), frozenset({"tensor"})
+    none, tensor, ctx = frozenset(), frozenset({"tensor"}), frozenset({"context"})  # context: degree 1 here
     base, seq = _constraints("base.yml"), _constraints("tp_sequence.yml")
     # Residual stream [4, 16, 64] splits on sequence; the MLP hidden [4, 16, 128] stays split on mlp (the seed's
     # tensor-sequence layout: all-gather the FF input over sequence, reduce-scatter its output back).
-    assert base[(4, 16, 64)] == {(batch, none, none)}
+    assert base[(4, 16, 64)] == {(batch, ctx, none)}
     assert seq[(4, 16, 64)] == {(batch, tensor, none)}
-    assert base[(4, 16, 128)] == seq[(4, 16, 128)] == {(batch, none, tensor)}
+    assert base[(4, 16, 128)] == seq[(4, 16, 128)] == {(batch, ctx, tensor)}
     # Query heads [4, 16, 4, 16] stay split over tensor on heads in both.
-    assert base[(4, 16, 4, 16)] == seq[(4, 16, 4, 16)] == {(batch, none, tensor, none)}
+    assert base[(4, 16, 4, 16)] == seq[(4, 16, 4, 16)] == {(batch, ctx, tensor, none)}
 
 
 @pytest.mark.parametrize("preset, local_shape", [("base.yml", (1, 16, 64)), ("tp_sequence.yml", (1, 8, 64))])

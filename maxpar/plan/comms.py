@@ -46,7 +46,8 @@ from maxpar.axes import Logical
 from maxpar.plan.hlo import wire_bytes
 from maxpar.plan.layout import Layout, Tensor
 from maxpar.pipeline.spmd import manual_batch_axes
-from maxpar.plan.model_math import dtype_bytes, layer_split, regathers_in_backward, sequence_parallel, tp_degrees
+from maxpar.plan.model_math import (context_degree, dtype_bytes, layer_split, regathers_in_backward, sequence_parallel,
+                                     tp_degrees)
 
 FORWARD, BACKWARD = "forward", "backward"
 
@@ -129,7 +130,7 @@ def _sequence_axes(layout: Layout, tensor: Tensor) -> tuple[str, ...]:
     """
     if tensor.role not in ("norm", "embedding", "output"):
         return ()
-    return layout.live(a for a in layout.residual_axes[1] if a not in layout.batch_axes)
+    return layout.live(a for a in layout.residual_axes[1] if a not in layout.batch_axes + ("context",))
 
 
 def _gather_chain(layout: Layout, pattern: str, groups: Iterable[tuple[str, ...]], size: float,
@@ -225,11 +226,14 @@ def weight_comms(layout: Layout, microbatches: int) -> list[Comm]:
                                   count=microbatches * (2 if tied else 1), **grad)
         reduce = layout.live(a for a in layout.weight_batch_axes(t) if a not in t.axes)
         pieces = 2 if tied else 1  # partial gradients reduced like a matmul weight's (FSDP, then DP)
-        if gather and reduce and t.role == "embedding":
+        if gather and (reduce or "context" in gather) and t.role == "embedding":
             # The lookup's gradient is a scatter-add of the looked-up rows, unreduced on every batch
             # shard; the partitioner sums it over all batch axes at once and keeps its FSDP slice.
-            comms += hierarchical(layout, "DP+FSDP gradient all-reduce", layout.live(gather + reduce),
-                                  "all-reduce", full, count=microbatches, **grad)
+            # Context shards hold other tokens of the same rows: their partial sums are reduced first, on their own.
+            axes = layout.live(gather + reduce)
+            for group in (tuple(a for a in axes if a == "context"), tuple(a for a in axes if a != "context")):
+                comms += hierarchical(layout, "DP+FSDP gradient all-reduce", group, "all-reduce", full,
+                                      count=microbatches, **grad)
             pieces -= 1
         if not pieces:
             continue
@@ -322,7 +326,7 @@ def activation_comms(layout: Layout, tokens: float, microbatches: int) -> list[C
         count = config.num_decoder_layers / layer_split(layout) * microbatches
         layer_residual = residual
     sequence_sharded = layout.live(a for a in layout.residual_axes[1] + layout.residual_axes[2]
-                                   if a not in layout.batch_axes)
+                                   if a not in layout.batch_axes + ("context",))
     comms: list[Comm] = []
 
     def block(label: str, axes: tuple[str, ...], parts: int, count: float = count) -> None:
@@ -469,9 +473,10 @@ def lookup_comms(layout: Layout, tokens: float, microbatches: int) -> list[Comm]
 
 def predict_comms(layout: Layout, tokens_per_shard: float, microbatches: int) -> list[Comm]:
     """Every predicted collective of one step (tokens_per_shard: one microbatch's tokens per batch shard)."""
+    local = tokens_per_shard / context_degree(layout)  # context parallelism: each device holds 1/C of the tokens
     return (zero_comms(layout, weight_comms(layout, microbatches))
-            + activation_comms(layout, tokens_per_shard, microbatches)
-            + lookup_comms(layout, tokens_per_shard, microbatches))
+            + activation_comms(layout, local, microbatches)
+            + lookup_comms(layout, local, microbatches))
 
 
 def expert_all_to_all_bytes(tokens: float, emb_dim: int, experts_per_token: int, dtype_size: int) -> float:

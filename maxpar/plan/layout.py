@@ -123,10 +123,12 @@ class Layout:
     def weight_batch_axes(self, tensor: Tensor) -> tuple[str, ...]:
         """The batch axes whose shards use `tensor` on different rows (its gradient sums over them, FSDP
         gathers over those that shard it): all of them, but a pipeline's stages for its stacked layers,
-        which every stage runs on all rows of its data-parallel shard."""
+        which every stage runs on all rows of its data-parallel shard. The `context` axis counts too: its
+        shards see other tokens of the same rows (context parallelism acts like FSDP on the weights)."""
+        axes = self.batch_axes + tuple(a for a in ("context",) if a in self.mesh.axis_names and a not in self.batch_axes)
         if tensor.layered and self.mesh.degree(STAGE_AXIS) > 1:
-            return tuple(a for a in self.batch_axes if a != STAGE_AXIS)
-        return self.batch_axes
+            return tuple(a for a in axes if a != STAGE_AXIS)
+        return axes
 
     def params(self, role: str | None = None) -> list[Tensor]:
         return [t for t in self.tensors if t.group == "params" and (role is None or t.role == role)]

@@ -56,6 +56,11 @@ def tp_degrees(layout: Layout) -> dict[str, int]:
             "embed": _degree(layout, [a for a in layout.residual_axes[2] if a not in layout.batch_axes])}
 
 
+def context_degree(layout: Layout) -> int:
+    """Degree of the `context` mesh axis (the sequence split of context parallelism)."""
+    return layout.degree("context") if "context" in layout.mesh.axis_names else 1
+
+
 def activation_bytes_per_token(config: Config, layout: Layout) -> dict[str, float]:
     """Bytes per local token kept for the backward pass, per layer, under each remat policy.
 
@@ -64,15 +69,25 @@ def activation_bytes_per_token(config: Config, layout: Layout) -> dict[str, floa
     materialises the full causal score matrix) and mask, the attention output, and
     gate/up/silu/product of the MLP. `minimal` (dots without batch dims saved) keeps
     the projections' outputs and the layer input; `full` keeps only the layer input.
+
+    attention=blockwise keeps no probabilities: its custom VJP saves the float32
+    log-sum-exp per query and head instead (no seq term). Context parallelism splits
+    every token's activations over `context` (the residual through tp["length"]), and
+    the all_gather strategy keeps the gathered k, v of the whole sequence per layer.
     """
     tp = tp_degrees(layout)
+    cp = context_degree(layout)
     a = dtype_bytes(config.dtype)
     e = config.emb_dim / (tp["length"] * tp["embed"])
     hd = config.num_query_heads * config.head_dim / tp["heads"]
     kvd = config.num_kv_heads * config.head_dim / tp["kv_heads"]
     heads, m, s = config.num_query_heads / tp["heads"], config.mlp_dim / tp["mlp"], config.max_target_length
-    none = (4 * e + hd + 2 * kvd + hd + 4 * m) * a + heads * s * (4 + a) + s + 2 * 4
-    minimal = (hd + 2 * kvd + 2 * m + 3 * e) * a
+    if config.attention == "blockwise":
+        gathered = 2 * kvd * a * (cp - 1) if config.context_parallel_strategy == "all_gather" else 0.0
+        none = ((hd + 2 * kvd + hd + 4 * m) * a + heads * 4 + gathered + 2 * 4) / cp + 4 * e * a
+    else:
+        none = (4 * e + hd + 2 * kvd + hd + 4 * m) * a + heads * s * (4 + a) + s + 2 * 4
+    minimal = (hd + 2 * kvd + 2 * m) * a / cp + 3 * e * a
     full = e * a
     return {"none": none, "minimal": minimal, "full": full}
 
@@ -136,8 +151,8 @@ def regathers_in_backward(config: Config) -> bool:
 
 
 def sequence_parallel(layout: Layout) -> bool:
-    """TP-sequence: the residual stream is split on its length by a non-batch axis."""
-    return bool(layout.live(a for a in layout.residual_axes[1] if a not in layout.batch_axes))
+    """TP-sequence: the residual stream is split on its length by a non-batch axis (not `context`)."""
+    return bool(layout.live(a for a in layout.residual_axes[1] if a not in layout.batch_axes + ("context",)))
 
 
 def gathered_weight_bytes(config: Config, layout: Layout) -> float:
@@ -220,7 +235,8 @@ def memory_per_device(config: Config, layout: Layout, tokens_per_microbatch: flo
         # one layer re-run (or kept) in the backward pass
         rerun = moe["working"] if config.remat_policy != "none" else 0.0
         working = tokens_per_microbatch * (per_token["none"] + (moe["none"] + rerun if moe_layers else 0.0))
-    logits = tokens_per_microbatch * config.vocab_size / tp_degrees(layout)["vocab"] * 4 * 2  # f32 logits, gradient
+    logits = (tokens_per_microbatch * config.vocab_size / tp_degrees(layout)["vocab"] / context_degree(layout)
+              * 4 * 2)  # f32 logits and their gradient, split over the sequence too under context parallelism
     activations = saved + working + logits
     gathered = gathered_weight_bytes(config, layout)
     total = params + optimizer + gradients + activations + gathered

@@ -23,6 +23,7 @@ from maxpar.mesh import MeshShape, resolve_mesh_shape
 from maxpar.metrics import matmul_params, training_flops_per_token
 from maxpar.plan import rooflines
 from maxpar.plan.comms import BACKWARD, FORWARD, Comm, predict_comms
+from maxpar.plan.context_comms import predict_context_comms
 from maxpar.plan.moe_comms import predict_moe_comms
 from maxpar.plan.hardware import Hardware, ici_axis_shares, slice_shape_exists, torus_shape
 from maxpar.layout import TracedState, batch_shape
@@ -190,7 +191,8 @@ def evaluate(config: Config, target: Target, state: TracedState) -> dict[str, An
     batch = plan_batch(config, layout)
     tokens_per_device = batch.tokens / target.num_devices
     comms = (predict_comms(layout, batch.tokens_per_shard, batch.microbatches)
-             + predict_moe_comms(layout, batch.tokens_per_shard, batch.microbatches))
+             + predict_moe_comms(layout, batch.tokens_per_shard, batch.microbatches)
+             + predict_context_comms(layout, batch.tokens_per_shard, batch.microbatches))
     shares = ici_axis_shares(hardware, mesh.axis_names, dict(zip(mesh.axis_names, mesh.ici)),
                              target.num_devices // target.num_slices)
     times = [c.bytes_per_device / comm_bandwidth(c, hardware, shares) for c in comms]

@@ -2,7 +2,8 @@
 
 The search keeps what the user fixed about the run (model, batch, sequence,
 slices, DCN degrees, expert and stage degrees) and varies what is free inside
-a slice: the ICI data / FSDP / tensor degrees and the remat policy. Every
+a slice: the ICI data / FSDP / tensor degrees and the remat policy; for long sequences
+(max_target_length >= LONG_SEQUENCE) also the context degree and attention=blockwise. Every
 candidate goes through the same `evaluate` as the plan itself, so a candidate
 that the trainer would reject (a dimension that does not split, a batch that
 does not shard) is never recommended.
@@ -19,6 +20,8 @@ from maxpar.layout import TracedState
 from maxpar.plan.predict import Target, evaluate
 
 REMAT_POLICIES = ("none", "minimal", "full")
+LONG_SEQUENCE = 16384  # from here on the search also tries context parallelism and blockwise attention
+MIN_CONTEXT_SHARD = 1024  # tokens per context shard the search goes down to
 
 
 def divisors(n: int) -> list[int]:
@@ -26,18 +29,35 @@ def divisors(n: int) -> list[int]:
 
 
 def candidate_overrides(config: Config, target: Target) -> list[dict[str, Any]]:
-    """Every (ici data, fsdp, tensor, remat) split of a slice, other degrees as configured."""
+    """Every (ici data, fsdp, tensor, context, remat) split of a slice, other degrees as configured.
+
+    The context degree (with attention=blockwise, which it needs) is searched for long sequences only;
+    there blockwise attention is also tried without it (no seq^2 scores).
+    """
     mesh = resolve_mesh_shape(config, target.num_devices, target.num_slices)
     ici = dict(zip(mesh.axis_names, mesh.ici))
-    free = ici["data"] * ici["fsdp"] * ici["tensor"]
+    free = ici["data"] * ici["fsdp"] * ici["tensor"] * ici.get("context", 1)
+    long = config.max_target_length >= LONG_SEQUENCE
+    attentions = [config.attention] + (["blockwise"] if long and config.attention != "blockwise" else [])
     found = []
-    for tensor in divisors(free):
-        if tensor > max(config.num_query_heads, 1) * 2:
-            break
-        for data in divisors(free // tensor):
-            for remat in REMAT_POLICIES:
-                found.append({"ici_data_parallelism": data, "ici_fsdp_parallelism": free // tensor // data,
-                              "ici_tensor_parallelism": tensor, "remat_policy": remat})
+    configured = ici.get("context", 1)
+    # Shards of at least MIN_CONTEXT_SHARD tokens: below that the per-layer k/v traffic outweighs the split.
+    contexts = [c for c in divisors(free) if c == configured or c <= config.max_target_length // MIN_CONTEXT_SHARD]
+    for context in contexts if long else [configured]:
+        for attention in attentions if context == 1 else ["blockwise"]:
+            extra: dict[str, Any] = {}
+            if context != configured:
+                extra["ici_context_parallelism"] = context
+            if attention != config.attention:
+                extra["attention"] = attention
+            for tensor in divisors(free // context):
+                if tensor > max(config.num_query_heads, 1) * 2:
+                    break
+                for data in divisors(free // context // tensor):
+                    for remat in REMAT_POLICIES:
+                        found.append({"ici_data_parallelism": data,
+                                      "ici_fsdp_parallelism": free // context // tensor // data,
+                                      "ici_tensor_parallelism": tensor, "remat_policy": remat, **extra})
     return found
 
 
@@ -51,7 +71,7 @@ def recommend(config: Config, target: Target, state: TracedState, top: int = 5) 
     for overrides in candidates:
         candidate = dataclasses.replace(config, **fixed, **overrides)
         try:
-            result = evaluate(candidate, target, state)
+            result = evaluate(candidate, target, state)  # the run layout's checks, context ones included
         except ConfigError:
             rejected += 1
             continue
