@@ -376,6 +376,12 @@ def context_layout(config: Config, rules: Sequence[AxisRule], sizes: dict[str, i
     if config.attention != "blockwise" or math.prod(sizes.values()) == 1:
         return None
     q_axes, kv_axes = mesh_axes(ATTN_Q, rules), mesh_axes(ATTN_KV, rules)
+    residual_length = mesh_axes(RESIDUAL, rules)[1]
+    if degree > 1 and CONTEXT_AXIS not in residual_length:
+        raise ConfigError(f"context parallelism (context degree {degree}) splits the residual stream's sequence "
+                          f"({Logical.LENGTH}) over `{CONTEXT_AXIS}`, but logical_axis_rules map it to "
+                          f"{list(residual_length) or 'nothing'} (e.g. configs/tp_sequence.yml's rule); TP-sequence "
+                          f"with context parallelism is not supported yet")
     length_axes = tuple(a for a in q_axes[1] if sizes.get(a, 1) > 1)
     if length_axes not in ((), (CONTEXT_AXIS,)) or tuple(a for a in kv_axes[1] if sizes.get(a, 1) > 1) != length_axes:
         raise ConfigError(f"attention=blockwise: the rules shard the attention length ({ATTN_Q[1]}) over "

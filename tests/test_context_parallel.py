@@ -52,6 +52,8 @@ def test_context_parallel_matches_single_device(name, tmp_path, corpus, referenc
      ["ici_stage_parallelism=2", "pipeline"]),
     (["ici_context_parallelism=2", "ici_fsdp_parallelism=-1", "attention=blockwise", "num_experts=4"],
      ["num_experts=4"]),
+    (["ici_context_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2", "attention=blockwise",
+      "extra_logical_axis_rules=[[activation_length,[tensor]]]"], ["activation_length", "TP-sequence"]),
 ])
 def test_context_config_errors_name_the_keys(overrides, named):
     """Refused before any device is used: by the run layout on an abstract mesh of 8."""
