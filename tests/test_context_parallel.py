@@ -26,18 +26,18 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, corpus):  # noqa: F811
-    return losses(tmp_path_factory.mktemp("ref"), corpus, jax.devices()[:1], "per_device_batch_size=8")
+    return losses(tmp_path_factory.mktemp("ref"), corpus, jax.devices()[:1], "per_device_batch_size=8")[0]
 
 
 def test_blockwise_matches_dot_product_on_one_device(tmp_path, corpus, reference):  # noqa: F811
-    got = losses(tmp_path, corpus, jax.devices()[:1], "per_device_batch_size=8", *BLOCKWISE)
+    got = losses(tmp_path, corpus, jax.devices()[:1], "per_device_batch_size=8", *BLOCKWISE)[0]
     assert reference[-1] < reference[0]
     np.testing.assert_allclose(got, reference, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_context_parallel_matches_single_device(name, tmp_path, corpus, reference):  # noqa: F811
-    got = losses(tmp_path, corpus, jax.devices(), "per_device_batch_size=1", *BLOCKWISE, *CASES[name])
+    got = losses(tmp_path, corpus, jax.devices(), "per_device_batch_size=1", *BLOCKWISE, *CASES[name])[0]
     np.testing.assert_allclose(got, reference, rtol=1e-5)
 
 
