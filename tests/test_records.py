@@ -153,3 +153,21 @@ def test_short_training_run_on_jsonl(tmp_path):
     rows = read_metrics(tmp_path / "run")
     assert rows[-1]["step"] == 8 and np.isfinite(rows[-1]["eval_loss"])
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5
+
+
+@pytest.mark.parametrize("file_type", ["jsonl", "parquet"])
+def test_global_batch_is_the_same_for_any_process_count(tmp_path, file_type):
+    config = grain_config(write_shards(tmp_path, file_type, record_texts(10)), file_type, "eval_fraction=0.2")
+
+    def batches(index, count):
+        train_data, eval_data = make_datasets(config, global_rows=4, eval_rows=4, shard_index=index, shard_count=count)
+        return [[next(it) for _ in range(3)] for it in (iter(train_data), iter(eval_data()))]
+
+    whole = batches(0, 1)
+    halves = [batches(i, 2) for i in range(2)]
+    for split in range(2):
+        for step in range(3):
+            for key in whole[split][step]:
+                np.testing.assert_array_equal(
+                    whole[split][step][key],
+                    np.concatenate([halves[i][split][step][key] for i in range(2)]))
