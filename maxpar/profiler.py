@@ -47,7 +47,8 @@ class StepProfiler:
     def before_step(self, step: int) -> None:
         if step in self._window and not self._active:
             self._directory.mkdir(parents=True, exist_ok=True)
-            jax.profiler.start_trace(str(self._directory), create_perfetto_trace=True)
+            # every process writes its own <host>.xplane.pb; the Perfetto file has one name, so process 0 writes it
+            jax.profiler.start_trace(str(self._directory), create_perfetto_trace=jax.process_index() == 0)
             self._active = True
             self._first_traced = step
         if self._active:
