@@ -49,7 +49,8 @@ ARRAY_ITEMS = ("params", "opt_state")
 MODEL_KEYS = ("emb_dim", "num_query_heads", "num_kv_heads", "head_dim", "mlp_dim", "num_decoder_layers",
               "vocab_size", "weight_dtype", "logits_via_embedding", "num_experts", "moe_layer_interval")
 # Keys that give the saved data position its meaning: resuming a run needs them equal too.
-DATA_KEYS = ("dataset_type", "dataset_path", "tokenizer_path", "eval_fraction", "seed", "max_target_length")
+DATA_KEYS = ("dataset_type", "dataset_path", "grain_file_type", "dataset_text_field", "tokenizer_path", "eval_fraction",
+             "seed", "max_target_length")
 
 Warn = Callable[[str], None]
 

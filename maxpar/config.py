@@ -120,9 +120,18 @@ class Config:
     num_simulated_devices: int = _key("simulate this many CPU devices (applied before JAX starts, CPU only; "
                                       "0 = off, or set XLA_FLAGS=--xla_force_host_platform_device_count=N)", min=0)
     peak_flops_per_device: float = _key("peak dense FLOP/s of one device for MFU (0 = look up the device kind)", min=0)
+    profiler: str = _key("'' = off; xplane = a jax.profiler trace of profiler_steps steps under RUN/profile/ "
+                         "(TensorBoard's profile plugin, Perfetto)", choices=("", "xplane"))
+    profiler_start_step: int = _key("first traced step (steps count from 1; 2 skips the first step's warm-up)", min=1)
+    profiler_steps: int = _key("number of steps traced", min=1)
     # Data
-    dataset_type: str = _key("input pipeline", choices=("synthetic", "text"))
-    dataset_path: str = _key("glob of text files, one document each; {stdlib} = Python's standard library directory")
+    dataset_type: str = _key("input pipeline: text (files), grain (record shards) or synthetic",
+                             choices=("synthetic", "text", "grain"))
+    dataset_path: str = _key("glob of text files, one document each (dataset_type=text), or of record shards "
+                             "(dataset_type=grain); {stdlib} = Python's standard library directory")
+    grain_file_type: str = _key("record shard format for dataset_type=grain: one record = one document",
+                                choices=("jsonl", "parquet"))
+    dataset_text_field: str = _key("the record field (JSONL) or column (Parquet) holding the document text")
     tokenizer_path: str = _key("'' = byte-level; a sentencepiece .model or a Hugging Face tokenizer.json")
     # Sharding
     mesh_axes: tuple[str, ...] = _key("order of the physical mesh axes (a permutation of data, fsdp, tensor, expert, stage, "
@@ -435,11 +444,23 @@ def validate(config: Config) -> None:
     _validate_moe(config)
     if config.dataset_type == "text" and not config.dataset_path:
         raise ConfigError("dataset_type=text needs dataset_path (a glob of text files)")
+    if config.dataset_type == "grain" and not (config.dataset_path and config.dataset_text_field):
+        raise ConfigError(f"dataset_type=grain needs dataset_path (a glob of {config.grain_file_type} shards) and "
+                          f"dataset_text_field (got {config.dataset_text_field!r})")
     _validate_attention(config)
     _validate_pipeline(config)
+    _validate_profiler(config)
     if config.load_parameters_path and config.load_full_state_path:
         raise ConfigError(f"load_parameters_path={config.load_parameters_path!r} and load_full_state_path="
                           f"{config.load_full_state_path!r}: set at most one (parameters only, or the full state)")
+
+
+def _validate_profiler(config: Config) -> None:
+    last = config.profiler_start_step + config.profiler_steps - 1
+    if config.profiler and last > config.steps:
+        raise ConfigError(f"profiler={config.profiler} traces steps {config.profiler_start_step}-{last} "
+                          f"(profiler_start_step={config.profiler_start_step}, profiler_steps={config.profiler_steps}) "
+                          f"but the run has steps={config.steps}: the window must end by step {config.steps}")
 
 
 def _validate_moe(config: Config) -> None:

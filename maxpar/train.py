@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from tqdm import tqdm
 
 from maxpar import checkpoint, distributed, preflight, summary
+from maxpar.profiler import StepProfiler, profile_window
 from maxpar.cadence import cadence
 from maxpar.guards import (INTERRUPTED_EXIT_STATUS, PREEMPTED_EXIT_STATUS, Preempted, PreemptionWatch, StepWatchdog,
                            stop_on_nonfinite)
@@ -173,6 +174,7 @@ def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: 
     iterator = iter(run.train_data)
     manager = checkpoint.make_manager(run_dir, config) if config.enable_checkpointing else None
     writer, bar = None, None
+    profiler = StepProfiler(profile_window(config), run_dir, log)
     try:
         with PreemptionWatch() as preemption, StepWatchdog(config.step_timeout_s) as watchdog:
             state = initial_state(run, manager, iterator, log)
@@ -196,7 +198,9 @@ def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: 
             loop_start = window_start
             unchecked: list[tuple[int, jax.Array]] = []  # losses not yet checked for NaN/Inf (checked in batches)
             for step in range(start + 1, config.steps + 1):
+                profiler.before_step(step)
                 state, metrics = step_fn(state, global_batch(next(iterator), run.in_sharding))
+                profiler.after_step(step, metrics)
                 if config.stop_on_nan:
                     unchecked.append((step, metrics["loss"]))
                 window_steps += 1
@@ -226,6 +230,7 @@ def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: 
                     window_start, window_steps = time.perf_counter(), 0
                 watchdog.progress(step)
     finally:
+        profiler.stop()
         for closable in (bar, writer):  # also when a step raises (preemption, NaN, a lost peer)
             if closable is not None:
                 closable.close()

@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "maxpar"
 SPINE = [
     ["maxpar.axes"], ["maxpar.config"], ["maxpar.mesh"], ["maxpar.sharding"], ["maxpar.pipeline.schedule"],
     ["maxpar.layout"], ["maxpar.pipeline.spmd"], ["maxpar.model"], ["maxpar.optimizer"], ["maxpar.train_step"],
-    ["maxpar.cadence", "maxpar.guards"], ["maxpar.train", "maxpar.preflight", "maxpar.summary"],
+    ["maxpar.cadence", "maxpar.guards", "maxpar.profiler"], ["maxpar.train", "maxpar.preflight", "maxpar.summary"],
 ]
 LOOP = SPINE[-1]  # the entry point: may use the planner (fit before you run) and the tools (simulated devices)
 BESIDE = ["maxpar.data", "maxpar.metrics", "maxpar.distributed", "maxpar.checkpoint"]  # import the spine's lower part

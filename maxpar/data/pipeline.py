@@ -8,7 +8,8 @@ import grain
 
 from maxpar.config import Config, ConfigError
 from maxpar.data.synthetic import synthetic_batches
-from maxpar.data.text import resolve_files, split_files, text_batches
+from maxpar.data.records import open_records
+from maxpar.data.text import FileTexts, Subset, document_batches, resolve_files, split_files
 from maxpar.data.tokenizer import load_tokenizer
 
 
@@ -32,8 +33,15 @@ def make_datasets(config: Config, *, global_rows: int, eval_rows: int, shard_ind
         files = resolve_files(config.dataset_path)
     except ValueError as e:
         raise ConfigError(f"dataset_path={config.dataset_path!r}: {e}") from None
-    train_files, eval_files = split_files(files, config.eval_fraction, config.seed)
-    train = text_batches(train_files, tokenizer, global_batch_rows=global_rows, seed=config.seed, **share)
-    if not eval_files:
+    if config.dataset_type == "grain":  # one record, one document; whole records held out for eval
+        documents = open_records(config.grain_file_type, files, config.dataset_text_field, config.dataset_path)
+        train_ids, eval_ids = split_files(range(len(documents)), config.eval_fraction, config.seed)
+        train_docs, eval_docs = Subset(documents, train_ids), Subset(documents, eval_ids)
+    else:  # one file, one document; whole files held out for eval
+        train_files, eval_files = split_files(files, config.eval_fraction, config.seed)
+        train_docs, eval_docs = FileTexts(train_files), FileTexts(eval_files)
+    train = document_batches(train_docs, tokenizer, global_batch_rows=global_rows, seed=config.seed, **share)
+    if not len(eval_docs):
         return train, None
-    return train, lambda: text_batches(eval_files, tokenizer, global_batch_rows=eval_rows, seed=config.seed, **share)
+    return train, lambda: document_batches(eval_docs, tokenizer, global_batch_rows=eval_rows, seed=config.seed,
+                                           **share)

@@ -1,4 +1,4 @@
-"""Packed language-model batches from whole text files.
+"""Packed language-model batches from documents: whole text files, or records of shards (records.py).
 
 Layout ("lanes"): row j of every global batch comes from lane j, an independent
 packed stream over its own documents. A process builds only its contiguous
@@ -50,9 +50,9 @@ def resolve_files(pattern: str) -> list[str]:
 
 
 def split_files(
-    files: Sequence[str], eval_fraction: float, seed: int
-) -> tuple[list[str], list[str]]:
-    """Returns (train, eval): whole files held out, so eval text is never trained on.
+    files: Sequence[Any], eval_fraction: float, seed: int
+) -> tuple[list[Any], list[Any]]:
+    """Returns (train, eval): whole files (or record indices) held out, so eval text is never trained on.
 
     Holds out max(1, round(eval_fraction * n)) files (at most n - 1) when
     eval_fraction > 0 and n >= 2; none otherwise. Both lists keep input order.
@@ -106,6 +106,33 @@ def document_features(text: str, tokenizer: Tokenizer) -> dict[str, np.ndarray]:
     return {"inputs": toks[:-1], "targets": toks[1:]}
 
 
+class FileTexts(Sequence[str]):
+    """Whole text files as a lazily read sequence of documents (one file, one document)."""
+
+    def __init__(self, files: Sequence[str]):
+        self._files = tuple(files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def __getitem__(self, index: int) -> str:  # type: ignore[override]
+        return read_text(self._files[index])
+
+
+class Subset(Sequence[str]):
+    """The documents of `documents` at `indices` (a train or eval split of a record corpus)."""
+
+    def __init__(self, documents: Sequence[str], indices: Sequence[int]):
+        self._documents = documents
+        self._indices = np.asarray(indices, np.int64)
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
+    def __getitem__(self, index: int) -> str:  # type: ignore[override]
+        return self._documents[int(self._indices[index])]
+
+
 class _LaneDocuments:
     """Maps lane-local index m to the features of the lane's m-th document.
 
@@ -114,9 +141,9 @@ class _LaneDocuments:
     Every lane thus gets documents even when n < lanes, and each epoch reshuffles.
     """
 
-    def __init__(self, files: Sequence[str], tokenizer: Tokenizer, *, lane: int,
+    def __init__(self, documents: Sequence[str], tokenizer: Tokenizer, *, lane: int,
                  lanes: int, seed: int):
-        self._files = tuple(files)
+        self._documents = documents
         self._tokenizer = tokenizer
         self._lane = lane
         self._lanes = lanes
@@ -126,15 +153,12 @@ class _LaneDocuments:
     def _permutation(self, epoch: int) -> np.ndarray:
         if self._order is None or self._order[0] != epoch:
             rng = np.random.default_rng([self._seed, epoch])
-            self._order = (epoch, rng.permutation(len(self._files)))
+            self._order = (epoch, rng.permutation(len(self._documents)))
         return self._order[1]
 
-    def path(self, m: int) -> str:
-        epoch, position = divmod(self._lane + m * self._lanes, len(self._files))
-        return self._files[int(self._permutation(epoch)[position])]
-
     def __call__(self, m: int) -> dict[str, np.ndarray]:
-        return document_features(read_text(self.path(m)), self._tokenizer)
+        epoch, position = divmod(self._lane + m * self._lanes, len(self._documents))
+        return document_features(self._documents[int(self._permutation(epoch)[position])], self._tokenizer)
 
 
 class _JsonSafeState(grain.IterDataset):
@@ -196,8 +220,15 @@ def _stack_lanes(rows: tuple[dict[str, np.ndarray], ...], pad_id: int) -> dict[s
     }
 
 
-def text_batches(
-    files: Sequence[str],
+def text_batches(files: Sequence[str], tokenizer: Tokenizer, **kwargs: Any) -> grain.IterDataset:
+    """document_batches over whole text files, one document each."""
+    if not files:
+        raise ValueError("text_batches needs at least one file")
+    return document_batches(FileTexts(files), tokenizer, **kwargs)
+
+
+def document_batches(
+    documents: Sequence[str],
     tokenizer: Tokenizer,
     *,
     seq_len: int,
@@ -212,15 +243,16 @@ def text_batches(
     inputs, targets, segment_ids (1, 2, ... per document in a row; 0 = padding)
     and positions (within the segment). Same seed -> same stream, for any
     process_count. Iterators support get_state()/set_state() with JSON-safe state.
+    `documents[i]` is the text of document i, read on demand.
     """
-    if not files:
-        raise ValueError("text_batches needs at least one file")
+    if not len(documents):
+        raise ValueError("document_batches needs at least one document")
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     lanes = process_rows(global_batch_rows, process_index, process_count)
     streams = [
         _lane_rows(
-            _LaneDocuments(files, tokenizer, lane=lane, lanes=global_batch_rows, seed=seed),
+            _LaneDocuments(documents, tokenizer, lane=lane, lanes=global_batch_rows, seed=seed),
             seq_len,
         )
         for lane in lanes
