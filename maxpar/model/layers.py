@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from maxpar.axes import ATTN_KV, ATTN_Q, MLP_HIDDEN, MLP_IO, RESIDUAL, Logical
-from maxpar.config import Config
+from maxpar.config import Config, RopeScaling
 from maxpar.layout import ModelLayout
 from maxpar.model.attention import attend
 from maxpar.sharding import constrain
@@ -62,11 +62,29 @@ class RMSNorm(ModelModule):
         return (normed * scale.astype(jnp.float32)).astype(cfg.dtype)
 
 
-def apply_rope(x: Array, positions: Array, theta: float) -> Array:
+def rope_inv_freq(half: int, theta: float, scaling: RopeScaling | None = None) -> Array:
+    """[half] float32 inverse frequencies of the rotary pairs; with `scaling` (Llama 3.1+'s `llama3` type)
+    the long wavelengths are stretched by `factor` so the model reaches past the context it was pretrained on.
+
+    Wavelengths shorter than original/high_freq_factor keep their frequency, those longer than
+    original/low_freq_factor are divided by `factor`, and the band between interpolates smoothly.
+    """
+    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if scaling is None:
+        return inv_freq
+    factor, low, high, original = scaling
+    wavelen = 2 * jnp.pi / inv_freq
+    scaled = jnp.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: Array, positions: Array, theta: float, scaling: RopeScaling | None = None) -> Array:
     """Rotary embedding in the half-split convention: x [B, L, H, D], positions [B, L]."""
     half = x.shape[-1] // 2
-    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle = positions.astype(jnp.float32)[:, :, None, None] * inv_freq
+    angle = positions.astype(jnp.float32)[:, :, None, None] * rope_inv_freq(half, theta, scaling)
     sin, cos = jnp.sin(angle), jnp.cos(angle)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
@@ -90,8 +108,8 @@ class Attention(ModelModule):
         q = constrain(jnp.einsum("ble,ehd->blhd", x, wq.astype(dt)), ATTN_Q)
         k = constrain(jnp.einsum("ble,ehd->blhd", x, wk.astype(dt)), ATTN_KV)
         v = constrain(jnp.einsum("ble,ehd->blhd", x, wv.astype(dt)), ATTN_KV)
-        q = apply_rope(q, positions, cfg.rope_theta) * jnp.asarray(d ** -0.5, dt)
-        k = apply_rope(k, positions, cfg.rope_theta)
+        q = apply_rope(q, positions, cfg.rope_theta, cfg.rope_scaling) * jnp.asarray(d ** -0.5, dt)
+        k = apply_rope(k, positions, cfg.rope_theta, cfg.rope_scaling)
 
         # Init only needs shapes: the portable core keeps it (and the planner's abstract init) off the GPU.
         choice = "dot_product" if self.is_initializing() else cfg.attention
