@@ -15,10 +15,11 @@ import jax.numpy as jnp
 from maxpar.axes import ATTN_KV, ATTN_Q, MLP_HIDDEN, MLP_IO, RESIDUAL, Logical
 from maxpar.config import Config, RopeScaling
 from maxpar.layout import ModelLayout
-from maxpar.model.attention import attend
+from maxpar.model.attention import attend, cached_attention
 from maxpar.sharding import constrain
 
 Array = jax.Array
+CACHE = "cache"  # the KV-cache collection: decoding applies the model with it mutable (maxpar.generate)
 # The feed-forward hidden layer (MLP_HIDDEN) has its own length name: under TP-sequence the residual stream is
 # split on sequence, but the hidden [batch, length, mlp] stays split on mlp like its weights (all-gather in,
 # reduce-scatter out).
@@ -111,11 +112,28 @@ class Attention(ModelModule):
         q = apply_rope(q, positions, cfg.rope_theta, cfg.rope_scaling) * jnp.asarray(d ** -0.5, dt)
         k = apply_rope(k, positions, cfg.rope_theta, cfg.rope_scaling)
 
+        if self.is_mutable_collection(CACHE) and not self.is_initializing():
+            out = constrain(self._attend_cached(q, k, v, positions), ATTN_Q)
+            return constrain(jnp.einsum("blhd,hde->ble", out, wo.astype(dt)), RESIDUAL)
         # Init only needs shapes: the portable core keeps it (and the planner's abstract init) off the GPU.
         choice = "dot_product" if self.is_initializing() else cfg.attention
         context = self.layout.context if self.layout else None
         out = constrain(attend(q, k, v, segment_ids, choice, cfg.sliding_window, cfg, context), ATTN_Q)
         return constrain(jnp.einsum("blhd,hde->ble", out, wo.astype(dt)), RESIDUAL)
+
+
+    def _attend_cached(self, q: Array, k: Array, v: Array, positions: Array) -> Array:
+        """Decoding (the `cache` collection is mutable): write this call's k/v into the layer's KV cache
+        [B, max_target_length, KV, D] at each row's positions (contiguous per row: a prompt, or one new token),
+        then attend over the cache. Sharded by the same logical rules as k/v."""
+        b, _, kv, d = k.shape
+        shape = (b, self.config.max_target_length, kv, d)
+        k_cache = self.variable(CACHE, "key", jnp.zeros, shape, k.dtype)
+        v_cache = self.variable(CACHE, "value", jnp.zeros, shape, v.dtype)
+        write = jax.vmap(lambda cache, new, start: jax.lax.dynamic_update_slice(cache, new, (start, 0, 0)))
+        k_cache.value = constrain(write(k_cache.value, k, positions[:, 0]), ATTN_KV)
+        v_cache.value = constrain(write(v_cache.value, v, positions[:, 0]), ATTN_KV)
+        return cached_attention(q, k_cache.value, v_cache.value, positions, self.config.sliding_window)
 
 
 class Mlp(ModelModule):

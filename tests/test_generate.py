@@ -1,0 +1,78 @@
+"""maxpar.generate: KV-cache decoding of a converted transformers Llama (GQA) gives transformers' greedy tokens
+on one device and FSDP(4)xTP(2); the cache path's logits equal re-running the whole prefix; bad requests exit 2."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+from test_convert import BASE, MESHES, hf_model, main as convert_main, overrides_of, save_hf_model
+from maxpar.config import load_config
+from maxpar.generate import decode, load_model, main
+
+PROMPTS = [[5, 17, 200, 33, 9], [71, 3, 250, 12, 99, 140, 8, 61, 2], [44, 10, 7], [180, 181, 182, 183]]
+NEW = 6
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    hf_dir = save_hf_model(tmp_path_factory.mktemp("hf_llama"), "llama")
+    out = tmp_path_factory.mktemp("maxpar_llama") / "converted"
+    assert convert_main(["from_hf", "--hf_path", str(hf_dir), "--out", str(out)]) == 0
+    return hf_dir, out
+
+
+def config_for(converted, *overrides):
+    return load_config([str(BASE), *overrides_of(converted), "dtype=float32", "max_target_length=32",
+                        f"max_new_tokens={NEW}", *overrides])
+
+
+@pytest.mark.parametrize("mesh", ["one", "fsdp4_tp2"])
+def test_greedy_tokens_equal_transformers_generate(mesh, llama):
+    hf_dir, converted = llama
+    count, overrides = MESHES[mesh]
+    config = config_for(converted, *overrides)
+    apply, params = load_model(config, jax.devices()[:count])
+    ours = decode(apply, params, PROMPTS, config, eos_id=-1).tokens  # no EOS: every row runs NEW steps
+    model = hf_model(hf_dir)
+    model.generation_config.eos_token_id = None
+    for prompt, row in zip(PROMPTS, ours):
+        with torch.no_grad():
+            theirs = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False)[0, len(prompt):]
+        assert row == theirs.tolist()
+
+
+def test_cache_logits_equal_rerunning_the_prefix(llama):
+    _, converted = llama
+    config = config_for(converted, "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2")
+    apply, params = load_model(config, jax.devices())
+    rng = np.random.default_rng(0)
+    prompt_lengths = np.array([3, 7])
+    full = rng.integers(0, 264, size=(2, 12)).astype(np.int32)
+    width = int(prompt_lengths.max())
+    positions = np.broadcast_to(np.arange(width), (2, width)).astype(np.int32)
+    _, cache = apply(params, None, full[:, :width], positions, (positions < prompt_lengths[:, None]).astype(np.int32))
+    for step in range(4):
+        at = prompt_lengths + step
+        token = full[np.arange(2), at][:, None]
+        cached, cache = apply(params, cache, token, at[:, None].astype(np.int32), np.ones((2, 1), np.int32))
+        for row in range(2):  # reference: the row's whole prefix through the model, no cache
+            prefix = full[row:row + 1, :at[row] + 1]
+            pos = np.arange(prefix.shape[1], dtype=np.int32)[None]
+            reference, _ = apply(params, None, prefix, pos, np.ones_like(prefix))
+            np.testing.assert_allclose(np.asarray(cached[row, 0]), np.asarray(reference[0, -1]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("prompt, overrides, message", [
+    ("", [], "prompt 0 is empty"),
+    ("x" * 30, [], "prompt 0 has 30 tokens + max_new_tokens=6 > max_target_length=32"),
+    ("hi", ["load_parameters_path=/nonexistent/run"], "load_parameters_path='/nonexistent/run': no checkpoint there"),
+    ("hi", ["load_parameters_path="], "load_parameters_path is empty"),
+])
+def test_bad_requests_exit_2(prompt, overrides, message, llama, capsys):
+    _, converted = llama
+    argv = [str(BASE), *overrides_of(converted), "max_target_length=32", f"max_new_tokens={NEW}", *overrides]
+    assert main([*argv, "--prompt", prompt]) == 2
+    assert message in capsys.readouterr().err
