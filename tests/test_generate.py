@@ -1,5 +1,6 @@
-"""maxpar.generate: KV-cache decoding of a converted transformers Llama (GQA) gives transformers' greedy tokens
-on one device and FSDP(4)xTP(2); the cache path's logits equal re-running the whole prefix; bad requests exit 2."""
+"""maxpar.generate: KV-cache decoding of converted transformers models (a GQA Llama, a Mistral whose sliding
+window is shorter than the prompts, a Mixtral, a Llama with llama3 RoPE scaling) gives transformers' greedy
+tokens on one device and FSDP(4)xTP(2); the cache path's logits equal re-running the whole prefix; bad requests exit 2."""
 
 from __future__ import annotations
 
@@ -8,20 +9,31 @@ import numpy as np
 import pytest
 import torch
 
-from test_convert import BASE, MESHES, hf_model, main as convert_main, overrides_of, save_hf_model
+from test_convert import BASE, MESHES, hf_model, llama3_scaled, main as convert_main, overrides_of, save_hf_model
 from maxpar.config import load_config
-from maxpar.generate import decode, load_model, main
+from maxpar.generate import decode, load_model, main, sample
 
 PROMPTS = [[5, 17, 200, 33, 9], [71, 3, 250, 12, 99, 140, 8, 61, 2], [44, 10, 7], [180, 181, 182, 183]]
 NEW = 6
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    hf_dir = save_hf_model(tmp_path_factory.mktemp("hf_llama"), "llama")
-    out = tmp_path_factory.mktemp("maxpar_llama") / "converted"
+def converted_model(tmp_path_factory, name):
+    hf_dir = save_hf_model(tmp_path_factory.mktemp(f"hf_{name}"), name)
+    out = tmp_path_factory.mktemp(f"maxpar_{name}") / "converted"
     assert convert_main(["from_hf", "--hf_path", str(hf_dir), "--out", str(out)]) == 0
     return hf_dir, out
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return converted_model(tmp_path_factory, "llama")
+
+
+@pytest.fixture(scope="module")
+def models(llama, llama3_scaled, tmp_path_factory):
+    """name -> (transformers directory, maxpar conversion)."""
+    return {"llama": llama, "llama3_scaled": llama3_scaled,
+            **{name: converted_model(tmp_path_factory, name) for name in ("mistral", "mixtral")}}
 
 
 def config_for(converted, *overrides):
@@ -30,8 +42,9 @@ def config_for(converted, *overrides):
 
 
 @pytest.mark.parametrize("mesh", ["one", "fsdp4_tp2"])
-def test_greedy_tokens_equal_transformers_generate(mesh, llama):
-    hf_dir, converted = llama
+@pytest.mark.parametrize("name", ["llama", "mistral", "mixtral", "llama3_scaled"])
+def test_greedy_tokens_equal_transformers_generate(name, mesh, models):
+    hf_dir, converted = models[name]
     count, overrides = MESHES[mesh]
     config = config_for(converted, *overrides)
     apply, params = load_model(config, jax.devices()[:count])
@@ -54,15 +67,16 @@ def test_cache_logits_equal_rerunning_the_prefix(llama):
     width = int(prompt_lengths.max())
     positions = np.broadcast_to(np.arange(width), (2, width)).astype(np.int32)
     _, cache = apply(params, None, full[:, :width], positions, (positions < prompt_lengths[:, None]).astype(np.int32))
+    # Reference: the whole sequence through the model without a cache; causal, so its logits at position p are
+    # those of re-running the prefix up to p.
+    whole = np.broadcast_to(np.arange(full.shape[1]), full.shape).astype(np.int32)
+    reference, _ = apply(params, None, full, whole, np.ones_like(full))
     for step in range(4):
         at = prompt_lengths + step
         token = full[np.arange(2), at][:, None]
         cached, cache = apply(params, cache, token, at[:, None].astype(np.int32), np.ones((2, 1), np.int32))
-        for row in range(2):  # reference: the row's whole prefix through the model, no cache
-            prefix = full[row:row + 1, :at[row] + 1]
-            pos = np.arange(prefix.shape[1], dtype=np.int32)[None]
-            reference, _ = apply(params, None, prefix, pos, np.ones_like(prefix))
-            np.testing.assert_allclose(np.asarray(cached[row, 0]), np.asarray(reference[0, -1]), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(cached[:, 0]), np.asarray(reference)[np.arange(2), at],
+                                   rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("prompt, overrides, message", [
@@ -76,3 +90,13 @@ def test_bad_requests_exit_2(prompt, overrides, message, llama, capsys):
     argv = [str(BASE), *overrides_of(converted), "max_target_length=32", f"max_new_tokens={NEW}", *overrides]
     assert main([*argv, "--prompt", prompt]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_sampling_keys_restrict_the_draw():
+    logits = jax.numpy.asarray(np.log(np.array([[0.5, 0.3, 0.15, 0.05]] * 512, np.float32)))
+    keys = jax.random.split(jax.random.key(0), 3)
+    assert set(np.asarray(sample(logits, keys[0], 1.0, 2, 1.0)).tolist()) == {0, 1}  # top_k=2
+    assert set(np.asarray(sample(logits, keys[1], 1.0, 0, 0.7)).tolist()) == {0, 1}  # 0.5 + 0.3 reach 0.7
+    drawn = np.asarray(sample(logits, keys[2], 1.0, 0, 1.0))
+    assert set(drawn.tolist()) == {0, 1, 2, 3} and abs((drawn == 0).mean() - 0.5) < 0.08
+    assert (np.asarray(sample(logits, keys[2], 0.0, 0, 1.0)) == 0).all()  # temperature 0: greedy
