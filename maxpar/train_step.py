@@ -181,7 +181,7 @@ def train_step(state: TrainState, batch: Batch, *, model: nn.Module, tx: optax.G
 
 
 def eval_step(params: Any, batch: Batch, *, model: nn.Module) -> dict[str, jax.Array]:
-    batch = reorder_batch(batch, model.config)
+    batch = reorder_batch(batch, model.config, model.layout)
     loss_sum, count = loss_sum_and_count(params, model, batch)
     return {"loss_sum": loss_sum, "tokens": count}
 
