@@ -81,7 +81,7 @@ def test_cache_logits_equal_rerunning_the_prefix(llama):
 
 @pytest.mark.parametrize("prompt, overrides, message", [
     ("", [], "prompt 0 is empty"),
-    ("x" * 30, [], "prompt 0 has 30 tokens + max_new_tokens=6 > max_target_length=32"),
+    ("x" * 30, [], "prompt 0 has 31 tokens + max_new_tokens=6 > max_target_length=32"),
     ("hi", ["load_parameters_path=/nonexistent/run"], "load_parameters_path='/nonexistent/run': no checkpoint there"),
     ("hi", ["load_parameters_path="], "load_parameters_path is empty"),
 ])
