@@ -100,3 +100,17 @@ def test_sampling_keys_restrict_the_draw():
     drawn = np.asarray(sample(logits, keys[2], 1.0, 0, 1.0))
     assert set(drawn.tolist()) == {0, 1, 2, 3} and abs((drawn == 0).mean() - 0.5) < 0.08
     assert (np.asarray(sample(logits, keys[2], 0.0, 0, 1.0)) == 0).all()  # temperature 0: greedy
+
+
+def test_rows_stop_at_their_eos_and_unrolled_layers_decode_alike(llama):
+    _, converted = llama
+    config = config_for(converted, "ici_fsdp_parallelism=1")
+    apply, params = load_model(config, jax.devices()[:1])
+    full = decode(apply, params, PROMPTS, config, eos_id=-1).tokens
+    eos = full[0][2]
+    stopped = decode(apply, params, PROMPTS, config, eos_id=eos).tokens
+    for row, tokens in zip(full, stopped):  # each row ends at its first EOS (kept), the others run to NEW tokens
+        assert tokens == (row[:row.index(eos) + 1] if eos in row else row)
+    unrolled = config_for(converted, *MESHES["tp2_unrolled"][1])
+    apply, params = load_model(unrolled, jax.devices())
+    assert decode(apply, params, PROMPTS, unrolled, eos_id=-1).tokens == full
