@@ -43,6 +43,14 @@ def _key(doc: str, *, min: float | None = None, max: float | None = None,
 AxisRule = tuple[str, tuple[str, ...]]
 
 
+class RopeScaling(typing.NamedTuple):
+    """Llama 3.1+'s `llama3` RoPE scaling (the rope_scaling_* keys)."""
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     # Run and outputs
@@ -75,6 +83,15 @@ class Config:
     num_decoder_layers: int = _key("decoder layers", min=1)
     vocab_size: int = _key("vocabulary size (>= the tokenizer's)", min=1)
     rope_theta: float = _key("RoPE base frequency", min=1)
+    rope_scaling_type: str = _key("RoPE frequency scaling: '' = none, llama3 = Llama 3.1+ (the rope_scaling_* keys; "
+                                  "maxpar.convert sets them from config.json)", choices=("", "llama3"))
+    rope_scaling_factor: float = _key("llama3 RoPE: long wavelengths are divided by this factor", min=1)
+    rope_low_freq_factor: float = _key("llama3 RoPE: wavelengths above original/low_freq_factor are fully scaled",
+                                       min=0)
+    rope_high_freq_factor: float = _key("llama3 RoPE: wavelengths below original/high_freq_factor are kept; "
+                                        "> rope_low_freq_factor", min=0)
+    rope_original_max_position_embeddings: int = _key("llama3 RoPE: the context length the model was pretrained on",
+                                                      min=1)
     normalization_layer_epsilon: float = _key("RMSNorm epsilon", min=0)
     logits_via_embedding: bool = _key("tie the output projection to the token embedding")
     dtype: str = _key("activation/compute dtype", choices=DTYPES)
@@ -101,6 +118,11 @@ class Config:
                                   "x top-k / num_experts) tokens of a row, the rest are dropped", min=0)
     load_balance_loss_weight: float = _key("weight of the load-balancing auxiliary loss added to the training "
                                            "objective", min=0)
+    # Sampling (python -m maxpar.generate; README "Sampling from a checkpoint")
+    max_new_tokens: int = _key("tokens generated per prompt (fewer if it ends with EOS)", min=1)
+    temperature: float = _key("sampling temperature (0 = greedy: the most likely token)", min=0)
+    top_k: int = _key("sample among the k most likely tokens only (0 = all)", min=0)
+    top_p: float = _key("sample among the most likely tokens whose probability sums to top_p (1 = all)", min=0, max=1)
     # Logging, eval, checkpoints
     log_period: int = _key("log metrics every N steps", min=1)
     eval_interval: int = _key("evaluate every N steps (0 = only at the end, -1 = never)", min=-1)
@@ -182,6 +204,13 @@ class Config:
     num_devices: int = _key("devices to plan for (0 = the local device count)", min=0)
 
     # ---- derived values: pure functions of the config ----
+    @property
+    def rope_scaling(self) -> RopeScaling | None:
+        if not self.rope_scaling_type:
+            return None
+        return RopeScaling(self.rope_scaling_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
+                           self.rope_original_max_position_embeddings)
+
     @property
     def query_groups(self) -> int:
         """Query heads sharing one key/value head."""
@@ -442,6 +471,7 @@ def validate(config: Config) -> None:
         raise ConfigError(f"vocab_size={config.vocab_size}: dataset_type=synthetic draws tokens from "
                           f"[{SYNTHETIC_FIRST_TOKEN}, vocab_size), so it must be > {SYNTHETIC_FIRST_TOKEN}")
     _validate_moe(config)
+    _validate_rope_scaling(config)
     if config.dataset_type == "text" and not config.dataset_path:
         raise ConfigError("dataset_type=text needs dataset_path (a glob of text files)")
     if config.dataset_type == "grain" and not (config.dataset_path and config.dataset_text_field):
@@ -461,6 +491,14 @@ def _validate_profiler(config: Config) -> None:
         raise ConfigError(f"profiler={config.profiler} traces steps {config.profiler_start_step}-{last} "
                           f"(profiler_start_step={config.profiler_start_step}, profiler_steps={config.profiler_steps}) "
                           f"but the run has steps={config.steps}: the window must end by step {config.steps}")
+
+
+def _validate_rope_scaling(config: Config) -> None:
+    """llama3 scaling interpolates between two wavelength bounds, which must be ordered."""
+    if config.rope_scaling_type == "llama3" and not 0 < config.rope_low_freq_factor < config.rope_high_freq_factor:
+        raise ConfigError(f"rope_low_freq_factor={config.rope_low_freq_factor}, rope_high_freq_factor="
+                          f"{config.rope_high_freq_factor}: rope_scaling_type=llama3 needs "
+                          f"0 < rope_low_freq_factor < rope_high_freq_factor (Llama 3.1 uses 1 and 4)")
 
 
 def _validate_moe(config: Config) -> None:

@@ -88,9 +88,18 @@ def summary_lines(run_dir: Path, totals: RunTotals, rows: Sequence[dict[str, Any
         lines.append(f"  {losses}")
     checkpoint = newest_checkpoint(run_dir)
     lines.append(f"  checkpoint: {checkpoint if checkpoint else 'none (enable_checkpointing=false)'}")
+    if checkpoint and (run_dir / "config.yml").exists():
+        lines.append(f"  sample from it: {generate_command(run_dir, checkpoint)}")
     metrics = run_dir / "metrics.jsonl"
     lines.append(f"  metrics: {metrics if metrics.exists() else 'none'}; loss curve: {curve}")
     return lines
+
+
+def generate_command(run_dir: Path, checkpoint: Path) -> str:
+    """The one-line `python -m maxpar.generate` for a run: its saved config.yml holds every key (so no model preset
+    is read again: model_name=), the checkpoint its parameters."""
+    return (f"python -m maxpar.generate {run_dir / 'config.yml'} model_name= load_parameters_path={checkpoint} "
+            f"--prompt 'def '")
 
 
 def finish_run(run_dir: Path, totals: RunTotals, title: str) -> list[str]:

@@ -14,7 +14,7 @@ SPINE = [
 ]
 LOOP = SPINE[-1]  # the entry point: may use the planner (fit before you run) and the tools (simulated devices)
 BESIDE = ["maxpar.data", "maxpar.metrics", "maxpar.distributed", "maxpar.checkpoint"]  # import the spine's lower part
-ABOVE = ["maxpar.plan", "maxpar.convert", "maxpar.tools"]
+ABOVE = ["maxpar.plan", "maxpar.convert", "maxpar.tools", "maxpar.generate"]
 
 
 def module_name(path: Path) -> str:

@@ -24,7 +24,7 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, M
 
 from helpers import REPO, layout_on, write_corpus
 from maxpar import checkpoint
-from maxpar.config import load_config
+from maxpar.config import ConfigError, load_config
 from maxpar.convert.__main__ import OVERRIDES_FILE, main
 from maxpar.convert.architectures import ARCHITECTURES
 from maxpar.convert.hf_config import ConversionError, hf_config, model_keys, resolve_config, training_overrides
@@ -296,7 +296,8 @@ def test_config_of_both_transformers_layouts_matches_the_preset():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "RoPE scaling 'llama3'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "RoPE scaling 'llama3' lacks low_freq_factor"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "RoPE scaling 'dynamic'"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "RoPE scaling 'yarn'"),
     ({"attention_bias": True}, "attention_bias=true"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
@@ -311,6 +312,62 @@ def test_a_mixture_of_experts_does_not_export_as_a_dense_architecture():
     config = load_config([str(BASE), "model_name=tiny-moe"])
     with pytest.raises(ConversionError, match=r"num_experts=8: LlamaForCausalLM has no such setting \(it needs 1\)"):
         hf_config(config, ARCHITECTURES["LlamaForCausalLM"], "float32")
+
+
+# ---------------------------------------------------------------- Llama 3.1+ RoPE scaling
+
+# Llama 3.1's llama3 scaling with a pretraining context of 8 positions, so that the 24-token rows below reach
+# the stretched (low-frequency) and the interpolated bands of the 16-wide heads, not only the kept ones.
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
+
+
+@pytest.fixture(scope="module")
+def llama3_scaled(tmp_path_factory) -> tuple[Path, Path]:
+    """(transformers' directory, its from_hf conversion) of the tiny GQA Llama with llama3 RoPE scaling."""
+    directory = tmp_path_factory.mktemp("hf_llama3_scaled")
+    config_class, model_class, dims, _, _ = MODELS["llama"]
+    torch.manual_seed(3)
+    model = model_class(config_class(**dims, rope_parameters=dict(LLAMA3_ROPE)))
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            param.copy_(1.0 + 0.2 * torch.randn_like(param)) if param_name.endswith("norm.weight") else \
+                param.normal_(0.0, 0.15)
+    model.save_pretrained(directory)
+    out = tmp_path_factory.mktemp("maxpar_llama3_scaled") / "converted"
+    assert main(["from_hf", "--hf_path", str(directory), "--out", str(out)]) == 0
+    return directory, out
+
+
+@pytest.mark.parametrize("mesh", ["one", "fsdp4_tp2"])
+def test_llama3_rope_scaling_logits_equal_transformers(mesh, llama3_scaled):
+    hf_dir, converted_dir = llama3_scaled
+    assert "rope_scaling_type=llama3" in overrides_of(converted_dir)
+    tokens = tokens_for(5, rows=8, length=24)
+    count, overrides = MESHES[mesh]
+    ours = maxpar_logits(converted_dir, tokens, jax.devices()[:count], *overrides)
+    theirs = hf_logits(hf_dir, tokens)
+    np.testing.assert_allclose(ours, theirs, rtol=2e-5, atol=2e-5)
+    # Without the scaling the same weights give other logits past the pretraining context: the keys matter.
+    unscaled = maxpar_logits(converted_dir, tokens, jax.devices()[:1], "ici_fsdp_parallelism=1",
+                             "rope_scaling_type=")
+    assert np.abs(unscaled[:, 8:] - theirs[:, 8:]).max() > 1e-2
+
+
+def test_llama3_rope_scaling_survives_from_hf_to_hf(llama3_scaled, tmp_path):
+    hf_dir, converted_dir = llama3_scaled
+    assert main(["to_hf", "--checkpoint", str(converted_dir), "--out", str(tmp_path / "back")]) == 0
+    written = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert written["rope_parameters"] == LLAMA3_ROPE
+    assert written["rope_scaling"] == {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "back").config.rope_parameters == LLAMA3_ROPE
+
+
+def test_llama3_rope_keys_are_validated():
+    with pytest.raises(ConfigError, match="rope_low_freq_factor=4.0, rope_high_freq_factor=1.0"):
+        load_config([str(BASE), "rope_scaling_type=llama3", "rope_low_freq_factor=4.0", "rope_high_freq_factor=1.0"])
+    with pytest.raises(ConfigError, match="rope_scaling_type='yarn': must be one of"):
+        load_config([str(BASE), "rope_scaling_type=yarn"])
 
 
 # ---------------------------------------------------------------- bad input: exit 2 and why
@@ -355,12 +412,11 @@ def test_model_name_or_key_that_disagrees_exits_2(capsys, hf_dirs, tmp_path, ove
     assert not (tmp_path / "out").exists()
 
 
-def test_rope_scaling_exits_2(capsys, hf_dirs, tmp_path):
+def test_other_rope_scaling_exits_2(capsys, hf_dirs, tmp_path):
     source = edited_copy(hf_dirs["llama"], tmp_path / "scaled", rope_parameters={
-        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192})
+        "rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0, "original_max_position_embeddings": 8192})
     status, err = from_hf(capsys, source, tmp_path / "out")
-    assert status == 2 and "RoPE scaling 'llama3'" in err
+    assert status == 2 and "RoPE scaling 'yarn'" in err and "'llama3' scaling only" in err
 
 
 def test_tensors_that_do_not_fit_config_json_exit_2(capsys, hf_dirs, tmp_path):

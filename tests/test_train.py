@@ -104,3 +104,14 @@ def test_command_line_training_run(tmp_path, corpus):
     assert [r["step"] for r in read_metrics(tmp_path / "cli")] == [1, 2, 3]
     assert "maxpar: done: steps 1-3 (3)" in result.stdout
     assert "checkpoint: none (enable_checkpointing=false)" in result.stdout
+
+
+def test_summary_prints_the_generate_command_of_a_run_with_a_checkpoint(tmp_path):
+    from maxpar.summary import RunTotals, summary_lines
+    run = tmp_path / "run"
+    (run / "checkpoints" / "5").mkdir(parents=True)
+    (run / "config.yml").write_text("steps: 5\n")
+    lines = summary_lines(run, RunTotals(0, 5, 1.0, 1.0, 128), [{"step": 5, "loss": 2.0}], "none")
+    command = [line for line in lines if "sample from it:" in line]
+    assert command == [f"  sample from it: python -m maxpar.generate {run / 'config.yml'} model_name= "
+                       f"load_parameters_path={run / 'checkpoints' / '5'} --prompt 'def '"]

@@ -20,7 +20,14 @@ from maxpar.convert.architectures import ARCHITECTURES, REQUIRED, Architecture
 
 DEFAULT_ROPE_THETA = 10000.0  # transformers' default when config.json names none
 # Keys that make the function the checkpoint computes: training must use the converted values.
-FUNCTION_KEYS = ("rope_theta", "normalization_layer_epsilon", "sliding_window", "num_experts_per_tok")
+FUNCTION_KEYS = ("rope_theta", "rope_scaling_type", "rope_scaling_factor", "rope_low_freq_factor",
+                 "rope_high_freq_factor", "rope_original_max_position_embeddings", "normalization_layer_epsilon",
+                 "sliding_window", "num_experts_per_tok")
+# Llama 3.1+'s `llama3` RoPE scaling: config.json's field -> maxpar key.
+LLAMA3_ROPE_KEYS = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",
+                    "high_freq_factor": "rope_high_freq_factor",
+                    "original_max_position_embeddings": "rope_original_max_position_embeddings"}
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
 class ConversionError(ConfigError):
@@ -64,6 +71,31 @@ def _rope(hf: dict[str, Any]) -> dict[str, Any]:
     return rope if isinstance(rope, dict) else {}
 
 
+def rope_type(hf: dict[str, Any]) -> str:
+    return _rope(hf).get("rope_type", _rope(hf).get("type", "default"))
+
+
+def rope_scaling_keys(hf: dict[str, Any]) -> dict[str, Any]:
+    """maxpar's rope_scaling_* keys from config.json (a `llama3` block: all four of its fields)."""
+    if rope_type(hf) != "llama3":
+        return {"rope_scaling_type": ""}
+    rope = _rope(hf)
+    missing = [field for field in LLAMA3_ROPE_KEYS if rope.get(field) is None]
+    if missing:
+        raise ConversionError(f"config.json: RoPE scaling 'llama3' lacks {', '.join(missing)} "
+                              f"(needs {', '.join(LLAMA3_ROPE_KEYS)})")
+    return {"rope_scaling_type": "llama3", **{key: (int if field.startswith("original") else float)(rope[field])
+                                               for field, key in LLAMA3_ROPE_KEYS.items()}}
+
+
+def rope_block(config: Config) -> dict[str, Any]:
+    """config.json's RoPE scaling fields of `config` (empty without scaling)."""
+    if not config.rope_scaling_type:
+        return {}
+    return {"rope_type": config.rope_scaling_type,
+            **{field: getattr(config, key) for field, key in LLAMA3_ROPE_KEYS.items()}}
+
+
 def rope_theta(hf: dict[str, Any]) -> float:
     theta = _rope(hf).get("rope_theta", hf.get("rope_theta"))
     return float(DEFAULT_ROPE_THETA if theta is None else theta)
@@ -72,10 +104,10 @@ def rope_theta(hf: dict[str, Any]) -> float:
 def unsupported(hf: dict[str, Any]) -> list[str]:
     """What config.json asks for that maxpar's model does not compute, one line each."""
     problems = []
-    rope_type = _rope(hf).get("rope_type", _rope(hf).get("type", "default"))
-    if rope_type != "default":
-        problems.append(f"RoPE scaling {rope_type!r} (rope_parameters/rope_scaling): maxpar implements only the "
-                        f"default RoPE (rope_type 'default')")
+    if rope_type(hf) not in SUPPORTED_ROPE_TYPES:
+        problems.append(f"RoPE scaling {rope_type(hf)!r} (rope_parameters/rope_scaling): maxpar implements the "
+                        f"default RoPE and Llama 3.1's 'llama3' scaling only; {rope_type(hf)!r} would compute "
+                        f"other rotation frequencies")
     if hf.get("partial_rotary_factor") not in (None, 1, 1.0):
         problems.append(f"partial_rotary_factor={hf['partial_rotary_factor']}: maxpar rotates the whole head")
     if hf.get("hidden_act", "silu") != "silu":
@@ -101,7 +133,7 @@ def model_keys(hf: dict[str, Any], architecture: Architecture) -> dict[str, Any]
     if problems:
         raise ConversionError(f"{architecture.name} checkpoint uses what maxpar does not implement:\n  "
                               + "\n  ".join(problems))
-    values: dict[str, Any] = {"rope_theta": rope_theta(hf)}
+    values: dict[str, Any] = {"rope_theta": rope_theta(hf), **rope_scaling_keys(hf)}
     missing = []
     for spec in architecture.keys:
         value = hf.get(spec.hf_key) if spec.hf_key else None
@@ -180,7 +212,9 @@ def hf_config(config: Config, architecture: Architecture, dtype: str,
                                   f"setting (it needs {spec.default!r})")
     hf.update(architecture.hf_constants)
     hf["rope_theta"] = config.rope_theta  # transformers < 5 reads this, >= 5 rope_parameters
-    hf["rope_parameters"] = {"rope_type": "default", "rope_theta": config.rope_theta}
+    scaling = rope_block(config)
+    hf["rope_scaling"] = scaling or None  # transformers < 5; >= 5 reads rope_parameters
+    hf["rope_parameters"] = {"rope_type": "default", **scaling, "rope_theta": config.rope_theta}
     hf["torch_dtype"] = hf["dtype"] = dtype
     result = {**(template or {}), **hf}
     result.setdefault("max_position_embeddings", config.max_target_length)  # without a template: what it trained on

@@ -52,15 +52,29 @@ def causal_document_mask(segment_ids: Array, window: int = 0) -> Array:
     return causal[None, None] & document_mask(segment_ids)
 
 
-def einsum_attention(q: Array, k: Array, v: Array, segment_ids: Array, window: int = 0) -> Array:
-    """q [B, L, H, D] (pre-scaled), k/v [B, L, KV, D] -> [B, L, H, D]; the scores are explicit."""
+def masked_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
+    """q [B, Lq, H, D] (pre-scaled), k/v [B, Lk, KV, D], mask [B, 1, Lq, Lk] -> [B, Lq, H, D]; explicit scores."""
     b, length, heads, d = q.shape
     kv = k.shape[2]
     q = q.reshape(b, length, kv, heads // kv, d)
     scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
-    scores = jnp.where(causal_document_mask(segment_ids, window)[:, :, None], scores, jnp.finfo(jnp.float32).min)
+    scores = jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, length, heads, d)
+
+
+def einsum_attention(q: Array, k: Array, v: Array, segment_ids: Array, window: int = 0) -> Array:
+    """q [B, L, H, D] (pre-scaled), k/v [B, L, KV, D] -> [B, L, H, D]; the scores are explicit."""
+    return masked_attention(q, k, v, causal_document_mask(segment_ids, window))
+
+
+def cached_attention(q: Array, k_cache: Array, v_cache: Array, positions: Array, window: int = 0) -> Array:
+    """Decoding: q [B, Lq, H, D] at `positions` [B, Lq] against a KV cache [B, S, KV, D] whose slot s holds
+    position s. A query sees the slots at or before its position (within the window), so slots a row has
+    not written yet, or padding written past its prompt, never count."""
+    offset = positions[:, :, None] - jnp.arange(k_cache.shape[1])[None, None, :]
+    mask = (offset >= 0) & (offset < window) if window else offset >= 0
+    return masked_attention(q, k_cache, v_cache, mask[:, None])
 
 
 def fused_attention(q: Array, k: Array, v: Array, segment_ids: Array, implementation: str,

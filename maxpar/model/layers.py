@@ -13,12 +13,13 @@ import jax
 import jax.numpy as jnp
 
 from maxpar.axes import ATTN_KV, ATTN_Q, MLP_HIDDEN, MLP_IO, RESIDUAL, Logical
-from maxpar.config import Config
+from maxpar.config import Config, RopeScaling
 from maxpar.layout import ModelLayout
-from maxpar.model.attention import attend
+from maxpar.model.attention import attend, cached_attention
 from maxpar.sharding import constrain
 
 Array = jax.Array
+CACHE = "cache"  # the KV-cache collection: decoding applies the model with it mutable (maxpar.generate)
 # The feed-forward hidden layer (MLP_HIDDEN) has its own length name: under TP-sequence the residual stream is
 # split on sequence, but the hidden [batch, length, mlp] stays split on mlp like its weights (all-gather in,
 # reduce-scatter out).
@@ -62,11 +63,29 @@ class RMSNorm(ModelModule):
         return (normed * scale.astype(jnp.float32)).astype(cfg.dtype)
 
 
-def apply_rope(x: Array, positions: Array, theta: float) -> Array:
+def rope_inv_freq(half: int, theta: float, scaling: RopeScaling | None = None) -> Array:
+    """[half] float32 inverse frequencies of the rotary pairs; with `scaling` (Llama 3.1+'s `llama3` type)
+    the long wavelengths are stretched by `factor` so the model reaches past the context it was pretrained on.
+
+    Wavelengths shorter than original/high_freq_factor keep their frequency, those longer than
+    original/low_freq_factor are divided by `factor`, and the band between interpolates smoothly.
+    """
+    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if scaling is None:
+        return inv_freq
+    factor, low, high, original = scaling
+    wavelen = 2 * jnp.pi / inv_freq
+    scaled = jnp.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: Array, positions: Array, theta: float, scaling: RopeScaling | None = None) -> Array:
     """Rotary embedding in the half-split convention: x [B, L, H, D], positions [B, L]."""
     half = x.shape[-1] // 2
-    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle = positions.astype(jnp.float32)[:, :, None, None] * inv_freq
+    angle = positions.astype(jnp.float32)[:, :, None, None] * rope_inv_freq(half, theta, scaling)
     sin, cos = jnp.sin(angle), jnp.cos(angle)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
@@ -90,14 +109,31 @@ class Attention(ModelModule):
         q = constrain(jnp.einsum("ble,ehd->blhd", x, wq.astype(dt)), ATTN_Q)
         k = constrain(jnp.einsum("ble,ehd->blhd", x, wk.astype(dt)), ATTN_KV)
         v = constrain(jnp.einsum("ble,ehd->blhd", x, wv.astype(dt)), ATTN_KV)
-        q = apply_rope(q, positions, cfg.rope_theta) * jnp.asarray(d ** -0.5, dt)
-        k = apply_rope(k, positions, cfg.rope_theta)
+        q = apply_rope(q, positions, cfg.rope_theta, cfg.rope_scaling) * jnp.asarray(d ** -0.5, dt)
+        k = apply_rope(k, positions, cfg.rope_theta, cfg.rope_scaling)
 
+        if self.is_mutable_collection(CACHE) and not self.is_initializing():
+            out = constrain(self._attend_cached(q, k, v, positions), ATTN_Q)
+            return constrain(jnp.einsum("blhd,hde->ble", out, wo.astype(dt)), RESIDUAL)
         # Init only needs shapes: the portable core keeps it (and the planner's abstract init) off the GPU.
         choice = "dot_product" if self.is_initializing() else cfg.attention
         context = self.layout.context if self.layout else None
         out = constrain(attend(q, k, v, segment_ids, choice, cfg.sliding_window, cfg, context), ATTN_Q)
         return constrain(jnp.einsum("blhd,hde->ble", out, wo.astype(dt)), RESIDUAL)
+
+
+    def _attend_cached(self, q: Array, k: Array, v: Array, positions: Array) -> Array:
+        """Decoding (the `cache` collection is mutable): write this call's k/v into the layer's KV cache
+        [B, max_target_length, KV, D] at each row's positions (contiguous per row: a prompt, or one new token),
+        then attend over the cache. Sharded by the same logical rules as k/v."""
+        b, _, kv, d = k.shape
+        shape = (b, self.config.max_target_length, kv, d)
+        k_cache = self.variable(CACHE, "key", jnp.zeros, shape, k.dtype)
+        v_cache = self.variable(CACHE, "value", jnp.zeros, shape, v.dtype)
+        write = jax.vmap(lambda cache, new, start: jax.lax.dynamic_update_slice(cache, new, (start, 0, 0)))
+        k_cache.value = constrain(write(k_cache.value, k, positions[:, 0]), ATTN_KV)
+        v_cache.value = constrain(write(v_cache.value, v, positions[:, 0]), ATTN_KV)
+        return cached_attention(q, k_cache.value, v_cache.value, positions, self.config.sliding_window)
 
 
 class Mlp(ModelModule):

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from maxpar.axes import LOGITS, RESIDUAL, Logical
 from maxpar.config import Config
-from maxpar.model.layers import Attention, Mlp, ModelModule, RMSNorm
+from maxpar.model.layers import CACHE, Attention, Mlp, ModelModule, RMSNorm
 from maxpar.model.moe import MOE_STATS, MoeBlock
 from maxpar.model.stack import STACKED, layer_stack, num_units, unrolled_name
 from maxpar.pipeline.spmd import pipeline, through_stage_vmap
@@ -87,7 +87,7 @@ class Decoder(ModelModule):
             for i in range(num_units(cfg)):
                 x, _ = layer(cfg, layout, name=unrolled_name(i), **kwargs)(x, positions, segment_ids)
             return x
-        stack = layer_stack(layer, num_units(cfg), cfg.num_pipeline_repeats, collections=(MOE_STATS,))
+        stack = layer_stack(layer, num_units(cfg), cfg.num_pipeline_repeats, collections=(MOE_STATS, CACHE))
         schedule = layout.pipeline if layout else None
         if schedule is None or self.is_initializing():  # one stage, or creating the parameters: in order
             x, _ = stack(cfg, layout, name=STACKED, **kwargs)(x, positions, segment_ids)

@@ -1,0 +1,190 @@
+"""Sampling from a checkpoint: `python -m maxpar.generate CONFIG [key=value ...] --prompt TEXT [--prompt ...]`.
+
+Loads the parameters of `load_parameters_path` (a run, a step directory or a `maxpar.convert` output) onto
+the run's mesh, tokenizes the prompts with the run's tokenizer and decodes with a KV cache: one prefill of
+all prompts (right-padded, each row at its own positions), then one token per step for every row, until
+each row has written EOS or `max_new_tokens`. The cache is the `cache` collection of the model's attention
+(maxpar/model/layers.py), sharded by the same logical rules as its k/v: batch over data/fsdp, heads over
+tensor. Sampling is greedy (`temperature=0`) or temperature with optional top-k / top-p, seeded by `seed`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from maxpar import checkpoint
+from maxpar.config import Config, ConfigError, load_config
+from maxpar.data.tokenizer import Tokenizer, load_tokenizer
+from maxpar.mesh import build_mesh, local_mesh_shape
+from maxpar.model import Transformer
+from maxpar.model.layers import CACHE
+from maxpar.train_step import run_layout, sharding_context
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """The new tokens of each prompt (EOS included when it ended there) and the throughput figures."""
+    tokens: list[list[int]]
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+
+
+def check_request(config: Config, prompts: Sequence[Sequence[int]]) -> None:
+    """Errors a user can fix, before anything is compiled."""
+    if not prompts:
+        raise ConfigError("no prompt: give --prompt TEXT (one or more)")
+    for i, prompt in enumerate(prompts):
+        if not len(prompt):
+            raise ConfigError(f"prompt {i} is empty: give at least one token of text to continue")
+        if len(prompt) + config.max_new_tokens > config.max_target_length:
+            raise ConfigError(f"prompt {i} has {len(prompt)} tokens + max_new_tokens={config.max_new_tokens} > "
+                              f"max_target_length={config.max_target_length}: the KV cache holds max_target_length "
+                              f"positions; lower max_new_tokens or raise max_target_length")
+    if config.ici_stage_parallelism * config.dcn_stage_parallelism > 1:
+        raise ConfigError("maxpar.generate does not run pipelined (stage parallelism > 1): set "
+                          "ici_stage_parallelism=1 and dcn_stage_parallelism=1; the checkpoint loads on any other mesh")
+    if not config.load_parameters_path:
+        raise ConfigError("load_parameters_path is empty: name the run, step directory or maxpar.convert output "
+                          "whose parameters to sample from")
+
+
+def sample(logits: Array, key: Array, temperature: float, top_k: int, top_p: float) -> Array:
+    """[B, V] float32 logits -> [B] token ids: argmax at temperature 0, else a draw from the tempered
+    distribution restricted to the top_k most likely tokens and to the smallest set whose mass reaches top_p."""
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1)
+    logits = logits / temperature
+    if top_k:
+        kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1:
+        ordered = jnp.sort(logits, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(ordered, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
+        cutoff = jnp.min(jnp.where(before < top_p, ordered, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1)
+
+
+def decode(apply: Callable[..., tuple[Array, Any]], params: Any, prompts: Sequence[Sequence[int]], config: Config,
+           eos_id: int, pad_id: int = 0) -> Generation:
+    """Prefill, then decode one token per step with the KV cache.
+
+    `apply(params, cache, tokens, positions, segment_ids) -> (logits [B, L, V], cache)` runs the model with a
+    mutable cache (None: a new one). Rows are right-padded to the longest prompt; row r's prompt sits at
+    positions 0..len_r - 1, its n-th new token at len_r + n, so every row decodes as if alone.
+    """
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    rows, width = len(prompts), int(lengths.max())
+    tokens = np.full((rows, width), pad_id, np.int32)
+    for i, prompt in enumerate(prompts):
+        tokens[i, :len(prompt)] = prompt
+    positions = np.broadcast_to(np.arange(width, dtype=np.int32), tokens.shape)
+    segments = (positions < lengths[:, None]).astype(np.int32)
+    key = jax.random.key(config.seed)
+    pick = jax.jit(lambda logits, key: sample(logits, key, config.temperature, config.top_k, config.top_p))
+
+    jax.block_until_ready(apply(params, None, tokens, positions, segments))  # compile: not in the figure
+    start = time.perf_counter()
+    logits, cache = apply(params, None, tokens, positions, segments)
+    last = jnp.take_along_axis(logits, jnp.asarray(lengths - 1)[:, None, None], axis=1)[:, 0]
+    key, step_key = jax.random.split(key)
+    token = np.asarray(pick(last, step_key))
+    prefill_s = time.perf_counter() - start
+
+    new = [[] for _ in range(rows)]
+    done = np.zeros(rows, bool)
+    start, steps = time.perf_counter(), 0
+    for step in range(config.max_new_tokens):
+        if step == 1:  # the first decode step compiled: time the steps after it
+            start, steps = time.perf_counter(), 0
+        for i in np.flatnonzero(~done):
+            new[i].append(int(token[i]))
+        done |= token == eos_id
+        if done.all() or step == config.max_new_tokens - 1:
+            break
+        logits, cache = apply(params, cache, token[:, None].astype(np.int32), (lengths + step)[:, None],
+                              np.ones((rows, 1), np.int32))
+        key, step_key = jax.random.split(key)
+        token = np.asarray(pick(logits[:, 0], step_key))
+        steps += 1
+    decode_s = time.perf_counter() - start
+    return Generation(new, rows * width / prefill_s, rows * steps / decode_s if steps else 0.0)
+
+
+def model_apply(model: nn.Module, mesh: Any, rules: Any) -> Callable[..., tuple[Array, Any]]:
+    """The jitted (params, cache, tokens, positions, segment_ids) -> (logits, cache) of `decode`, traced under
+    the run's mesh and logical rules so the cache and activations shard as in training."""
+    @jax.jit
+    def run(params, cache, tokens, positions, segment_ids):
+        variables = {"params": params, **({CACHE: cache} if cache is not None else {})}
+        logits, mutated = model.apply(variables, tokens, positions, segment_ids, mutable=[CACHE])
+        return logits, mutated[CACHE]
+
+    def apply(params, cache, tokens, positions, segment_ids):
+        with sharding_context(mesh, rules):
+            return run(params, cache, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(segment_ids))
+    return apply
+
+
+def load_model(config: Config, devices: Sequence[Any] | None = None) -> tuple[Callable[..., Any], Any]:
+    """(apply for `decode`, parameters of load_parameters_path) on the run's mesh over `devices`."""
+    devices = list(jax.devices() if devices is None else devices)
+    layout = run_layout(config, local_mesh_shape(config, devices), optax.identity(), check_batch=False)
+    mesh = build_mesh(layout.mesh, devices)
+    target = checkpoint.Target(config, layout.state.abstract, layout.state_shardings(mesh), 0)
+    params = checkpoint.load_parameters(config.load_parameters_path, target)
+    return model_apply(Transformer(config, layout.model), mesh, config.axis_rules), params
+
+
+def generate(config: Config, prompts: Sequence[str], tokenizer: Tokenizer | None = None,
+             devices: Sequence[Any] | None = None) -> tuple[list[str], Generation]:
+    """The continuation text of each prompt, and the token-level result."""
+    tokenizer = tokenizer or load_tokenizer(config.tokenizer_path)
+    if any(not tokenizer.encode(prompt) for prompt in prompts):
+        raise ConfigError(f"prompt {[bool(tokenizer.encode(p)) for p in prompts].index(False)} is empty: give at "
+                          f"least one token of text to continue")
+    # Training documents start with BOS (maxpar/data/text.py), so a prompt is the start of a document.
+    ids = [[tokenizer.bos_id, *tokenizer.encode(prompt)] for prompt in prompts]
+    check_request(config, ids)
+    apply, params = load_model(config, devices)
+    result = decode(apply, params, ids, config, tokenizer.eos_id, tokenizer.pad_id)
+    texts = [tokenizer.decode([t for t in row if t != tokenizer.eos_id]) for row in result.tokens]
+    return texts, result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m maxpar.generate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("config", help="the run's YAML (configs/base.yml)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="load_parameters_path=RUN, the run's model keys, max_new_tokens, temperature, ...")
+    parser.add_argument("--prompt", action="append", default=[], help="text to continue (repeat for a batch)")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        config = load_config([args.config, *args.overrides])
+        texts, result = generate(config, args.prompt)
+    except ConfigError as e:
+        print(f"maxpar: config error: {e}", file=sys.stderr)
+        return 2
+    for prompt, text in zip(args.prompt, texts):
+        print(f"--- prompt: {prompt!r}\n{prompt}{text}")
+    print(f"prefill {result.prefill_tokens_per_s:,.0f} tokens/s, decode {result.decode_tokens_per_s:,.1f} tokens/s "
+          f"({len(texts)} rows; compilation excluded)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""maxpar.generate: KV-cache decoding of converted transformers models (a GQA Llama, a Mistral whose sliding
+window is shorter than the prompts, a Mixtral, a Llama with llama3 RoPE scaling) gives transformers' greedy
+tokens on one device and FSDP(4)xTP(2); the cache path's logits equal re-running the whole prefix; bad requests exit 2."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+from test_convert import BASE, MESHES, hf_model, llama3_scaled, main as convert_main, overrides_of, save_hf_model
+from maxpar.config import load_config
+from maxpar.generate import decode, load_model, main, sample
+
+PROMPTS = [[5, 17, 200, 33, 9], [71, 3, 250, 12, 99, 140, 8, 61, 2], [44, 10, 7], [180, 181, 182, 183]]
+NEW = 6
+
+
+def converted_model(tmp_path_factory, name):
+    hf_dir = save_hf_model(tmp_path_factory.mktemp(f"hf_{name}"), name)
+    out = tmp_path_factory.mktemp(f"maxpar_{name}") / "converted"
+    assert convert_main(["from_hf", "--hf_path", str(hf_dir), "--out", str(out)]) == 0
+    return hf_dir, out
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return converted_model(tmp_path_factory, "llama")
+
+
+@pytest.fixture(scope="module")
+def models(llama, llama3_scaled, tmp_path_factory):
+    """name -> (transformers directory, maxpar conversion)."""
+    return {"llama": llama, "llama3_scaled": llama3_scaled,
+            **{name: converted_model(tmp_path_factory, name) for name in ("mistral", "mixtral")}}
+
+
+def config_for(converted, *overrides):
+    return load_config([str(BASE), *overrides_of(converted), "dtype=float32", "max_target_length=32",
+                        f"max_new_tokens={NEW}", *overrides])
+
+
+@pytest.mark.parametrize("mesh", ["one", "fsdp4_tp2"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "mixtral", "llama3_scaled"])
+def test_greedy_tokens_equal_transformers_generate(name, mesh, models):
+    hf_dir, converted = models[name]
+    count, overrides = MESHES[mesh]
+    config = config_for(converted, *overrides)
+    apply, params = load_model(config, jax.devices()[:count])
+    ours = decode(apply, params, PROMPTS, config, eos_id=-1).tokens  # no EOS: every row runs NEW steps
+    model = hf_model(hf_dir)
+    model.generation_config.eos_token_id = None
+    for prompt, row in zip(PROMPTS, ours):
+        with torch.no_grad():
+            theirs = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False)[0, len(prompt):]
+        assert row == theirs.tolist()
+
+
+def test_cache_logits_equal_rerunning_the_prefix(llama):
+    _, converted = llama
+    config = config_for(converted, "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2")
+    apply, params = load_model(config, jax.devices())
+    rng = np.random.default_rng(0)
+    prompt_lengths = np.array([3, 7])
+    full = rng.integers(0, 264, size=(2, 12)).astype(np.int32)
+    width = int(prompt_lengths.max())
+    positions = np.broadcast_to(np.arange(width), (2, width)).astype(np.int32)
+    _, cache = apply(params, None, full[:, :width], positions, (positions < prompt_lengths[:, None]).astype(np.int32))
+    # Reference: the whole sequence through the model without a cache; causal, so its logits at position p are
+    # those of re-running the prefix up to p.
+    whole = np.broadcast_to(np.arange(full.shape[1]), full.shape).astype(np.int32)
+    reference, _ = apply(params, None, full, whole, np.ones_like(full))
+    for step in range(4):
+        at = prompt_lengths + step
+        token = full[np.arange(2), at][:, None]
+        cached, cache = apply(params, cache, token, at[:, None].astype(np.int32), np.ones((2, 1), np.int32))
+        np.testing.assert_allclose(np.asarray(cached[:, 0]), np.asarray(reference)[np.arange(2), at],
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("prompt, overrides, message", [
+    ("", [], "prompt 0 is empty"),
+    ("x" * 30, [], "prompt 0 has 31 tokens + max_new_tokens=6 > max_target_length=32"),
+    ("hi", ["load_parameters_path=/nonexistent/run"], "load_parameters_path='/nonexistent/run': no checkpoint there"),
+    ("hi", ["load_parameters_path="], "load_parameters_path is empty"),
+])
+def test_bad_requests_exit_2(prompt, overrides, message, llama, capsys):
+    _, converted = llama
+    argv = [str(BASE), *overrides_of(converted), "max_target_length=32", f"max_new_tokens={NEW}", *overrides]
+    assert main([*argv, "--prompt", prompt]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_sampling_keys_restrict_the_draw():
+    logits = jax.numpy.asarray(np.log(np.array([[0.5, 0.3, 0.15, 0.05]] * 512, np.float32)))
+    keys = jax.random.split(jax.random.key(0), 3)
+    assert set(np.asarray(sample(logits, keys[0], 1.0, 2, 1.0)).tolist()) == {0, 1}  # top_k=2
+    assert set(np.asarray(sample(logits, keys[1], 1.0, 0, 0.7)).tolist()) == {0, 1}  # 0.5 + 0.3 reach 0.7
+    drawn = np.asarray(sample(logits, keys[2], 1.0, 0, 1.0))
+    assert set(drawn.tolist()) == {0, 1, 2, 3} and abs((drawn == 0).mean() - 0.5) < 0.08
+    assert (np.asarray(sample(logits, keys[2], 0.0, 0, 1.0)) == 0).all()  # temperature 0: greedy
+
+
+def test_rows_stop_at_their_eos_and_unrolled_layers_decode_alike(llama):
+    _, converted = llama
+    config = config_for(converted, "ici_fsdp_parallelism=1")
+    apply, params = load_model(config, jax.devices()[:1])
+    full = decode(apply, params, PROMPTS, config, eos_id=-1).tokens
+    eos = full[0][2]
+    stopped = decode(apply, params, PROMPTS, config, eos_id=eos).tokens
+    for row, tokens in zip(full, stopped):  # each row ends at its first EOS (kept), the others run to NEW tokens
+        assert tokens == (row[:row.index(eos) + 1] if eos in row else row)
+    unrolled = config_for(converted, *MESHES["tp2_unrolled"][1])
+    apply, params = load_model(unrolled, jax.devices())
+    assert decode(apply, params, PROMPTS, unrolled, eos_id=-1).tokens == full
