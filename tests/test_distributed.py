@@ -241,7 +241,7 @@ def test_two_processes_match_one_process(job):
 def test_mesh_is_hierarchical_and_only_data_crosses_processes(job):
     report = job.reports[("two", 0)]
     sizes = report["axis_sizes"]
-    assert sizes == {"data": 2, "stage": 1, "fsdp": 4, "expert": 1, "tensor": 1}
+    assert sizes == {"data": 2, "stage": 1, "fsdp": 4, "context": 1, "expert": 1, "tensor": 1}
     process = np.array(report["process_of"]).reshape(list(sizes.values()))
     for p in range(2):
         assert (process[p] == p).all(), process  # the ICI block at data=p is process p's devices
