@@ -42,7 +42,7 @@ import dataclasses
 import math
 from collections.abc import Iterable
 
-from maxpar.axes import Logical
+from maxpar.axes import CONTEXT_AXIS, Logical
 from maxpar.plan.hlo import wire_bytes
 from maxpar.plan.layout import Layout, Tensor
 from maxpar.pipeline.spmd import manual_batch_axes
@@ -116,10 +116,11 @@ def _fsdp_axes(layout: Layout, tensor: Tensor) -> tuple[str, ...]:
 
 
 def _tp_axes(layout: Layout, tensor: Tensor | None, logical: str) -> tuple[str, ...]:
-    """Non-batch axes sharding one feature dim of a weight: activations move over them."""
+    """Non-batch axes sharding one feature dim of a weight: activations move over them. Not `context`: context
+    parallelism gathers the weights it shards, like FSDP."""
     if tensor is None:
         return ()
-    return layout.live(a for a in tensor.dim_axes(logical) if a not in layout.batch_axes)
+    return layout.live(a for a in tensor.dim_axes(logical) if a not in layout.batch_axes and a != CONTEXT_AXIS)
 
 
 def _sequence_axes(layout: Layout, tensor: Tensor) -> tuple[str, ...]:

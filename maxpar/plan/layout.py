@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import jax
 import numpy as np
 
-from maxpar.axes import STAGE_AXIS, Logical
+from maxpar.axes import CONTEXT_AXIS, STAGE_AXIS, Logical
 from maxpar.config import Config
 from maxpar.layout import RunLayout, TracedState, resolve_layout
 from maxpar.mesh import MeshShape
@@ -125,7 +125,7 @@ class Layout:
         gathers over those that shard it): all of them, but a pipeline's stages for its stacked layers,
         which every stage runs on all rows of its data-parallel shard. The `context` axis counts too: its
         shards see other tokens of the same rows (context parallelism acts like FSDP on the weights)."""
-        axes = self.batch_axes + tuple(a for a in ("context",) if a in self.mesh.axis_names and a not in self.batch_axes)
+        axes = self.batch_axes + tuple(a for a in (CONTEXT_AXIS,) if a in self.mesh.axis_names and a not in self.batch_axes)
         if tensor.layered and self.mesh.degree(STAGE_AXIS) > 1:
             return tuple(a for a in axes if a != STAGE_AXIS)
         return axes
