@@ -147,13 +147,20 @@ class Config:
     profiler_start_step: int = _key("first traced step (steps count from 1; 2 skips the first step's warm-up)", min=1)
     profiler_steps: int = _key("number of steps traced", min=1)
     # Data
-    dataset_type: str = _key("input pipeline: text (files), grain (record shards) or synthetic",
-                             choices=("synthetic", "text", "grain"))
+    dataset_type: str = _key("input pipeline: text (files), grain (record shards), hf (a Hugging Face dataset on "
+                             "local disk) or synthetic", choices=("synthetic", "text", "grain", "hf"))
     dataset_path: str = _key("glob of text files, one document each (dataset_type=text), or of record shards "
                              "(dataset_type=grain); {stdlib} = Python's standard library directory")
     grain_file_type: str = _key("record shard format for dataset_type=grain: one record = one document",
-                                choices=("jsonl", "parquet"))
-    dataset_text_field: str = _key("the record field (JSONL) or column (Parquet) holding the document text")
+                                choices=("jsonl", "parquet", "arrayrecord"))
+    dataset_text_field: str = _key("the record field (JSONL, ArrayRecord) or column (Parquet, hf) holding the "
+                                   "document text")
+    hf_path: str = _key("dataset_type=hf: a directory written by save_to_disk, or a packaged builder (json, "
+                        "parquet, csv, text, arrow) that reads hf_data_files; read offline")
+    hf_data_files: str = _key("dataset_type=hf with a builder as hf_path: glob of its local data files")
+    hf_train_split: str = _key("dataset_type=hf: the split trained on")
+    hf_eval_split: str = _key("dataset_type=hf: the split evaluated on ('' = hold out eval_fraction of the "
+                              "training split's rows)")
     tokenizer_path: str = _key("'' = byte-level; a sentencepiece .model or a Hugging Face tokenizer.json")
     # Sharding
     mesh_axes: tuple[str, ...] = _key("order of the physical mesh axes (a permutation of data, fsdp, tensor, expert, stage, "
@@ -477,6 +484,11 @@ def validate(config: Config) -> None:
     if config.dataset_type == "grain" and not (config.dataset_path and config.dataset_text_field):
         raise ConfigError(f"dataset_type=grain needs dataset_path (a glob of {config.grain_file_type} shards) and "
                           f"dataset_text_field (got {config.dataset_text_field!r})")
+    if config.dataset_type == "hf" and not (config.hf_path and config.dataset_text_field and config.hf_train_split):
+        raise ConfigError(f"dataset_type=hf needs hf_path (a save_to_disk directory or a builder such as json), "
+                          f"dataset_text_field and hf_train_split (got hf_path={config.hf_path!r}, "
+                          f"dataset_text_field={config.dataset_text_field!r}, "
+                          f"hf_train_split={config.hf_train_split!r})")
     _validate_attention(config)
     _validate_pipeline(config)
     _validate_profiler(config)

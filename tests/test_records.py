@@ -1,7 +1,9 @@
-"""dataset_type=grain: JSONL / Parquet record shards, one record = one document, through the text pipeline."""
+"""dataset_type=grain (JSONL / Parquet / ArrayRecord record shards) and dataset_type=hf (a Hugging Face dataset on
+local disk): one record or row = one document, through the text pipeline."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -24,8 +26,32 @@ def record_texts(n: int, seed: int = 0) -> list[str]:
     return [f"record {i}: " + " ".join(rng.choice(WORDS, size=int(rng.integers(3, 30)))) for i in range(n)]
 
 
+FILE_TYPES = ["jsonl", "parquet", "arrayrecord"]
+
+
+def example_bytes(features: dict[str, bytes | int]) -> bytes:
+    """A serialized tf.train.Example (bytes or int64 features), encoded here so the test needs no TensorFlow."""
+    def varint(n: int) -> bytes:
+        out = bytearray()
+        while True:
+            out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+            n >>= 7
+            if not n:
+                return bytes(out)
+
+    def field(number: int, payload: bytes) -> bytes:
+        return varint(number << 3 | 2) + varint(len(payload)) + payload
+
+    entries = b""
+    for key, value in features.items():
+        feature = field(1, field(1, value)) if isinstance(value, bytes) else field(3, field(1, varint(value)))
+        entries += field(1, field(1, key.encode()) + field(2, feature))
+    return field(1, entries)
+
+
 def write_shards(directory, file_type: str, texts: list[str], shards: int = 3, field: str = "text") -> str:
-    """`texts` split over `shards` files (an extra field in every record); returns the glob."""
+    """`texts` split over `shards` files (an extra field in every record); returns the glob. ArrayRecord shards
+    alternate JSON-object and tf.train.Example records."""
     directory.mkdir(parents=True, exist_ok=True)
     parts = np.array_split(np.arange(len(texts)), shards)
     for s, ids in enumerate(parts):
@@ -33,6 +59,12 @@ def write_shards(directory, file_type: str, texts: list[str], shards: int = 3, f
         path = directory / f"part-{s:03d}.{file_type}"
         if file_type == "jsonl":
             path.write_text("".join(json.dumps(r) + "\n" + ("\n" if k == 0 else "") for k, r in enumerate(rows)))
+        elif file_type == "arrayrecord":
+            from array_record.python.array_record_module import ArrayRecordWriter
+            writer = ArrayRecordWriter(str(path), "group_size:2")
+            for k, r in enumerate(rows):
+                writer.write(json.dumps(r).encode() if k % 2 else example_bytes({"id": r["id"], field: r[field].encode()}))
+            writer.close()
         else:
             import pyarrow as pa
             import pyarrow.parquet as pq
@@ -73,7 +105,32 @@ def stream_documents(dataset, n_docs: int) -> list[str]:
     return docs[:n_docs]
 
 
-@pytest.mark.parametrize("file_type", ["jsonl", "parquet"])
+def save_hf(directory, texts: list[str], eval_texts: list[str] | None = None) -> str:
+    """`texts` as a Dataset written by save_to_disk (a DatasetDict with a validation split when eval_texts)."""
+    import datasets
+    train_set = datasets.Dataset.from_dict({"id": list(range(len(texts))), "text": texts})
+    saved = train_set if eval_texts is None else datasets.DatasetDict(
+        train=train_set, validation=datasets.Dataset.from_dict({"id": list(range(len(eval_texts))), "text": eval_texts}))
+    saved.save_to_disk(str(directory))
+    return str(directory)
+
+
+def hf_config(hf_path: str, *overrides: str):
+    return tiny_config("dataset_type=hf", f"hf_path={hf_path}", "per_device_batch_size=2", *overrides)
+
+
+SOURCES = ["jsonl", "parquet", "arrayrecord", "hf-saved", "hf-json"]
+
+
+def source_config(kind: str, directory, texts: list[str], *overrides: str):
+    if kind == "hf-saved":
+        return hf_config(save_hf(directory, texts), *overrides)
+    if kind == "hf-json":
+        return hf_config("json", f"hf_data_files={write_shards(directory, 'jsonl', texts)}", *overrides)
+    return grain_config(write_shards(directory, kind, texts), kind, *overrides)
+
+
+@pytest.mark.parametrize("file_type", FILE_TYPES)
 def test_records_are_documents_in_shard_order(tmp_path, file_type):
     texts = record_texts(11)
     pattern = write_shards(tmp_path, file_type, texts)
@@ -82,7 +139,7 @@ def test_records_are_documents_in_shard_order(tmp_path, file_type):
     assert [documents[i] for i in range(11)] == texts
 
 
-@pytest.mark.parametrize("file_type", ["jsonl", "parquet"])
+@pytest.mark.parametrize("file_type", FILE_TYPES)
 def test_each_epoch_packs_every_training_record_once(tmp_path, file_type):
     texts = record_texts(9)
     config = grain_config(write_shards(tmp_path, file_type, texts), file_type, "eval_fraction=0")
@@ -92,17 +149,18 @@ def test_each_epoch_packs_every_training_record_once(tmp_path, file_type):
     assert sorted(docs[:9]) == sorted(texts) and sorted(docs[9:]) == sorted(texts)
 
 
-def test_eval_records_are_disjoint_from_training(tmp_path):
+@pytest.mark.parametrize("kind", SOURCES)
+def test_eval_records_are_disjoint_from_training(tmp_path, kind):
     texts = record_texts(12)
-    config = grain_config(write_shards(tmp_path, "jsonl", texts), "jsonl", "eval_fraction=0.25")
-    train_data, eval_data = datasets(config)
+    train_data, eval_data = datasets(source_config(kind, tmp_path, texts, "eval_fraction=0.25"))
     train_docs, eval_docs = set(stream_documents(train_data, 9)), set(stream_documents(eval_data(), 3))
     assert len(train_docs) == 9 and len(eval_docs) == 3
     assert train_docs.isdisjoint(eval_docs) and train_docs | eval_docs == set(texts)
 
 
-def test_iterator_state_round_trips_through_json(tmp_path):
-    config = grain_config(write_shards(tmp_path, "parquet", record_texts(10)), "parquet", "eval_fraction=0")
+@pytest.mark.parametrize("kind", SOURCES)
+def test_iterator_state_round_trips_through_json(tmp_path, kind):
+    config = source_config(kind, tmp_path, record_texts(10), "eval_fraction=0")
     iterator = iter(datasets(config, rows=2)[0])
     for _ in range(3):
         next(iterator)
@@ -120,17 +178,19 @@ def test_no_matching_shards(tmp_path):
         datasets(grain_config(str(tmp_path / "*.jsonl"), "jsonl"))
 
 
-@pytest.mark.parametrize("file_type", ["jsonl", "parquet"])
+@pytest.mark.parametrize("file_type", FILE_TYPES)
 def test_missing_column_lists_the_columns(tmp_path, file_type):
     config = grain_config(write_shards(tmp_path, file_type, record_texts(4), field="body"), file_type)
     with pytest.raises(ConfigError, match=r"dataset_text_field='text': .* no such (field|column); its \w+: (body, id|id, body)$"):
         datasets(config)
 
 
-@pytest.mark.parametrize("file_type", ["jsonl", "parquet"])
+@pytest.mark.parametrize("file_type", FILE_TYPES)
 def test_empty_shards(tmp_path, file_type):
     if file_type == "jsonl":
         (tmp_path / "a.jsonl").write_text("\n")
+    elif file_type == "arrayrecord":
+        write_shards(tmp_path, file_type, [], shards=1)
     else:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -146,18 +206,73 @@ def test_bad_json_names_file_and_record(tmp_path):
         stream_documents(datasets(config)[0], 4)
 
 
-def test_short_training_run_on_jsonl(tmp_path):
-    pattern = write_shards(tmp_path / "corpus", "jsonl", record_texts(40))
-    config = grain_config(pattern, "jsonl", "steps=8", "eval_interval=0", "eval_steps=1", "eval_fraction=0.1")
-    train(config, devices=jax.devices()[:2], run_dir=tmp_path / "run")
-    rows = read_metrics(tmp_path / "run")
-    assert rows[-1]["step"] == 8 and np.isfinite(rows[-1]["eval_loss"])
-    assert rows[-1]["loss"] < rows[0]["loss"] - 0.5
+# ---------------------------------------------------------------- dataset_type=hf
+
+def test_hf_named_eval_split(tmp_path):
+    texts, held = record_texts(6), record_texts(3, seed=1)
+    config = hf_config(save_hf(tmp_path / "ds", texts, held), "hf_eval_split=validation", "eval_fraction=0.5")
+    train_data, eval_data = datasets(config)
+    assert sorted(stream_documents(train_data, 6)) == sorted(texts)  # the named split replaces the held-out share
+    assert sorted(stream_documents(eval_data(), 3)) == sorted(held)
 
 
-@pytest.mark.parametrize("file_type", ["jsonl", "parquet"])
-def test_global_batch_is_the_same_for_any_process_count(tmp_path, file_type):
-    config = grain_config(write_shards(tmp_path, file_type, record_texts(10)), file_type, "eval_fraction=0.2")
+def test_hf_builder_reads_local_files(tmp_path):
+    texts = record_texts(8)
+    pattern = write_shards(tmp_path / "json", "jsonl", texts, shards=2)
+    config = hf_config("json", f"hf_data_files={pattern}", "eval_fraction=0")
+    assert sorted(stream_documents(datasets(config)[0], 8)) == sorted(texts)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("hf_path=someone/some-dataset",), r"hf_path='someone/some-dataset': neither a local directory .* save_to_disk"),
+    (("hf_path=json",), r"hf_path='json' \(a builder\) needs hf_data_files"),
+    (("hf_path=json", "hf_data_files=/nonexistent/*.jsonl"), r"hf_data_files='/nonexistent/\*.jsonl': .* matches no"),
+    (("hf_eval_split=test",), r"hf_eval_split='test': .* no such split; its splits: train, validation"),
+    (("hf_train_split=all",), r"hf_train_split='all': .* no such split; its splits: train, validation"),
+    (("dataset_text_field=body",), r"dataset_text_field='body': .* no such column; its columns: id, text"),
+])
+def test_hf_errors_name_the_key(tmp_path, overrides, message):
+    saved = save_hf(tmp_path / "ds", record_texts(4), record_texts(2))
+    with pytest.raises(ConfigError, match=message):
+        datasets(hf_config(saved, *overrides))
+
+
+def test_garbled_arrayrecord_shard_is_named(tmp_path):
+    (tmp_path / "a.arrayrecord").write_bytes(b"not an array record file" * 10)
+    with pytest.raises(ConfigError, match=r"grain_file_type=arrayrecord: cannot read .*a.arrayrecord"):
+        datasets(grain_config(str(tmp_path / "*.arrayrecord"), "arrayrecord"))
+
+
+def test_arrayrecord_record_of_unknown_encoding_is_named(tmp_path):
+    from array_record.python.array_record_module import ArrayRecordWriter
+    writer = ArrayRecordWriter(str(tmp_path / "a.arrayrecord"), "group_size:1")
+    writer.write(b"\xff\xfe plain bytes")
+    writer.close()
+    with pytest.raises(ConfigError, match=r"a.arrayrecord, record 1 is neither a JSON object nor a tf.train.Example"):
+        datasets(grain_config(str(tmp_path / "*.arrayrecord"), "arrayrecord"))
+
+
+# ---------------------------------------------------------------- every source: training, resume, process counts
+
+@pytest.mark.parametrize("kind", SOURCES)
+def test_training_loss_falls_and_resume_is_exact(tmp_path, kind):
+    """8 steps in one go equal 4 steps, a checkpoint (model, optimizer and the data iterator's state) and 4 more."""
+    common = ("eval_interval=4", "eval_steps=1", "eval_fraction=0.1", "enable_checkpointing=true",
+              "checkpoint_period=4", "learning_rate_final_fraction=1.0")
+    config = source_config(kind, tmp_path / "corpus", record_texts(40), "steps=8", *common)
+    train(config, devices=jax.devices()[:2], run_dir=tmp_path / "whole")
+    train(dataclasses.replace(config, steps=4), devices=jax.devices()[:2], run_dir=tmp_path / "halves")
+    train(config, devices=jax.devices()[:2], run_dir=tmp_path / "halves")
+    whole, halves = read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "halves")
+    assert [r["step"] for r in halves] == list(range(1, 9))
+    assert [r["loss"] for r in halves] == [r["loss"] for r in whole]
+    assert [r["eval_loss"] for r in halves] == [r["eval_loss"] for r in whole]
+    assert whole[-1]["loss"] < whole[0]["loss"] - 0.5 and np.isfinite(whole[-1]["eval_loss"])
+
+
+@pytest.mark.parametrize("kind", SOURCES)
+def test_global_batch_is_the_same_for_any_process_count(tmp_path, kind):
+    config = source_config(kind, tmp_path / "corpus", record_texts(10), "eval_fraction=0.2")
 
     def batches(index, count):
         train_data, eval_data = make_datasets(config, global_rows=4, eval_rows=4, shard_index=index, shard_count=count)

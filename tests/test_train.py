@@ -36,7 +36,8 @@ def test_outputs_metrics_and_eval(tmp_path, corpus, capsys):
                         summary[0]), summary
     assert summary[1] == f"  final train loss {rows[-1]['loss']:.4f} (step 6), eval loss {rows[-1]['eval_loss']:.4f} (step 6)"
     assert summary[2] == f"  checkpoint: {tmp_path / 'checkpoints' / '6'}"
-    assert summary[3] == f"  metrics: {tmp_path / 'metrics.jsonl'}; loss curve: {tmp_path / 'loss_curve.png'}"
+    assert summary[3].startswith(f"  sample from it: python -m maxpar.generate {tmp_path / 'config.yml'}")
+    assert summary[4] == f"  metrics: {tmp_path / 'metrics.jsonl'}; loss curve: {tmp_path / 'loss_curve.png'}"
     assert (tmp_path / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [r["step"] for r in rows] == [2, 3, 4, 6]  # log steps plus the eval step 3 and the last step
     for row in rows:

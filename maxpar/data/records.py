@@ -1,11 +1,14 @@
-"""Documents from record shards (`dataset_type=grain`): JSON Lines or Parquet, one record = one document.
+"""Documents from record shards (`dataset_type=grain`): JSON Lines, Parquet or ArrayRecord, one record = one document.
 
 A corpus is a random-access sequence of texts (document i = record i of the shards in sorted path
 order), so the same lanes, packing, shuffling and eval split as whole text files apply (text.py).
 Opening a corpus indexes it once: JSONL shards are scanned for line offsets (8 bytes per record
 kept), Parquet shards only have their footers read. A record is read when its document is needed:
 a JSONL line by seeking to it, a Parquet document by reading its row group's text column (a few
-recent row groups are cached; shards written with small row groups read fastest at random).
+recent row groups are cached; shards written with small row groups read fastest at random), an
+ArrayRecord record through Grain's `ArrayRecordDataSource` (random access is what the format is for).
+An ArrayRecord record is a JSON object or a serialized `tf.train.Example` (what MaxText's and TFDS's
+ArrayRecord corpora hold), read without TensorFlow by the few lines of protobuf decoding below.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import numpy as np
 
 from maxpar.config import ConfigError
 
-FILE_TYPES = ("jsonl", "parquet")
+FILE_TYPES = ("jsonl", "parquet", "arrayrecord")
 CACHED_ROW_GROUPS = 8
 
 
@@ -121,6 +124,106 @@ class ParquetTexts(Sequence[str]):
         return column
 
 
+class ArrayRecordTexts(Sequence[str]):
+    """The `field` of every record of ArrayRecord shards (JSON objects or tf.train.Example protos)."""
+
+    def __init__(self, shards: Sequence[str], field: str):
+        from grain.sources import ArrayRecordDataSource
+
+        for path in shards:  # the data source opens shards lazily; a damaged one is reported now, by name
+            try:
+                ArrayRecordDataSource([path]).__len__()
+            except Exception as e:  # array_record raises RuntimeError / ValueError for what it cannot read
+                raise ConfigError(f"grain_file_type=arrayrecord: cannot read {path}: {e}") from None
+        self._source = ArrayRecordDataSource(list(shards))
+        self._starts = np.cumsum([0] + [len(ArrayRecordDataSource([p])) for p in shards]).tolist()
+        self._paths = tuple(shards)
+        self._field = field
+        if len(self):
+            self[0]  # a missing field or an unknown record encoding is reported now, not hours into training
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+    def __getitem__(self, index: int) -> str:  # type: ignore[override]
+        shard = bisect.bisect_right(self._starts, index) - 1
+        where = f"{self._paths[shard]}, record {index - self._starts[shard] + 1}"
+        record = decode_record(self._source[index], where)
+        return _field_text(record, self._field, where, sorted(record))
+
+
+def decode_record(data: bytes, where: str) -> dict[str, Any]:
+    """An ArrayRecord record as a dict: a JSON object, or a tf.train.Example's features (bytes values)."""
+    if data[:1] == b"{":
+        try:
+            record = json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"grain_file_type=arrayrecord: {where} is not a JSON object: {e}") from None
+        if isinstance(record, dict):
+            return record
+    try:
+        return example_features(data)
+    except ValueError as e:
+        raise ConfigError(f"grain_file_type=arrayrecord: {where} is neither a JSON object nor a tf.train.Example "
+                          f"({e})") from None
+
+
+def example_features(data: bytes) -> dict[str, Any]:
+    """A serialized tf.train.Example -> {feature name: its first bytes value, or its list of numbers}.
+
+    Example {Features features = 1}; Features {map<string, Feature> feature = 1}; Feature {oneof
+    bytes_list = 1 | float_list = 2 | int64_list = 3}; each list holds `repeated value = 1`."""
+    features: dict[str, Any] = {}
+    for number, wire, features_message in _protobuf_fields(data):
+        if (number, wire) != (1, 2):
+            raise ValueError(f"unexpected field {number} in Example")
+        for _, _, entry in _protobuf_fields(features_message):  # map entries {string key = 1; Feature value = 2}
+            entry_fields = {n: value for n, _, value in _protobuf_fields(entry)}
+            key = bytes(entry_fields.get(1, b"")).decode("utf-8", errors="replace")
+            for kind, _, values in _protobuf_fields(entry_fields.get(2, b"")):
+                items = [v for _, _, v in _protobuf_fields(values)]
+                features[key] = bytes(items[0]) if kind == 1 and len(items) == 1 else items
+    if not features:
+        raise ValueError("no features")
+    return features
+
+
+def _protobuf_fields(data: bytes):
+    """(field number, wire type, value) of a protobuf message: varints as ints, length-delimited as bytes."""
+    view, position = memoryview(data), 0
+
+    def varint() -> int:
+        nonlocal position
+        result, shift = 0, 0
+        while True:
+            if position >= len(view) or shift > 63:
+                raise ValueError("truncated varint")
+            byte = view[position]
+            position += 1
+            result |= (byte & 0x7F) << shift
+            shift += 7
+            if byte < 0x80:
+                return result
+
+    while position < len(view):
+        key = varint()
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            yield number, wire, varint()
+        elif wire == 2:
+            length = varint()
+            if position + length > len(view):
+                raise ValueError("truncated field")
+            yield number, wire, view[position:position + length]
+            position += length
+        elif wire in (1, 5):  # fixed 64 / 32 bits (float and double values are not text: kept as bytes)
+            size = 8 if wire == 1 else 4
+            yield number, wire, view[position:position + size]
+            position += size
+        else:
+            raise ValueError(f"unsupported wire type {wire}")
+
+
 def _field_text(record: dict[str, Any], field: str, where: str, present: Sequence[str]) -> str:
     if field not in record:
         raise ConfigError(f"dataset_text_field={field!r}: {where} has no such field; its fields: "
@@ -137,7 +240,7 @@ def open_records(file_type: str, shards: Sequence[str], field: str, pattern: str
     """The documents of the shards; an empty corpus is a ConfigError naming `pattern` (dataset_path)."""
     if file_type not in FILE_TYPES:
         raise ConfigError(f"grain_file_type={file_type!r}: must be one of {', '.join(FILE_TYPES)}")
-    texts = (JsonlTexts if file_type == "jsonl" else ParquetTexts)(shards, field)
+    texts = {"jsonl": JsonlTexts, "parquet": ParquetTexts, "arrayrecord": ArrayRecordTexts}[file_type](shards, field)
     if not len(texts):
         raise ConfigError(f"dataset_path={pattern!r}: the {len(shards)} {file_type} shard(s) it matches hold no "
                           f"records")
