@@ -224,7 +224,7 @@ def test_hf_builder_reads_local_files(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (("hf_path=someone/some-dataset",), r"hf_path='someone/some-dataset': neither a local directory .* save_to_disk"),
+    (("hf_path=someone/some-dataset",), r"hf_path=.someone/some-dataset.: neither a local directory .* save_to_disk nor a builder of local files \(arrow, csv, json, parquet, text\)"),
     (("hf_path=json",), r"hf_path='json' \(a builder\) needs hf_data_files"),
     (("hf_path=json", "hf_data_files=/nonexistent/*.jsonl"), r"hf_data_files='/nonexistent/\*.jsonl': .* matches no"),
     (("hf_eval_split=test",), r"hf_eval_split='test': .* no such split; its splits: train, validation"),

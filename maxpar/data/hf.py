@@ -1,8 +1,8 @@
 """Documents from a Hugging Face `datasets` dataset on local disk (`dataset_type=hf`), one row = one document.
 
 `hf_path` is either a directory written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk`, or the
-name of one of the library's packaged builders (`json`, `parquet`, `csv`, `text`, `arrow`, ...) that
-reads the local files `hf_data_files` matches. Nothing else is accepted: a hub name would need the
+name of one of the library's packaged builders of tabular files (`TEXT_BUILDERS`) that reads the
+local files `hf_data_files` matches. Nothing else is accepted: a hub name would need the
 network, which a run never uses, so it is refused with what to do instead. Rows are read by index
 from the Arrow table on demand, so the same lanes, packing, shuffling and eval split as text files
 apply (text.py).
@@ -16,6 +16,8 @@ from typing import Any
 
 from maxpar.config import Config, ConfigError
 from maxpar.data.text import resolve_files
+
+TEXT_BUILDERS = ("arrow", "csv", "json", "parquet", "text")  # the `datasets` packaged builders of tabular files
 
 
 class HfTexts(Sequence[str]):
@@ -77,21 +79,19 @@ def _load(config: Config) -> Any:
     except ImportError:
         raise ConfigError("dataset_type=hf needs the `datasets` package: pip install -e '.[hf]'") from None
     path = os.path.expanduser(config.hf_path)
-    builders = sorted(datasets.packaged_modules._PACKAGED_DATASETS_MODULES)
     if os.path.isdir(path):
         if config.hf_data_files:
-            raise ConfigError(f"hf_data_files={config.hf_data_files!r}: set it only with a builder name as hf_path "
-                              f"({', '.join(('json', 'parquet', 'csv', 'text'))}, ...), not with the directory "
-                              f"hf_path={config.hf_path!r}")
+            raise ConfigError(f"hf_data_files={config.hf_data_files!r}: set it only with a builder as hf_path "
+                              f"({', '.join(TEXT_BUILDERS)}), not with the directory hf_path={config.hf_path!r}")
         try:
             loaded = datasets.load_from_disk(path)
         except (FileNotFoundError, ValueError, OSError) as e:
             raise ConfigError(f"hf_path={config.hf_path!r}: not a dataset written by save_to_disk: {e}") from None
         return dict(loaded) if isinstance(loaded, datasets.DatasetDict) else loaded
-    if config.hf_path not in builders:
+    if config.hf_path not in TEXT_BUILDERS:
         raise ConfigError(f"hf_path={config.hf_path!r}: neither a local directory written by save_to_disk nor a "
-                          f"packaged builder ({', '.join(builders)}); maxpar reads datasets offline, so for a hub "
-                          f"dataset run `datasets.load_dataset(NAME).save_to_disk(DIR)` where the hub is reachable "
+                          f"builder of local files ({', '.join(TEXT_BUILDERS)}); maxpar reads datasets offline, so "
+                          f"for a hub dataset run `datasets.load_dataset(NAME).save_to_disk(DIR)` where the hub is reachable "
                           f"and set hf_path=DIR")
     if not config.hf_data_files:
         raise ConfigError(f"hf_path={config.hf_path!r} (a builder) needs hf_data_files: a glob of local files")
