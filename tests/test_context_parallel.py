@@ -1,4 +1,5 @@
-"""Context parallelism: the sequence split over the `context` axis reproduces the 1-device losses."""
+"""Context parallelism: the sequence split over the `context` axis reproduces the 1-device losses and gradient
+norms."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from helpers import read_metrics, tiny_config
 from maxpar.config import ConfigError
 from maxpar.mesh import resolve_mesh_shape
 from maxpar.train_step import run_layout
-from test_equivalence import corpus, losses  # noqa: F401  (the module-scoped corpus fixture)
+from test_equivalence import assert_same_run, corpus, run_metrics  # noqa: F401  (the module-scoped corpus fixture)
 
 BLOCKWISE = ["attention=blockwise", "attention_block_size=8"]
 CASES = {
@@ -18,6 +19,9 @@ CASES = {
     "cp8_gather_unbalanced": ["ici_context_parallelism=8", "ici_fsdp_parallelism=1",
                               "context_parallel_load_balance=false"],
     "cp4_gather_fsdp2": ["ici_context_parallelism=4", "ici_fsdp_parallelism=2"],
+    "cp4_ring_unbalanced_fsdp2": ["ici_context_parallelism=4", "ici_fsdp_parallelism=2",
+                                  "context_parallel_strategy=ring", "context_parallel_load_balance=false"],
+    "cp2_gather_balanced_fsdp4": ["ici_context_parallelism=2", "ici_fsdp_parallelism=4"],
     "cp2_ring_unbalanced_tp2_dp2": ["ici_context_parallelism=2", "ici_fsdp_parallelism=1", "ici_tensor_parallelism=2",
                                     "ici_data_parallelism=2", "context_parallel_strategy=ring",
                                     "context_parallel_load_balance=false"],
@@ -26,19 +30,17 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, corpus):  # noqa: F811
-    return losses(tmp_path_factory.mktemp("ref"), corpus, jax.devices()[:1], "per_device_batch_size=8")[0]
+    return run_metrics(tmp_path_factory.mktemp("ref"), corpus, jax.devices()[:1], "per_device_batch_size=8")
 
 
 def test_blockwise_matches_dot_product_on_one_device(tmp_path, corpus, reference):  # noqa: F811
-    got = losses(tmp_path, corpus, jax.devices()[:1], "per_device_batch_size=8", *BLOCKWISE)[0]
-    assert reference[-1] < reference[0]
-    np.testing.assert_allclose(got, reference, rtol=1e-5)
+    assert_same_run(run_metrics(tmp_path, corpus, jax.devices()[:1], "per_device_batch_size=8", *BLOCKWISE), reference)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_context_parallel_matches_single_device(name, tmp_path, corpus, reference):  # noqa: F811
-    got = losses(tmp_path, corpus, jax.devices(), "per_device_batch_size=1", *BLOCKWISE, *CASES[name])[0]
-    np.testing.assert_allclose(got, reference, rtol=1e-5)
+    assert_same_run(run_metrics(tmp_path, corpus, jax.devices(), "per_device_batch_size=1", *BLOCKWISE, *CASES[name]),
+                    reference)
 
 
 @pytest.mark.parametrize("overrides, named", [

@@ -1,4 +1,4 @@
-"""The backbone: sharded runs reproduce the single-device run's per-step losses."""
+"""The backbone: sharded runs reproduce the single-device run's per-step losses and gradient norms."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 from helpers import read_metrics, tiny_config, write_corpus
 from maxpar.train import train
 
-STEPS = 4
+STEPS = 5
+COMPARED = ("loss", "grad_norm")  # the gradient norm of every step: the gradients match, not only the loss
 STRATEGIES = {
     "dp8": ("configs/base.yml", ["ici_data_parallelism=8", "ici_fsdp_parallelism=1"]),
     "fsdp8": ("configs/base.yml", ["ici_fsdp_parallelism=8"]),
@@ -32,28 +33,34 @@ def corpus(tmp_path_factory):
     return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
-def losses(tmp_path, corpus, devices, *overrides, config_file="configs/base.yml", metric="loss"):
+def run_metrics(tmp_path, corpus, devices, *overrides, config_file="configs/base.yml",
+                metrics=COMPARED) -> dict[str, np.ndarray]:
+    """{metric: its value at steps 1..STEPS} of a run on the test corpus."""
     config = tiny_config(f"steps={STEPS}", "dataset_type=text", f"dataset_path={corpus}", "eval_fraction=0",
                          *overrides, config_file=config_file)
     run_dir = tmp_path / "run"
     train(config, devices=devices, run_dir=run_dir)
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    return np.array([r["loss"] for r in rows]), np.array([r.get(metric) for r in rows], dtype=float)
+    return {name: np.array([r[name] for r in rows], dtype=float) for name in metrics}
+
+
+def assert_same_run(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert want["loss"][-1] < want["loss"][0]  # it is really training
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, err_msg=name)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, corpus):
-    return losses(tmp_path_factory.mktemp("ref"), corpus, jax.devices()[:1], "per_device_batch_size=8")[0]
+    return run_metrics(tmp_path_factory.mktemp("ref"), corpus, jax.devices()[:1], "per_device_batch_size=8")
 
 
 @pytest.mark.parametrize("name", list(STRATEGIES))
 def test_strategy_matches_single_device(name, tmp_path, corpus, reference):
     config_file, overrides = STRATEGIES[name]
-    sharded = losses(tmp_path, corpus, jax.devices(), "per_device_batch_size=1", *overrides,
-                     config_file=config_file)[0]
-    assert reference[-1] < reference[0]  # it is really training
-    np.testing.assert_allclose(sharded, reference, rtol=1e-5)
+    assert_same_run(run_metrics(tmp_path, corpus, jax.devices(), "per_device_batch_size=1", *overrides,
+                                config_file=config_file), reference)
 
 
 # Settings that change the numbers themselves: each is compared with the same settings on one device.
@@ -62,34 +69,39 @@ OWN_REFERENCE = {
     "bf16_weights_fp32_moments": ("configs/base.yml", ["weight_dtype=bfloat16", "optimizer_state_dtype=float32"],
                                   ["ici_fsdp_parallelism=8"]),
     # MoE layers inside pipeline stages: the balance-loss sums, dropped and routed counts flow through the
-    # loop. EP(2)xPP(2)xDP(2) against the unpipelined MoE model on one device.
+    # loop. EP(2)xPP(2)xDP(2) dropless and EP(2)xPP(2)xFSDP(2) with a capacity that drops tokens, each against
+    # the unpipelined MoE model on one device.
     "moe_ep2_pp2_dp2": ("configs/base.yml", ["num_experts=4", "num_experts_per_tok=2", "capacity_factor=0"],
                         ["ici_expert_parallelism=2", "ici_stage_parallelism=2", "ici_data_parallelism=2",
                          "ici_fsdp_parallelism=1", "num_pipeline_microbatches=2"]),
+    "moe_ep2_pp2_fsdp2_capacity": ("configs/base.yml", ["num_experts=4", "num_experts_per_tok=2",
+                                                        "capacity_factor=1.0"],
+                                   ["ici_expert_parallelism=2", "ici_stage_parallelism=2", "ici_fsdp_parallelism=2",
+                                    "num_pipeline_microbatches=2"]),
 }
+MOE_METRICS = ("moe_load_balance_loss", "moe_dropped_tokens")
 
 
 @pytest.mark.parametrize("name", list(OWN_REFERENCE))
 def test_setting_matches_its_single_device_run(name, tmp_path, corpus):
     config_file, settings, mesh = OWN_REFERENCE[name]
-    # MoE: the step's load-balance loss (computed from sums over the whole batch) must match too.
-    metric = "moe_load_balance_loss"
-    single, single_balance = losses(tmp_path / "one", corpus, jax.devices()[:1], "per_device_batch_size=8",
-                                    *settings, config_file=config_file, metric=metric)
-    sharded, sharded_balance = losses(tmp_path / "eight", corpus, jax.devices(), "per_device_batch_size=1",
-                                      *settings, *mesh, config_file=config_file, metric=metric)
-    assert single[-1] < single[0]
-    np.testing.assert_allclose(sharded, single, rtol=1e-5)
-    np.testing.assert_allclose(sharded_balance, single_balance, rtol=1e-5)
+    # MoE: the step's load-balance loss (computed from sums over the whole batch) and dropped count must match too.
+    metrics = COMPARED + (MOE_METRICS if "num_experts=4" in settings else ())
+    single = run_metrics(tmp_path / "one", corpus, jax.devices()[:1], "per_device_batch_size=8", *settings,
+                         config_file=config_file, metrics=metrics)
+    sharded = run_metrics(tmp_path / "eight", corpus, jax.devices(), "per_device_batch_size=1", *settings, *mesh,
+                          config_file=config_file, metrics=metrics)
+    if "capacity_factor=1.0" in settings:
+        assert single["moe_dropped_tokens"].sum() > 0  # the capacity really drops tokens
+    assert_same_run(sharded, single)
 
 
 def test_gradient_accumulation_matches_one_big_batch(tmp_path, corpus, reference):
-    accumulated = losses(tmp_path, corpus, jax.devices()[:1], "per_device_batch_size=4",
-                         "gradient_accumulation_steps=2")[0]
-    np.testing.assert_allclose(accumulated, reference, rtol=1e-5)
+    assert_same_run(run_metrics(tmp_path, corpus, jax.devices()[:1], "per_device_batch_size=4",
+                                "gradient_accumulation_steps=2"), reference)
 
 
 @pytest.mark.parametrize("policy", ["minimal", "full"])
 def test_remat_policy_does_not_change_losses(policy, tmp_path, corpus, reference):
-    rematted = losses(tmp_path, corpus, jax.devices()[:1], "per_device_batch_size=8", f"remat_policy={policy}")[0]
-    np.testing.assert_allclose(rematted, reference, rtol=1e-5)
+    assert_same_run(run_metrics(tmp_path, corpus, jax.devices()[:1], "per_device_batch_size=8",
+                                f"remat_policy={policy}"), reference)
