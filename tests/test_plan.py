@@ -314,5 +314,6 @@ def test_context_parallel_comms_follow_the_seed():
     attention_flops = 4 * rows_per_shard * c.max_target_length ** 2 * c.num_query_heads * c.head_dim / 8
     assert attention_flops / seed_bytes == pytest.approx(cp_intensity(c.max_target_length, c.num_query_heads,
                                                                       c.num_kv_heads, 8))
+    assert result["rules_of_thumb"]["cp_intensity"] == 32768 * 32 / (8 * 8)  # the plan reports it beside C/W
     dense = plan(*cfg[:3], "ici_fsdp_parallelism=-1", "per_device_batch_size=0.125", devices=64)
     assert result["memory_per_device_bytes"]["activations"] < dense["memory_per_device_bytes"]["activations"] / 10

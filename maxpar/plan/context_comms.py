@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from maxpar.axes import CONTEXT_AXIS
 from maxpar.plan.comms import BACKWARD, FORWARD, Comm, hierarchical
 from maxpar.plan.layout import Layout
 from maxpar.plan.model_math import context_degree, dtype_bytes, layer_split, tp_degrees
-
-CONTEXT_AXIS = "context"
 
 
 def cp_intensity(seq_len: int, query_heads: int, kv_heads: int, degree: int) -> float:

@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from maxpar.axes import Logical
+from maxpar.axes import CONTEXT_AXIS, Logical
 from maxpar.config import Config
 from maxpar.metrics import matmul_params, parameter_counts, training_flops_per_token
 from maxpar.model.routing import expert_capacity
@@ -58,7 +58,7 @@ def tp_degrees(layout: Layout) -> dict[str, int]:
 
 def context_degree(layout: Layout) -> int:
     """Degree of the `context` mesh axis (the sequence split of context parallelism)."""
-    return layout.degree("context") if "context" in layout.mesh.axis_names else 1
+    return layout.degree(CONTEXT_AXIS) if CONTEXT_AXIS in layout.mesh.axis_names else 1
 
 
 def activation_bytes_per_token(config: Config, layout: Layout) -> dict[str, float]:
@@ -152,7 +152,7 @@ def regathers_in_backward(config: Config) -> bool:
 
 def sequence_parallel(layout: Layout) -> bool:
     """TP-sequence: the residual stream is split on its length by a non-batch axis (not `context`)."""
-    return bool(layout.live(a for a in layout.residual_axes[1] if a not in layout.batch_axes + ("context",)))
+    return bool(layout.live(a for a in layout.residual_axes[1] if a not in layout.batch_axes + (CONTEXT_AXIS,)))
 
 
 def gathered_weight_bytes(config: Config, layout: Layout) -> float:

@@ -23,13 +23,13 @@ from maxpar.mesh import MeshShape, resolve_mesh_shape
 from maxpar.metrics import matmul_params, training_flops_per_token
 from maxpar.plan import rooflines
 from maxpar.plan.comms import BACKWARD, FORWARD, Comm, predict_comms
-from maxpar.plan.context_comms import predict_context_comms
+from maxpar.plan.context_comms import cp_intensity, predict_context_comms
 from maxpar.plan.moe_comms import predict_moe_comms
 from maxpar.plan.hardware import Hardware, ici_axis_shares, slice_shape_exists, torus_shape
 from maxpar.layout import TracedState, batch_shape
 from maxpar.plan.layout import Layout, build_layout
-from maxpar.plan.model_math import (attention_flops_per_token, dtype_bytes, memory_per_device, state_bytes,
-                                    param_breakdown, tp_degrees)
+from maxpar.plan.model_math import (attention_flops_per_token, context_degree, dtype_bytes, memory_per_device,
+                                    param_breakdown, state_bytes, tp_degrees)
 from maxpar.train_step import trace_state
 
 PHASES = (FORWARD, BACKWARD)
@@ -327,8 +327,12 @@ def rules_of_thumb(config: Config, hardware: Hardware, result: dict[str, Any]) -
     n = result["num_devices"] // result["num_slices"]
     torus_axes = sum(1 for d in torus_shape(hardware, n) if d > 1) if hardware.ici_topology == "torus" else 1
     fsdp_axes, tensor_axes = max(torus_axes - 1, 1), 1
+    context = context_degree(result["_layout"])
     return {
         "ici_intensity_flops_per_byte": alpha,
+        # context parallelism's k/v all-gather: seq x H / (KV x |CP|) FLOPs per byte (None without a context axis)
+        "cp_intensity": cp_intensity(config.max_target_length, config.num_query_heads, config.num_kv_heads, context)
+        if context > 1 else None,
         "torus_axes": torus_axes,
         "fsdp_critical_batch_per_device": rooflines.fsdp_critical_batch(alpha, max(torus_axes, 1)),
         "tensor_parallel_limit": rooflines.tensor_parallel_limit(config.mlp_dim, alpha, tensor_axes),

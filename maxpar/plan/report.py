@@ -121,7 +121,8 @@ def render_plan(plan: dict[str, Any]) -> str:
         ["DCN data-parallel critical batch per slice", f"{r['dcn_critical_batch_per_slice']:,.0f}"],
         ["HBM critical batch per device (C / HBM bandwidth)", f"{r['hbm_critical_batch_per_device']:,.0f}"],
         ["largest model for pure DP (HBM / 10 bytes)", si(r["max_params_pure_dp"])],
-    ]))
+    ] + ([["CP k/v all-gather intensity seq x H / (KV x |CP|) (hidden while above ICI C/W)",
+           f"{r['cp_intensity']:,.0f}"]] if r["cp_intensity"] is not None else [])))
     if plan["warnings"]:
         out += ["", "warnings"] + [f"  - {w}" for w in plan["warnings"]]
     out += ["", "assumptions"] + [f"  - {a}" for a in plan["assumptions"]]
