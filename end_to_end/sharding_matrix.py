@@ -6,12 +6,14 @@ gives the single-device run's per-step losses.
 Strategies: DP(8), FSDP(8), FSDP-transpose (configs/fsdp_transpose.yml, FSDP(4)xTP(2)), FSDP(4)xTP(2),
 TP(8), TP-sequence (configs/tp_sequence.yml, FSDP(4)xTP(2)), TP-transpose (configs/tp_transpose.yml,
 FSDP(4)xTP(2)), DP(2)xFSDP(2)xTP(2), ZeRO-1 (shard_optimizer_over_data) on DP(8) and DP(2)xFSDP(2)xTP(2),
-and gPipe pipelines PP(2)xDP(2)xTP(2) and PP(2)xFSDP(4) with pipeline_fsdp_ag_once (circular pipelines,
-and pipeline_fsdp_ag_per_repeat, need 4+ layers: tests/test_pipeline*.py); then the same model with 8 dropless
-experts (top-2) under EP(8), EP(4)xFSDP(2), EP(2)xPP(2)xDP(2) (MoE layers inside pipeline stages) and
-DP(2)xEP(2)xTP(2); and context parallelism (attention=blockwise) CP 2/4/8 x all_gather/ring x load balance
-on/off, and CP mixed with FSDP, TP and DP. The reference is 1 device with the same global batch (8 rows), dense or MoE. The tiny dims are chosen so that 8 divides heads, kv heads,
-mlp and vocab (TP(8) needs that). Prints the strategy x step loss matrix and each row's max relative
+and gPipe pipelines PP(2)xDP(2)xTP(2) and PP(2)xFSDP(4) with pipeline_fsdp_ag_once; FSDP(8) with bfloat16
+weights and float32 AdamW moments; the circular PP(2)xFSDP(4) pipeline with pipeline_fsdp_ag_per_repeat (4
+layers: 2 repeats of 2 stages); then the same model with 8 dropless experts (top-2) under EP(8),
+EP(4)xFSDP(2), EP(2)xPP(2)xDP(2) (MoE layers inside pipeline stages) and DP(2)xEP(2)xTP(2); and context
+parallelism (attention=blockwise) CP 2/4/8 x all_gather/ring x load balance on/off, and CP mixed with FSDP,
+TP and DP. Each row's reference is 1 device with the same global batch (8 rows) and the row's own model
+settings (its family: dense, MoE, bf16 weights with fp32 moments, 4 layers). The tiny dims are chosen so
+that 8 divides heads, kv heads, mlp and vocab (TP(8) needs that). Prints the strategy x step loss matrix and each row's max relative
 difference from the reference, then a PASS/FAIL line; exits non-zero on FAIL.
 """
 
@@ -42,6 +44,9 @@ TINY = ["emb_dim=64", "num_query_heads=8", "num_kv_heads=8", "head_dim=8", "mlp_
         "learning_rate=1e-2", "log_period=1", "eval_interval=-1", "enable_checkpointing=false",
         "dataset_type=text", "eval_fraction=0"]
 MOE = ["num_experts=8", "num_experts_per_tok=2", "capacity_factor=0"]  # dropless: EP must not change the math
+# Model settings a row shares with its 1-device reference; a row's family is named by its prefix.
+FAMILIES = {"": [], "MoE": MOE, "bf16/fp32": ["weight_dtype=bfloat16", "optimizer_state_dtype=float32"],
+            "4 layers": ["num_decoder_layers=4"]}
 STRATEGIES = {  # name: (config file, overrides); all with per_device_batch_size=1 on 8 devices
     "DP(8)": ("base.yml", ["ici_data_parallelism=8", "ici_fsdp_parallelism=1"]),
     "FSDP(8)": ("base.yml", ["ici_fsdp_parallelism=8"]),
@@ -59,6 +64,10 @@ STRATEGIES = {  # name: (config file, overrides); all with per_device_batch_size
     "DP(8) ZeRO-1": ("base.yml", ["ici_data_parallelism=8", "ici_fsdp_parallelism=1", "shard_optimizer_over_data=true"]),
     "DP(2)xFSDP(2)xTP(2) ZeRO-1": ("base.yml", ["ici_data_parallelism=2", "ici_fsdp_parallelism=2",
                                                 "ici_tensor_parallelism=2", "shard_optimizer_over_data=true"]),
+    "bf16/fp32 FSDP(8)": ("base.yml", [*FAMILIES["bf16/fp32"], "ici_fsdp_parallelism=8"]),
+    "4 layers PP(2)xFSDP(4) circular ag_per_repeat": ("base.yml", [
+        *FAMILIES["4 layers"], "ici_stage_parallelism=2", "ici_fsdp_parallelism=4", "num_pipeline_repeats=2",
+        "num_pipeline_microbatches=2", "pipeline_fsdp_ag_per_repeat=true"]),
     "MoE EP(8)": ("base.yml", [*MOE, "ici_expert_parallelism=8", "ici_fsdp_parallelism=1"]),
     "MoE EP(4)xFSDP(2)": ("base.yml", [*MOE, "ici_expert_parallelism=4", "ici_fsdp_parallelism=2"]),
     "MoE EP(2)xPP(2)xDP(2)": ("base.yml", [*MOE, "ici_expert_parallelism=2", "ici_stage_parallelism=2",
@@ -89,6 +98,10 @@ for _strategy in ("all_gather", "ring"):
                                                                     f"context_parallel_strategy={_strategy}"])
 
 
+def family(name: str) -> str:
+    return max((f for f in FAMILIES if name.startswith(f)), key=len)
+
+
 def run_losses(config_file: str, overrides: list[str], devices, workdir: Path) -> list[float]:
     config = load_config([str(REPO / "configs" / config_file), *TINY, *overrides])
     run_dir = Path(tempfile.mkdtemp(dir=workdir))
@@ -112,8 +125,8 @@ def main() -> int:
         workdir = Path(tmp)
         corpus = write_corpus(workdir / "corpus")
         common = [f"steps={args.steps}", f"dataset_path={corpus}"]
-        references = {moe: run_losses("base.yml", [*common, "per_device_batch_size=8", *(MOE if moe else []),
-                                                   *args.overrides], devices[:1], workdir) for moe in (False, True)}
+        references = {f: run_losses("base.yml", [*common, "per_device_batch_size=8", *settings, *args.overrides],
+                                    devices[:1], workdir) for f, settings in FAMILIES.items()}
         results: dict[str, list[float] | str] = {}
         for name, (config_file, overrides) in STRATEGIES.items():
             try:
@@ -122,19 +135,19 @@ def main() -> int:
             except Exception as e:  # noqa: BLE001 - one broken strategy must not hide the others
                 results[name] = f"error: {type(e).__name__}: {e}"
 
-    width = max(len(n) for n in [*STRATEGIES, "MoE 1 device (reference)"])
+    width = max(len(n) for n in [*STRATEGIES, *(f"{f} 1 device (reference)" for f in FAMILIES)])
     print()
     print(f"{'strategy':<{width}}  " + "  ".join(f"{'step ' + str(s):>10}" for s in range(1, args.steps + 1))
           + "  max rel diff")
     failed = []
-    for moe, losses in references.items():
-        label = f"{'MoE ' if moe else ''}1 device (reference)"
+    for name, losses in references.items():
+        label = f"{name + ' ' if name else ''}1 device (reference)"
         print(f"{label:<{width}}  " + "  ".join(f"{v:>10.6f}" for v in losses))
         if len(losses) != args.steps or not losses[-1] < losses[0]:
             failed.append(label)
             print(f"{label} logged {len(losses)} steps / did not lower the loss")
     for name, losses in results.items():
-        ref = np.array(references[name.startswith("MoE")])
+        ref = np.array(references[family(name)])
         if isinstance(losses, str):
             print(f"{name:<{width}}  {losses}")
             failed.append(name)

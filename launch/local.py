@@ -7,8 +7,9 @@ Every process gets its own simulated CPU devices and the environment contract of
 `maxpar/distributed.py` (one host per slice: MEGASCALE_NUM_SLICES = N, MEGASCALE_SLICE_ID = rank, the
 coordinator on 127.0.0.1 at a free port), so the `dcn_*` degrees apply across processes exactly as
 across TPU slices. Output lines are prefixed with `[rank R]`. When any process exits non-zero the
-others are stopped (SIGTERM, then SIGKILL after a grace period) and the launcher exits non-zero; a
-process that hangs is caught by the trainer's `distributed_heartbeat_timeout_s`. All processes share
+others are stopped (SIGTERM, then SIGKILL after a grace period) and the launcher exits non-zero, its
+last line naming the rank that failed first (a dead or hung coordinator, rank 0, included) after the
+others' C++ stack dumps; a process that hangs is caught by the trainer's `distributed_heartbeat_timeout_s`. All processes share
 one process group that the launcher kills on every way out, and on Linux each one also dies with the
 launcher, so none is left behind.
 """
@@ -116,6 +117,17 @@ def _forward(rank: int, stream: IO[bytes], out: IO[str], lock: threading.Lock) -
 # in JAX 0.12 has no missed-heartbeat hook), so the launcher says it instead.
 RUNTIME_ABORT = ("JAX's distributed runtime aborted it: it lost the coordinator (rank 0) or a peer, which died or hung; "
                  "the C++ stack dump above is that abort, and the first rank to fail says why")
+# A healthy coordinator that sees a peer fail makes every rank fail, itself too, within moments; one that is
+# still running this long after a peer's runtime aborted has stopped answering (hung, frozen, or stopped).
+COORDINATOR_GRACE_S = 3.0
+
+
+def _is_abort(code: int | None) -> bool:
+    return code in (-signal.SIGABRT, 128 + signal.SIGABRT)
+
+
+def _how(code: int) -> str:
+    return f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
 
 
 def _exit_status(code: int) -> int:
@@ -131,10 +143,11 @@ class Job:
         self.lock = threading.Lock()
         self.procs: list[subprocess.Popen] = []
         self.threads: list[threading.Thread] = []
+        self.verdict: str | None = None  # why the job failed, said again as the launcher's last line
 
     def say(self, message: str) -> None:
         with self.lock:
-            self.err.write(f"launch.local: {message}\n")
+            self.err.write(f"maxpar: {message}\n")
             self.err.flush()
 
     def start(self) -> None:
@@ -162,18 +175,43 @@ class Job:
             codes = [p.poll() for p in self.procs]
             failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
             if failed:
-                rank, code = failed[0]
-                how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
-                if code in (-signal.SIGABRT, 128 + signal.SIGABRT):
-                    how += f" ({RUNTIME_ABORT})"
-                self.say(f"rank {rank} {how}; stopping the other processes")
-                return _exit_status(code)
+                return self._failed(*failed[0])
             if all(code == 0 for code in codes):
                 return 0
             if deadline is not None and time.monotonic() > deadline:
                 self.say(f"the job did not finish within --timeout_s={self.args.timeout_s:g}; stopping it")
                 return 124
             time.sleep(0.05)
+
+    def _failed(self, rank: int, code: int) -> int:
+        """Say which rank failed first and what that means for the others; returns the job's exit status."""
+        if rank == 0:
+            self.say(f"rank 0 (the coordinator) {_how(code)}; stopping the other processes")
+            self.verdict = (f"the job failed because rank 0, the coordinator, {_how(code)}: the other ranks lost it, so "
+                            f"any C++ stack dump (signal 6) of theirs above is JAX's distributed runtime aborting them "
+                            f"for that; rank 0's own output says why it failed (e.g. a peer stopped sending heartbeats), "
+                            f"unless it was killed")
+        elif _is_abort(code) and self._coordinator_outlives_abort():
+            self.say(f"rank {rank} {_how(code)}; rank 0 (the coordinator) is still running {COORDINATOR_GRACE_S:g} s "
+                     f"later instead of failing with it, so it has hung; stopping the processes")
+            self.verdict = (f"the job failed because rank 0, the coordinator, stopped answering (hung or frozen) while "
+                            f"still running: rank {rank}'s JAX distributed runtime lost it and aborted (signal 6, the "
+                            f"C++ stack dump above); what rank 0 printed once stopped (e.g. that rank {rank} stopped "
+                            f"sending heartbeats) follows from its own hang")
+        else:
+            note = f" ({RUNTIME_ABORT})" if _is_abort(code) else ""
+            self.say(f"rank {rank} {_how(code)}{note}; stopping the other processes")
+            self.verdict = f"the job failed because rank {rank} {_how(code)}{note}"
+        return _exit_status(code)
+
+    def _coordinator_outlives_abort(self) -> bool:
+        """After a peer's runtime aborted: is rank 0 still running COORDINATOR_GRACE_S later (so it is hung)?"""
+        end = time.monotonic() + COORDINATOR_GRACE_S
+        while time.monotonic() < end:
+            if self.procs[0].poll() is not None:
+                return False
+            time.sleep(0.05)
+        return True
 
     def stop(self) -> None:
         """SIGTERM the group, SIGKILL it after the grace period, and reap every process."""
@@ -221,6 +259,8 @@ def run(args: LaunchArgs) -> int:
         job.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if job.verdict:  # after every rank's last output (often C++ stack dumps), so the cause is the last word
+            job.say(job.verdict)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -198,12 +198,14 @@ def test_unrolled_run_resumes_a_scanned_checkpoint_and_saves_the_same_layout(sav
 
 def damage(step_dir: Path, kind: str) -> None:
     """Damage one item of a step directory the way a crash, a full disk or a bad copy leaves it."""
-    arrays = sorted((step_dir / "params").rglob("d/*"), key=lambda p: p.stat().st_size)
-    if kind == "truncated array file":
-        data = arrays[-1].read_bytes()
-        arrays[-1].write_bytes(data[: len(data) // 2])
-    elif kind == "missing array file":
-        arrays[-1].unlink()
+    if kind.endswith(" array file"):  # e.g. "truncated opt_state array file": that item's largest array file
+        how, item = kind.split()[:2]
+        arrays = sorted((step_dir / item).rglob("d/*"), key=lambda p: p.stat().st_size)
+        if how == "truncated":
+            data = arrays[-1].read_bytes()
+            arrays[-1].write_bytes(data[: len(data) // 2])
+        else:
+            arrays[-1].unlink()
     elif kind == "missing data file":
         (step_dir / "data" / "process_0-of-1.json").unlink()
     elif kind == "garbled data file":
@@ -213,6 +215,12 @@ def damage(step_dir: Path, kind: str) -> None:
         path.write_text(path.read_text()[:100])
     elif kind.startswith("missing ") and kind.endswith(" directory"):
         shutil.rmtree(step_dir / kind.split()[1])
+    elif kind.startswith("partial ") and kind.endswith(" metadata"):  # lists only some arrays, each intact
+        path = step_dir / kind.split()[1] / "_METADATA"
+        metadata = json.loads(path.read_text())
+        arrays = sorted(metadata["tree_metadata"])
+        metadata["tree_metadata"] = {name: metadata["tree_metadata"][name] for name in arrays[: len(arrays) // 2]}
+        path.write_text(json.dumps(metadata))
     elif kind.endswith(" metadata"):
         how, item, _ = kind.split()
         path = step_dir / item / ("_METADATA" if item in checkpoint.ARRAY_ITEMS else "metadata")
@@ -221,10 +229,15 @@ def damage(step_dir: Path, kind: str) -> None:
         raise ValueError(kind)
 
 
-DAMAGE = ["truncated array file", "missing array file", "missing data file", "garbled data file", "truncated config",
+DAMAGE = [*(f"{how} {item} array file" for item in checkpoint.ARRAY_ITEMS for how in ("truncated", "missing")),
+          "missing data file", "garbled data file", "truncated config",
           *(f"missing {item} directory" for item in ("params", "opt_state", "meta", "data", "config")),
           *(f"missing {item} metadata" for item in ("params", "opt_state", "meta", "config")),
-          *(f"garbled {item} metadata" for item in ("params", "opt_state", "meta"))]
+          *(f"garbled {item} metadata" for item in ("params", "opt_state", "meta")),
+          "partial params metadata"]
+# What the warning must name where the kind alone could fail for an unrelated reason.
+DAMAGE_NAMED = {"partial params metadata": "params/_METADATA lists only ",
+                "truncated opt_state array file": "opt_state/", "missing opt_state array file": "opt_state/"}
 
 
 @pytest.mark.parametrize("kind", DAMAGE)
@@ -235,6 +248,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(saved_run, cor
     assert int(state.step) == 2
     assert "checkpoint step 4" in warnings[0] and "unusable (" in warnings[0]
     assert "falling back to step 2" in warnings[0]
+    assert DAMAGE_NAMED.get(kind, "") in warnings[0]
     _, clean, clean_iterator, _ = restore(saved_run, run_config(corpus), jax.devices(), step=2)
     assert max_difference(state, clean) == 0.0
     assert_batches_equal(iterator, clean_iterator)
@@ -256,8 +270,8 @@ def test_a_run_resumes_past_a_damaged_newest_checkpoint_and_trains_on(saved_run,
 
 def test_no_readable_checkpoint_is_an_error_and_deletes_nothing(saved_run, corpus, tmp_path):
     run_dir = copy_run(saved_run, tmp_path / "run")
-    damage(run_dir / "checkpoints" / "4", "missing array file")
-    damage(run_dir / "checkpoints" / "2", "truncated array file")
+    damage(run_dir / "checkpoints" / "4", "missing params array file")
+    damage(run_dir / "checkpoints" / "2", "truncated params array file")
     with pytest.raises(checkpoint.CheckpointError, match=r"no usable checkpoint .*step 4: .*step 2: "):
         restore(run_dir, run_config(corpus), jax.devices())
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name[0].isdigit()) == ["2", "4"]

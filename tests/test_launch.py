@@ -74,7 +74,8 @@ class Launched:
         self.lines: list[str] = []
         self.proc = subprocess.Popen([sys.executable, "-m", "launch.local", *launcher_args], cwd=REPO,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -98,6 +99,11 @@ class Launched:
     def output(self) -> str:
         return "\n".join(self.lines)
 
+    def last_line(self) -> str:
+        """The launcher's last output line, once it has exited and all its output is read."""
+        self.reader.join(timeout=10)
+        return self.lines[-1]
+
 
 def _gone(pid: int) -> bool:
     try:
@@ -107,27 +113,55 @@ def _gone(pid: int) -> bool:
     return False
 
 
+def _stop_one_rank(rank: int, how: str) -> tuple[Launched, int, float, list[int]]:
+    """A 2-process collective loop with `rank` SIGKILLed or SIGSTOPped (hung) after the other's tick 3:
+    the launcher, its exit status, seconds from the signal to its exit, and the ranks' pids."""
+    job = Launched("--num_processes", "2", "--module", "tests.test_launch", "--grace_s", "3", "--timeout_s", "300",
+                   "--", BASE, f"distributed_heartbeat_timeout_s={HEARTBEAT_S}")
+    pids = [job.pid(0), job.pid(1)]
+    job.wait_for(rf"^\[rank {1 - rank}\] tick 3$", 120)
+    start = time.monotonic()
+    os.kill(pids[rank], signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+    code = job.proc.wait(timeout=HEARTBEAT_S + 60)
+    return job, code, time.monotonic() - start, pids
+
+
 @pytest.mark.parametrize("how", ["killed", "hung"])
 def test_a_failed_process_stops_the_job_within_the_bound(how):
     """SIGKILL: the launcher sees the exit and stops the rest. SIGSTOP (a hang): the live process's
     distributed runtime misses the heartbeats and fails by itself, then the launcher stops the rest."""
-    job = Launched("--num_processes", "2", "--module", "tests.test_launch", "--grace_s", "3", "--timeout_s", "300",
-                   "--", BASE, f"distributed_heartbeat_timeout_s={HEARTBEAT_S}")
-    pids = [job.pid(0), job.pid(1)]
-    job.wait_for(r"^\[rank 0\] tick 3$", 120)
-    start = time.monotonic()
-    os.kill(pids[1], signal.SIGKILL if how == "killed" else signal.SIGSTOP)
-    code = job.proc.wait(timeout=HEARTBEAT_S + 60)
-    elapsed = time.monotonic() - start
+    job, code, elapsed, pids = _stop_one_rank(1, how)
     assert code != 0
     assert elapsed < HEARTBEAT_S + 3 + 15, elapsed  # heartbeat bound + grace + slack for a loaded machine
     if how == "killed":
-        assert "launch.local: rank 1 was killed by signal 9; stopping the other processes" in job.output()
+        assert "maxpar: rank 1 was killed by signal 9; stopping the other processes" in job.output()
     else:
-        assert re.search(r"launch.local: rank 0 (exited with status|was killed by signal)", job.output())
+        assert re.search(r"maxpar: rank 0 \(the coordinator\) (exited with status|was killed by signal)", job.output())
         assert "stopped sending heartbeats" in job.output()
+    assert job.last_line().startswith("maxpar: the job failed because rank ")
     assert all(_gone(pid) for pid in pids), "a process outlived the launcher"
     print(f"\n{how}: launcher exited with {code} {elapsed:.1f} s after rank 1 was {how}")
+
+
+@pytest.mark.parametrize("how", ["killed", "hung"])
+def test_a_lost_coordinator_stops_the_job_with_a_clear_last_word(how):
+    """Rank 0 hosts the coordinator: when it dies or hangs, JAX's runtime aborts the peer from C++ (signal 6,
+    a stack dump maxpar cannot intercept), so the launcher's last line must name the lost coordinator."""
+    job, code, elapsed, pids = _stop_one_rank(0, how)
+    assert code == (137 if how == "killed" else 134)
+    # heartbeat bound (hung only) + the launcher's wait for a live coordinator to fail too + grace + slack
+    assert elapsed < HEARTBEAT_S + local.COORDINATOR_GRACE_S + 3 + 15, elapsed
+    if how == "killed":
+        assert "maxpar: rank 0 (the coordinator) was killed by signal 9; stopping the other processes" in job.output()
+        assert job.last_line().startswith("maxpar: the job failed because rank 0, the coordinator, was killed by "
+                                          "signal 9: the other ranks lost it")
+    else:
+        assert re.search(r"maxpar: rank 1 was killed by signal 6; rank 0 \(the coordinator\) is still running .* so it "
+                         r"has hung", job.output())
+        assert job.last_line().startswith("maxpar: the job failed because rank 0, the coordinator, stopped answering "
+                                          "(hung or frozen)")
+    assert all(_gone(pid) for pid in pids), "a process outlived the launcher"
+    print(f"\n{how}: launcher exited with {code} {elapsed:.1f} s after rank 0 was {how}")
 
 
 def test_launcher_exits_with_the_failing_status():
@@ -135,7 +169,7 @@ def test_launcher_exits_with_the_failing_status():
     assert job.proc.wait(timeout=120) == 2
     # Whichever rank fails first stops the other, so only one rank's message is certain.
     assert re.search(r"\[rank [01]\] maxpar: config error: unknown config key 'no_such_key'", job.output())
-    assert re.search(r"launch.local: rank [01] exited with status 2", job.output())
+    assert re.search(r"maxpar: rank [01]( \(the coordinator\))? exited with status 2", job.output())
 
 
 # ---------------------------------------------------------------- TPU types, XPK and JobSet
