@@ -32,12 +32,11 @@ import resource
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from preamble import prepare  # end_to_end/preamble.py: this script's folder is sys.path[0]
+from verdict import exit_with  # end_to_end/verdict.py
 
-from end_to_end.verdict import exit_with  # noqa: E402
+REPO = prepare(devices=None, tests=False)  # each row is a child process that simulates its own device count
 
 PREFIX = "LONGCTX "
 MODEL = ["model_name=", "emb_dim=64", "num_query_heads=4", "num_kv_heads=2", "head_dim=16", "mlp_dim=128",

@@ -36,9 +36,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+from jax.sharding import Mesh
 
 from maxpar import distributed
 from maxpar.config import Config, ConfigError
+from maxpar.layout import RunLayout
 from maxpar.model import stack
 from maxpar.train_step import TrainState
 
@@ -133,6 +135,12 @@ class Target:
     abstract_state: Any
     shardings: Any
     global_rows: int
+
+    @classmethod
+    def of(cls, layout: RunLayout, mesh: Mesh, global_rows: int = 0) -> Target:
+        """The target of a run with this layout on `mesh`; global_rows 0 where no data position is restored
+        (parameters only: conversion, generation)."""
+        return cls(layout.config, layout.state.abstract, layout.state_shardings(mesh), global_rows)
 
     def on_disk(self, item: str) -> Any:
         """Restore target of `item` in the canonical layout, with this run's shardings."""

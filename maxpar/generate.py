@@ -6,6 +6,7 @@ all prompts (right-padded, each row at its own positions), then one token per st
 each row has written EOS or `max_new_tokens`. The cache is the `cache` collection of the model's attention
 (maxpar/model/layers.py), sharded by the same logical rules as its k/v: batch over data/fsdp, heads over
 tensor. Sampling is greedy (`temperature=0`) or temperature with optional top-k / top-p, seeded by `seed`.
+It runs in one process: it joins no multi-process job, so the mesh must fit this host's devices.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import dataclasses
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
@@ -23,9 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from maxpar import checkpoint
+from maxpar import checkpoint, preflight
 from maxpar.config import Config, ConfigError, load_config
 from maxpar.data.tokenizer import Tokenizer, load_tokenizer
+from maxpar.guards import INTERRUPTED_EXIT_STATUS
 from maxpar.mesh import build_mesh, local_mesh_shape
 from maxpar.model import Transformer
 from maxpar.model.layers import CACHE
@@ -45,7 +48,7 @@ class Generation:
 def check_request(config: Config, prompts: Sequence[Sequence[int]]) -> None:
     """Errors a user can fix, before anything is compiled."""
     if not prompts:
-        raise ConfigError("no prompt: give --prompt TEXT (one or more)")
+        raise ConfigError("no prompt: give --prompt TEXT (one or more) or --prompts_file PATH")
     for i, prompt in enumerate(prompts):
         if not len(prompt):
             raise ConfigError(f"prompt {i} is empty: give at least one token of text to continue")
@@ -53,8 +56,8 @@ def check_request(config: Config, prompts: Sequence[Sequence[int]]) -> None:
             raise ConfigError(f"prompt {i} has {len(prompt)} tokens + max_new_tokens={config.max_new_tokens} > "
                               f"max_target_length={config.max_target_length}: the KV cache holds max_target_length "
                               f"positions; lower max_new_tokens or raise max_target_length")
-    if config.ici_stage_parallelism * config.dcn_stage_parallelism > 1:
-        raise ConfigError("maxpar.generate does not run pipelined (stage parallelism > 1): set "
+    if (config.ici_stage_parallelism, config.dcn_stage_parallelism) != (1, 1):
+        raise ConfigError("maxpar.generate does not run pipelined (stage parallelism != 1): set "
                           "ici_stage_parallelism=1 and dcn_stage_parallelism=1; the checkpoint loads on any other mesh")
     if not config.load_parameters_path:
         raise ConfigError("load_parameters_path is empty: name the run, step directory or maxpar.convert output "
@@ -145,7 +148,7 @@ def load_model(config: Config, devices: Sequence[Any] | None = None) -> tuple[Ca
     devices = list(jax.devices() if devices is None else devices)
     layout = run_layout(config, local_mesh_shape(config, devices), optax.identity(), check_batch=False)
     mesh = build_mesh(layout.mesh, devices)
-    target = checkpoint.Target(config, layout.state.abstract, layout.state_shardings(mesh), 0)
+    target = checkpoint.Target.of(layout, mesh)
     params = checkpoint.load_parameters(config.load_parameters_path, target)
     return model_apply(Transformer(config, layout.model), mesh, config.axis_rules), params
 
@@ -153,7 +156,11 @@ def load_model(config: Config, devices: Sequence[Any] | None = None) -> tuple[Ca
 def generate(config: Config, prompts: Sequence[str], tokenizer: Tokenizer | None = None,
              devices: Sequence[Any] | None = None) -> tuple[list[str], Generation]:
     """The continuation text of each prompt, and the token-level result."""
-    tokenizer = tokenizer or load_tokenizer(config.tokenizer_path)
+    if tokenizer is None:
+        try:
+            tokenizer = load_tokenizer(config.tokenizer_path)
+        except ValueError as e:
+            raise ConfigError(f"tokenizer_path={config.tokenizer_path!r}: {e}") from None
     if any(not tokenizer.encode(prompt) for prompt in prompts):
         raise ConfigError(f"prompt {[bool(tokenizer.encode(p)) for p in prompts].index(False)} is empty: give at "
                           f"least one token of text to continue")
@@ -166,20 +173,41 @@ def generate(config: Config, prompts: Sequence[str], tokenizer: Tokenizer | None
     return texts, result
 
 
+def read_prompts(path: str) -> list[str]:
+    """--prompts_file: one prompt per line (empty lines skipped), so a batch needs no shell quoting."""
+    try:
+        lines = Path(path).expanduser().read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--prompts_file {path!r}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    prompts = [line for line in lines if line]
+    if not prompts:
+        raise ConfigError(f"--prompts_file {path!r} holds no prompt: write one prompt per line")
+    return prompts
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m maxpar.generate", description=__doc__.split("\n\n")[0])
     parser.add_argument("config", help="the run's YAML (configs/base.yml)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="load_parameters_path=RUN, the run's model keys, max_new_tokens, temperature, ...")
     parser.add_argument("--prompt", action="append", default=[], help="text to continue (repeat for a batch)")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    parser.add_argument("--prompts_file", metavar="PATH", help="a file of prompts, one per line (after any --prompt)")
+    args = parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)  # key=value after --prompt too
     try:
         config = load_config([args.config, *args.overrides])
-        texts, result = generate(config, args.prompt)
+        preflight.apply_simulated_devices(config)  # a run's num_simulated_devices=N: before JAX starts
+        prompts = [*args.prompt, *(read_prompts(args.prompts_file) if args.prompts_file else [])]
+        texts, result = generate(config, prompts)
     except ConfigError as e:
         print(f"maxpar: config error: {e}", file=sys.stderr)
         return 2
-    for prompt, text in zip(args.prompt, texts):
+    except checkpoint.CheckpointError as e:
+        print(f"maxpar: checkpoint error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nmaxpar: interrupted; nothing was generated", file=sys.stderr)
+        return INTERRUPTED_EXIT_STATUS
+    for prompt, text in zip(prompts, texts):
         print(f"--- prompt: {prompt!r}\n{prompt}{text}")
     print(f"prefill {result.prefill_tokens_per_s:,.0f} tokens/s, decode {result.decode_tokens_per_s:,.1f} tokens/s "
           f"({len(texts)} rows; compilation excluded)")

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from maxpar.axes import ATTN_KV, ATTN_Q, BATCH_INPUT, CONTEXT_AXIS, RESIDUAL, STAGE_AXIS, Logical
 from maxpar.config import CUDNN_ATTENTION, AxisRule, Config, ConfigError
@@ -64,6 +64,29 @@ def merge_microbatches(x: jax.Array) -> jax.Array:
 # ---------------------------------------------------------------- what the model is handed
 
 @dataclasses.dataclass(frozen=True)
+class MeshAxes:
+    """The mesh the model is traced on, hashable (a Flax module attribute): (name, size) per axis in mesh order,
+    and the axes an enclosing shard_map (the pipeline loop) made manual. Every shard_map of the model is given
+    `abstract()`, so that it never reads axis sizes or types off the ambient mesh."""
+
+    axes: tuple[tuple[str, int], ...]
+    manual: Axes = ()
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return dict(self.axes)
+
+    def abstract(self) -> AbstractMesh:
+        """This mesh for `jax.shard_map(mesh=...)`, which must equal the mesh the step is traced under: the Auto axes
+        of a `jax.sharding.Mesh`, Manual inside the pipeline loop. Only the device kind comes from that mesh: the
+        layout is resolved before any device, and shard_map checks that the rest matches."""
+        names = tuple(name for name, _ in self.axes)
+        types = tuple(AxisType.Manual if name in self.manual else AxisType.Auto for name in names)
+        device = jax.sharding.get_abstract_mesh().abstract_device
+        return AbstractMesh(tuple(size for _, size in self.axes), names, types, abstract_device=device)
+
+
+@dataclasses.dataclass(frozen=True)
 class ExpertAxes:
     """Mesh axes of the MoE computation, resolved from the logical axis rules."""
 
@@ -72,14 +95,14 @@ class ExpertAxes:
     hidden: Axes                # split the mlp dim but not the tokens: tensor parallelism, partial sums
     gate: tuple[Axes, ...]      # per dim of wi_gate / wi_up [exp, embed, mlp]
     down: tuple[Axes, ...]      # per dim of wo [exp, mlp, embed]
-    sizes: tuple[tuple[str, int], ...]
+    mesh: MeshAxes
 
     def degree(self, axes: Axes) -> int:
-        sizes = dict(self.sizes)
+        sizes = self.mesh.sizes
         return math.prod(sizes[a] for a in axes)
 
     def live(self, axes: Axes) -> Axes:
-        sizes = dict(self.sizes)
+        sizes = self.mesh.sizes
         return tuple(a for a in axes if sizes[a] > 1)
 
     def gathered(self, dims: tuple[Axes, ...], logical: tuple[str, ...]) -> tuple[Axes, ...]:
@@ -92,12 +115,12 @@ EXPERT_GATE = (Logical.EXP, Logical.EMBED, Logical.MLP)   # wi_gate, wi_up: [exp
 EXPERT_DOWN = (Logical.EXP, Logical.MLP, Logical.EMBED)   # wo: [experts, mlp, emb]
 
 
-def expert_axes(rules: Sequence[AxisRule], sizes: dict[str, int]) -> ExpertAxes:
+def expert_axes(rules: Sequence[AxisRule], mesh: MeshAxes) -> ExpertAxes:
     gate = tuple(mesh_axes(EXPERT_GATE, rules))
     down = tuple(mesh_axes(EXPERT_DOWN, rules))
     tokens = mesh_axes((Logical.BATCH,), rules)[0]
     return ExpertAxes(tokens=tokens, experts=gate[0], hidden=tuple(a for a in gate[2] if a not in tokens), gate=gate,
-                      down=down, sizes=tuple(sizes.items()))
+                      down=down, mesh=mesh)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +131,7 @@ class ContextLayout:
     degree: int
     q_spec: PartitionSpec
     kv_spec: PartitionSpec
+    mesh: MeshAxes
 
 
 def live_spec(axes: Sequence[Axes], sizes: dict[str, int]) -> PartitionSpec:
@@ -123,23 +147,31 @@ def live_spec(axes: Sequence[Axes], sizes: dict[str, int]) -> PartitionSpec:
 class ModelLayout:
     """What the model needs of the layout while it is traced (hashable: a Flax module attribute).
 
-    pipeline: the schedule (None: the layers run in order); stage_axes / loop_batch_axes: the mesh axes
-    of the stacked layers and of the batch inside the pipeline loop; experts: the MoE axes (None: dense);
-    context: how attention=blockwise splits over the mesh (None: another core, or one device).
+    mesh: the mesh axes every shard_map of the model runs over; pipeline: the schedule (None: the layers run
+    in order); stage_axes / loop_batch_axes: the mesh axes of the stacked layers and of the batch inside the
+    pipeline loop; experts: the MoE axes (None: dense); context: how attention=blockwise splits over the mesh
+    (None: another core, or one device).
     """
 
     rules: tuple[AxisRule, ...]
+    mesh: MeshAxes
     pipeline: Schedule | None = None
     stage_axes: Axes = ()
     loop_batch_axes: Axes = ()
     experts: ExpertAxes | None = None
     context: ContextLayout | None = None
 
-    def in_pipeline_loop(self, rules: Sequence[AxisRule]) -> ModelLayout:
-        """The layout a pipeline stage's layers run under: the loop's rules (its manual and stage axes taken out
-        by `maxpar.pipeline.spmd`), the expert axes resolved from them, no pipeline."""
-        experts = expert_axes(rules, dict(self.experts.sizes)) if self.experts else None
-        return ModelLayout(rules=tuple(rules), experts=experts, context=self.context)
+    def abstract_mesh(self) -> AbstractMesh:
+        """The mesh to hand `jax.shard_map` (`MeshAxes.abstract`)."""
+        return self.mesh.abstract()
+
+    def in_pipeline_loop(self, rules: Sequence[AxisRule], manual: Axes) -> ModelLayout:
+        """The layout a pipeline stage's layers run under (`maxpar.pipeline.spmd`): the loop's rules, the mesh
+        axes its shard_map made `manual`, the expert axes resolved from those rules, no pipeline."""
+        mesh = dataclasses.replace(self.mesh, manual=tuple(manual))
+        experts = expert_axes(rules, mesh) if self.experts else None
+        context = dataclasses.replace(self.context, mesh=mesh) if self.context else None
+        return ModelLayout(rules=tuple(rules), mesh=mesh, experts=experts, context=context)
 
 
 # ---------------------------------------------------------------- the run layout
@@ -233,10 +265,11 @@ def resolve_layout(config: Config, mesh: MeshShape, state: TracedState, *, check
     loop_batch_axes = tuple(a for a in input_axes[0] if a not in stage_axes)
     if schedule is not None and check_batch:
         check_pipeline_batch(schedule, batch.microbatch_rows, math.prod(sizes[a] for a in loop_batch_axes))
-    context = context_layout(config, rules, sizes)
+    traced_mesh = MeshAxes(tuple(sizes.items()))
+    context = context_layout(config, rules, traced_mesh)
     experts = None
     if config.num_experts > 1:
-        experts = expert_axes(rules, sizes)
+        experts = expert_axes(rules, traced_mesh)
         check_expert_layout(config, experts)
     check_attention_sharding(config, rules, sizes)
     abstract_mesh = AbstractMesh(mesh.shape, mesh.axis_names)
@@ -247,8 +280,8 @@ def resolve_layout(config: Config, mesh: MeshShape, state: TracedState, *, check
         shardings = shard_optimizer_state(state.abstract, shardings)
         update_specs = jax.tree.map(lambda leaf, s: with_zero_axis(leaf.shape, s).spec, state.abstract.params,
                                     shardings.params)
-    model = ModelLayout(rules=rules, pipeline=schedule, stage_axes=stage_axes, loop_batch_axes=loop_batch_axes,
-                        experts=experts, context=context)
+    model = ModelLayout(rules=rules, mesh=traced_mesh, pipeline=schedule, stage_axes=stage_axes,
+                        loop_batch_axes=loop_batch_axes, experts=experts, context=context)
     return RunLayout(config=config, mesh=mesh, batch=batch, input_axes=input_axes,
                      residual_axes=tuple(mesh_axes(RESIDUAL, rules)), model=model, state=state,
                      state_specs=jax.tree.map(lambda s: s.spec, shardings), update_specs=update_specs)
@@ -335,7 +368,7 @@ def check_pipeline_batch(schedule: Schedule, microbatch_rows: int, loop_shards: 
 
 def check_expert_layout(config: Config, axes: ExpertAxes) -> None:
     """A MoE config against the mesh: the experts split evenly, and only over axes that split the tokens."""
-    sizes = dict(axes.sizes)
+    sizes = axes.mesh.sizes
     ep = axes.degree(axes.experts)
     if config.num_experts % ep:
         degrees = ", ".join(f"{a}={sizes[a]}" for a in axes.experts)
@@ -369,8 +402,9 @@ def check_attention_sharding(config: Config, rules: Sequence[AxisRule], sizes: d
                                   f"attention=dot_product")
 
 
-def context_layout(config: Config, rules: Sequence[AxisRule], sizes: dict[str, int]) -> ContextLayout | None:
+def context_layout(config: Config, rules: Sequence[AxisRule], mesh: MeshAxes) -> ContextLayout | None:
     """How attention=blockwise runs on this mesh (every context check here), or None (another core, one device)."""
+    sizes = mesh.sizes
     degree = sizes.get(CONTEXT_AXIS, 1)
     check_context(config, degree, sizes.get(STAGE_AXIS, 1))
     if config.attention != "blockwise" or math.prod(sizes.values()) == 1:
@@ -388,7 +422,7 @@ def context_layout(config: Config, rules: Sequence[AxisRule], sizes: dict[str, i
                           f"{list(q_axes[1]) or 'nothing'} and the keys' over {list(kv_axes[1]) or 'nothing'}; "
                           f"blockwise attention splits the sequence over the `{CONTEXT_AXIS}` axis only "
                           f"(logical_axis_rules)")
-    return ContextLayout(degree=degree, q_spec=live_spec(q_axes, sizes), kv_spec=live_spec(kv_axes, sizes))
+    return ContextLayout(degree=degree, q_spec=live_spec(q_axes, sizes), kv_spec=live_spec(kv_axes, sizes), mesh=mesh)
 
 
 def check_context(config: Config, degree: int, stages: int) -> None:

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+import shlex
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 LOSS_CURVE = "loss_curve.png"
 
@@ -96,10 +99,29 @@ def summary_lines(run_dir: Path, totals: RunTotals, rows: Sequence[dict[str, Any
 
 
 def generate_command(run_dir: Path, checkpoint: Path) -> str:
-    """The one-line `python -m maxpar.generate` for a run: its saved config.yml holds every key (so no model preset
-    is read again: model_name=), the checkpoint its parameters."""
-    return (f"python -m maxpar.generate {run_dir / 'config.yml'} model_name= load_parameters_path={checkpoint} "
-            f"--prompt 'def '")
+    """The one-line `python -m maxpar.generate` for a run, ready to paste: its saved config.yml holds every key (so
+    no model preset is read again: model_name=), the checkpoint its parameters; paths shell-quoted."""
+    config = yaml.safe_load((run_dir / "config.yml").read_text(encoding="utf-8")) or {}
+    words = ["python -m maxpar.generate", shlex.quote(str(run_dir / "config.yml")), "model_name=",
+             shlex.quote(f"load_parameters_path={checkpoint}"), *unstaged_mesh(config), "--prompt 'def '"]
+    return " ".join(words)
+
+
+def unstaged_mesh(config: Mapping[str, Any]) -> list[str]:
+    """Overrides that give a pipelined run's mesh no stage axis (maxpar.generate runs no pipeline): the stage
+    degree goes to data parallelism, so the mesh still covers the run's devices; none for other runs."""
+    overrides = []
+    for level in ("ici", "dcn"):
+        stages = config.get(f"{level}_stage_parallelism", 1)
+        if stages == 1:
+            continue
+        overrides.append(f"{level}_stage_parallelism=1")
+        degrees = [v for k, v in config.items() if k.startswith(f"{level}_") and k.endswith("_parallelism")]
+        if stages == -1:  # the stage axis filled the level: data fills it now
+            overrides.append(f"{level}_data_parallelism=-1")
+        elif -1 not in degrees:  # no axis fills the level: data takes the stages' share
+            overrides.append(f"{level}_data_parallelism={config.get(f'{level}_data_parallelism', 1) * stages}")
+    return overrides
 
 
 def finish_run(run_dir: Path, totals: RunTotals, title: str) -> list[str]:

@@ -95,7 +95,7 @@ class RunSetup:
         return self.layout.state_shardings(self.mesh)
 
     def restore_target(self) -> checkpoint.Target:
-        return checkpoint.Target(self.config, self.abstract_state, self.state_shardings, self.shape.global_rows)
+        return checkpoint.Target.of(self.layout, self.mesh, self.shape.global_rows)
 
     def compile_train_step(self) -> Any:
         """Ahead-of-time compiled train step for this run's state and batch layout."""

@@ -1,15 +1,24 @@
 """maxpar.generate: KV-cache decoding of converted transformers models (a GQA Llama, a Mistral whose sliding
 window is shorter than the prompts, a Mixtral, a Llama with llama3 RoPE scaling) gives transformers' greedy
-tokens on one device and FSDP(4)xTP(2); the cache path's logits equal re-running the whole prefix; bad requests exit 2."""
+tokens on one device and FSDP(4)xTP(2); the cache path's logits equal re-running the whole prefix; bad requests exit 2;
+the command a training run's summary prints samples from it."""
 
 from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
 import torch
 
+from helpers import REPO, train_command
 from test_convert import BASE, MESHES, hf_model, llama3_scaled, main as convert_main, overrides_of, save_hf_model
+import maxpar.generate
+from maxpar.checkpoint import CheckpointError
 from maxpar.config import load_config
 from maxpar.generate import decode, load_model, main, sample
 
@@ -84,12 +93,65 @@ def test_cache_logits_equal_rerunning_the_prefix(llama):
     ("x" * 30, [], "prompt 0 has 31 tokens + max_new_tokens=6 > max_target_length=32"),
     ("hi", ["load_parameters_path=/nonexistent/run"], "load_parameters_path='/nonexistent/run': no checkpoint there"),
     ("hi", ["load_parameters_path="], "load_parameters_path is empty"),
+    ("hi", ["tokenizer_path=/nonexistent/tokenizer.json"],
+     "tokenizer_path='/nonexistent/tokenizer.json': tokenizer file '/nonexistent/tokenizer.json' does not exist"),
+    ("hi", ["tokenizer_path=words.txt"], "tokenizer_path='words.txt': unsupported tokenizer file"),
+    ("hi", ["ici_stage_parallelism=2"], "does not run pipelined"),
 ])
 def test_bad_requests_exit_2(prompt, overrides, message, llama, capsys):
     _, converted = llama
     argv = [str(BASE), *overrides_of(converted), "max_target_length=32", f"max_new_tokens={NEW}", *overrides]
     assert main([*argv, "--prompt", prompt]) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_prompts_file_is_a_batch_and_a_bad_one_exits_2(llama, tmp_path, capsys):
+    _, converted = llama
+    argv = [str(BASE), *overrides_of(converted), "max_target_length=32", "max_new_tokens=2"]
+    (tmp_path / "prompts.txt").write_text("one\n\n  two\n")  # empty lines skipped, other text kept as it is
+    (tmp_path / "empty.txt").write_text("\n\n")
+    assert main([*argv, "--prompt", "zero", "--prompts_file", str(tmp_path / "prompts.txt")]) == 0
+    assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("--- prompt:")] == [
+        "--- prompt: 'zero'", "--- prompt: 'one'", "--- prompt: '  two'"]
+    for name, message in (("missing.txt", "cannot read it"), ("empty.txt", "holds no prompt")):
+        assert main([*argv, "--prompts_file", str(tmp_path / name)]) == 2
+        assert f"maxpar: config error: --prompts_file {str(tmp_path / name)!r}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("error, status, message", [
+    (KeyboardInterrupt(), 130, "maxpar: interrupted; nothing was generated"),
+    (CheckpointError("no usable checkpoint in RUN"), 1, "maxpar: checkpoint error: no usable checkpoint in RUN"),
+])
+def test_interrupt_and_unreadable_checkpoint_are_one_line(error, status, message, monkeypatch, capsys):
+    def fail(*_):
+        raise error
+    monkeypatch.setattr(maxpar.generate, "generate", fail)
+    assert main([str(BASE), "load_parameters_path=RUN", "--prompt", "hi"]) == status
+    assert capsys.readouterr().err.strip() == message
+
+
+def test_the_command_a_run_prints_samples_from_it(tmp_path):
+    """A pipelined run on 2 simulated devices (num_simulated_devices=2 in its config.yml): the summary's command
+    runs as printed, in a fresh process; the same with a bad tokenizer_path exits 2 without a traceback."""
+    trained = subprocess.run(train_command("steps=2", "enable_checkpointing=true", "num_simulated_devices=2",
+                                           "ici_stage_parallelism=2", "ici_fsdp_parallelism=1", "max_new_tokens=3",
+                                           f"base_output_directory={tmp_path}", "run_name=run"),
+                             cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    printed = next(line for line in trained.stdout.splitlines() if "sample from it: " in line)
+    command = shlex.split(printed.split("sample from it: ")[1])
+    assert command[:3] == ["python", "-m", "maxpar.generate"] and "ici_data_parallelism=2" in command
+    sampled = subprocess.run([sys.executable, *command[1:]], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert sampled.returncode == 0, sampled.stderr[-3000:]
+    lines = sampled.stdout.splitlines()
+    assert lines[0] == "--- prompt: 'def '" and lines[1].startswith("def ")
+    assert re.fullmatch(r"prefill [\d,]+ tokens/s, decode [\d,.]+ tokens/s \(1 rows; compilation excluded\)",
+                        lines[-1]), lines
+    bad = subprocess.run([sys.executable, *command[1:], "tokenizer_path=/nonexistent/tokenizer.model"], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "maxpar: config error: tokenizer_path='/nonexistent/tokenizer.model'" in bad.stderr
 
 
 def test_sampling_keys_restrict_the_draw():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shlex
 import subprocess
 import sys
 
@@ -116,3 +117,23 @@ def test_summary_prints_the_generate_command_of_a_run_with_a_checkpoint(tmp_path
     command = [line for line in lines if "sample from it:" in line]
     assert command == [f"  sample from it: python -m maxpar.generate {run / 'config.yml'} model_name= "
                        f"load_parameters_path={run / 'checkpoints' / '5'} --prompt 'def '"]
+
+
+@pytest.mark.parametrize("mesh, added", [
+    ({"ici_stage_parallelism": 2, "ici_fsdp_parallelism": 2}, ["ici_stage_parallelism=1", "ici_data_parallelism=2"]),
+    ({"ici_stage_parallelism": 2, "ici_fsdp_parallelism": -1}, ["ici_stage_parallelism=1"]),  # fsdp takes the devices
+    ({"ici_stage_parallelism": -1, "ici_fsdp_parallelism": 2}, ["ici_stage_parallelism=1", "ici_data_parallelism=-1"]),
+    ({"dcn_stage_parallelism": 2, "dcn_data_parallelism": -1}, ["dcn_stage_parallelism=1"]),
+])
+def test_summary_command_quotes_paths_and_unstages_a_pipelined_run(mesh, added, tmp_path):
+    """maxpar.generate runs no pipeline stages: the printed command moves them to data parallelism, so the same
+    devices still fill the mesh; a path with a space pastes as one word."""
+    import yaml
+    from maxpar.summary import generate_command
+    run = tmp_path / "my run"
+    (run / "checkpoints" / "5").mkdir(parents=True)
+    base = {f"{level}_{axis}_parallelism": 1 for level in ("ici", "dcn") for axis in ("data", "fsdp", "stage")}
+    (run / "config.yml").write_text(yaml.safe_dump({**base, "ici_fsdp_parallelism": -1, **mesh}))
+    assert shlex.split(generate_command(run, run / "checkpoints" / "5")) == [
+        "python", "-m", "maxpar.generate", str(run / "config.yml"), "model_name=",
+        f"load_parameters_path={run / 'checkpoints' / '5'}", *added, "--prompt", "def "]

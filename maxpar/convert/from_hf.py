@@ -38,8 +38,7 @@ def parameter_targets(config: Config, devices: Sequence[jax.Device]) -> dict[str
     """Every parameter of `config`'s model in the canonical layout, with its sharding on `devices`'
     mesh (the one the config's parallelism keys describe), by path."""
     layout = run_layout(config, local_mesh_shape(config, devices), optax.identity(), check_batch=False)  # no optimizer
-    shardings = layout.state_shardings(build_mesh(layout.mesh, devices))
-    target = checkpoint.Target(config, layout.state.abstract, shardings, global_rows=0).on_disk("params")
+    target = checkpoint.Target.of(layout, build_mesh(layout.mesh, devices)).on_disk("params")
     return {path_name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(target)}
 
 

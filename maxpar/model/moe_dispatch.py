@@ -133,7 +133,7 @@ def on_token_shards(fn: Callable[..., Any], axes: ExpertAxes | None, *arrays: Ar
     if axes is None:
         return fn(*arrays)
     spec = PartitionSpec(axes.live(axes.tokens) or None)
-    return jax.shard_map(fn, in_specs=tuple(spec for _ in arrays), out_specs=spec)(*arrays)
+    return jax.shard_map(fn, mesh=axes.mesh.abstract(), in_specs=tuple(spec for _ in arrays), out_specs=spec)(*arrays)
 
 
 def expert_parallel(local: Callable[..., Array], axes: ExpertAxes | None, x: Array, per_token: tuple[Array, ...],
@@ -182,7 +182,8 @@ def expert_parallel(local: Callable[..., Array], axes: ExpertAxes | None, x: Arr
     # Inside a pipeline stage (maxpar.pipeline.spmd) this runs under jax.vmap(spmd_axis_name=stage), whose
     # batching makes every output vary over the stages too, which the varying-axes check does not know of:
     # there (and only there) the check is off; the specs themselves stay right.
-    in_pipeline = dict(axes.sizes).get(STAGE_AXIS, 1) > 1
-    sharded = jax.shard_map(body, in_specs=(token_spec, tuple(token_spec for _ in per_token), gate_spec, gate_spec,
-                                            down_spec), out_specs=token_spec, check_vma=not in_pipeline)
+    in_pipeline = axes.mesh.sizes.get(STAGE_AXIS, 1) > 1
+    sharded = jax.shard_map(body, mesh=axes.mesh.abstract(), in_specs=(token_spec, tuple(token_spec for _ in per_token),
+                                                                       gate_spec, gate_spec, down_spec),
+                            out_specs=token_spec, check_vma=not in_pipeline)
     return sharded(x, per_token, w_gate, w_up, w_down)

@@ -92,6 +92,12 @@ def _unit_index(key: Any) -> int | None:
     return int(match[1]) if match else None
 
 
+def in_unrolled_unit(path: Sequence[Any]) -> bool:
+    """Whether a tree path (jax key path, or entry names) runs through an unrolled unit's `layers_i` entry: the
+    one place outside this module that must tell a per-layer leaf of scan_layers=false from the others."""
+    return any(_unit_index(getattr(key, "key", key)) is not None for key in path)
+
+
 def _is_unrolled(node: Any) -> bool:
     return isinstance(node, Mapping) and any(_unit_index(key) is not None for key in node)
 

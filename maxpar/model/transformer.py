@@ -95,8 +95,8 @@ class Decoder(ModelModule):
         block = layer_stack(_rematerialized(cfg, unit, under_stage_vmap=True), schedule.layers_per_block,
                             collections=(MOE_STATS,))
 
-        def run_block(params, x, positions, segment_ids, rules):  # (x, the block's MoE sums: {} when dense)
-            (x, _), stats = block(cfg, layout.in_pipeline_loop(rules), **kwargs).apply(
+        def run_block(params, x, positions, segment_ids, layout):  # (x, the block's MoE sums: {} when dense)
+            (x, _), stats = block(cfg, layout, **kwargs).apply(
                 {"params": params}, x, positions, segment_ids, mutable=[MOE_STATS])
             return x, stats.get(MOE_STATS, {})
 

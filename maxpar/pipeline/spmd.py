@@ -112,15 +112,16 @@ def pipeline(stage_fn: StageFn, params: Any, param_specs: Any, x: Array, side: S
              layout: ModelLayout, x_axes: Sequence[str], side_axes: Sequence[str], gather_once: bool,
              gather_per_repeat: bool = False) -> tuple[Array, Any]:
     """Run `stage_fn` over every layer block, pipelined per `layout.pipeline`; same result as applying the
-    blocks in order. `stage_fn(params, x, *side, rules)` gets the rules the loop runs under.
+    blocks in order. `stage_fn(params, x, *side, layout)` gets the model layout the loop runs under
+    (`ModelLayout.in_pipeline_loop`: its rules, and the mesh axes its shard_map made manual).
 
     Returns (x, stats): stats' leaves [R, S, ...], block (r, s)'s sums over every microbatch (and data replica).
 
     params / param_specs: the stacked unit's parameters and their logical PartitionSpecs.
     x: [B, ...] activations with logical axes `x_axes`; side: per-row inputs every block reads
-    (e.g. positions), [B, ...] with logical axes `side_axes`. Traced under the mesh in context.
+    (e.g. positions), [B, ...] with logical axes `side_axes`. Traced under the mesh of `layout.mesh`.
     """
-    mesh = jax.sharding.get_abstract_mesh()
+    sizes = layout.mesh.sizes
     schedule, rules = layout.pipeline, layout.rules
     stage_axes, batch_axes = layout.stage_axes, layout.loop_batch_axes
     weight_specs = jax.tree.map(lambda spec: nn.logical_to_mesh_axes(spec, list(rules)), param_specs,
@@ -132,26 +133,27 @@ def pipeline(stage_fn: StageFn, params: Any, param_specs: Any, x: Array, side: S
         weight_specs = gathered
     weight_axes = set().union(*(_spec_axes(s) for s in jax.tree.leaves(weight_specs, is_leaf=is_spec)))
     manual = manual_batch_axes(batch_axes, weight_axes)
-    if math.prod(mesh.shape[a] for a in manual) == 1:
+    if math.prod(sizes[a] for a in manual) == 1:
         manual = ()
 
     # Inside the loop the stages are the explicit leading dimension (logical `layers`): no other
     # activation dimension may use their mesh axes (outside, the batch may be split over them too).
     inner_rules = [(name, axes) if name == STAGED else (name, tuple(a for a in axes if a not in stage_axes))
                    for name, axes in strip_rules(rules, set(manual))]
+    inner_layout = layout.in_pipeline_loop(inner_rules, manual)
     block_specs = (jax.tree.map(lambda s: _gathered_block_spec(s, schedule, stage_axes, set(batch_axes)),
                                 weight_specs, is_leaf=is_spec) if gather_per_repeat else None)
 
     def loop(params: Any, x: Array, *side: Array) -> tuple[Array, Any]:
         with nn.logical_axis_rules(inner_rules):
-            x, stats = _loop(partial(stage_fn, rules=tuple(inner_rules)), params, x, side, schedule, stage_axes,
+            x, stats = _loop(partial(stage_fn, layout=inner_layout), params, x, side, schedule, stage_axes,
                              x_axes, side_axes, block_specs)
         return x, (jax.lax.psum(stats, manual) if manual else stats)  # each replica summed its own rows
 
     if not manual:
         return loop(params, x, *side)
     rows = PartitionSpec(manual)
-    sharded = jax.shard_map(loop, mesh=mesh, in_specs=(PartitionSpec(), rows, *(rows for _ in side)),
+    sharded = jax.shard_map(loop, mesh=layout.abstract_mesh(), in_specs=(PartitionSpec(), rows, *(rows for _ in side)),
                             out_specs=(rows, PartitionSpec()), axis_names=set(manual), check_vma=False)
     return sharded(params, x, *side)
 

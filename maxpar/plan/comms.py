@@ -432,7 +432,7 @@ def tp_transpose_comms(layout: Layout, tokens: float, count: float, microbatches
     pass where the layer stack meets the final norm (measured in the compiled step; `--verify`).
     """
     config = layout.config
-    axes = _tp_axes(layout, layout.param("['mlp']['wi_gate']"), "mlp_embed")
+    axes = _tp_axes(layout, layout.param("['mlp']['wi_gate']"), Logical.MLP_EMBED)
     if not axes or count <= 0:
         return []
     a = dtype_bytes(config.dtype)

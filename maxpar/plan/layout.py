@@ -20,6 +20,7 @@ from maxpar.axes import CONTEXT_AXIS, STAGE_AXIS, Logical
 from maxpar.config import Config
 from maxpar.layout import RunLayout, TracedState, resolve_layout
 from maxpar.mesh import MeshShape
+from maxpar.model import stack
 from maxpar.pipeline.schedule import Schedule
 from maxpar.sharding import entry_axes
 
@@ -172,5 +173,5 @@ def build_layout(config: Config, mesh: MeshShape, state: TracedState) -> Layout:
         logical_names = tuple(logical) + (None,) * (len(leaf.shape) - len(logical))
         tensors.append(Tensor(path=name, group=group, role=_role(name), shape=tuple(leaf.shape),
                               dtype=str(leaf.dtype), logical=logical_names, mesh_axes=mesh_axes,
-                              layered=Logical.LAYERS in logical_names or "['layers_" in name))
+                              layered=Logical.LAYERS in logical_names or stack.in_unrolled_unit(path)))
     return Layout(run=run, tensors=tuple(tensors))

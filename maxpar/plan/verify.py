@@ -1,8 +1,9 @@
 """`--verify`: compile the real train step on the local devices and hold the plan against it.
 
-The step is built by the trainer's own setup (`maxpar.train.setup_run`: model,
-optimizer, `state_shardings`, `jit_train_step(...).lower(abstract_state,
-batch).compile()`),
+The step is the trainer's own: the run layout (`maxpar.train_step.run_layout`, every
+setup check) bound to the local devices' mesh, compiled by
+`maxpar.train_step.compile_train_step` (model, optimizer, `state_shardings`,
+`jit_train_step(...).lower(abstract_state, batch).compile()`; no input pipeline);
 its collectives are read from the compiled HLO text (`maxpar.plan.hlo`) and its
 memory from `compiled.memory_analysis()`.
 
