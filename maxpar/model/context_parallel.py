@@ -30,7 +30,7 @@ from maxpar.axes import CONTEXT_AXIS
 from maxpar.config import Config
 from maxpar.layout import ContextLayout, ModelLayout
 from maxpar.model.blockwise import (accumulate, backward, block_pairs, blockwise_attention, finish, flash,
-                                    init_carry, output_delta, padded_schedules, varying_like)
+                                    init_carry, output_delta, padded_schedules)
 
 Array = jax.Array
 
@@ -108,12 +108,11 @@ def gathered_attention(q: Array, k: Array, v: Array, seg: Array, degree: int, ba
     return out
 
 
-def ring_schedules(local: int, degree: int, balance: bool, block: int, window: int) -> tuple[np.ndarray, np.ndarray]:
-    """([T, C, P, 2] pairs, [T, C, P] valid): at hop t, shard s's queries against the keys of shard s - t."""
+def ring_schedules(local: int, degree: int, balance: bool, block: int, window: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per hop t: ([C, P, 2] pairs, [C, P] valid) of shard s's queries against the keys of shard s - t."""
     shards = shard_indices(local, degree, balance)
-    pairs, valid = padded_schedules([block_pairs(shards[s], shards[(s - t) % degree], block, window)
-                                     for t in range(degree) for s in range(degree)])
-    return pairs.reshape(degree, degree, *pairs.shape[1:]), valid.reshape(degree, degree, -1)
+    return [padded_schedules([block_pairs(shards[s], shards[(s - t) % degree], block, window)
+                              for s in range(degree)]) for t in range(degree)]
 
 
 def _ring_permute(tree):
@@ -122,39 +121,19 @@ def _ring_permute(tree):
     return jax.lax.ppermute(tree, CONTEXT_AXIS, [(i, (i + 1) % degree) for i in range(degree)])
 
 
-class _Ring:
-    """This shard's view of the ring: its token indices, the indices of the shard visiting at hop t, and the
-    block pairs to visit then. Hops run in a `lax.scan` (one hop's temporaries live at a time), the last hop
-    after it so that k, v are never sent a C-th time."""
-
-    def __init__(self, q: Array, degree: int, balance: bool, window: int, block: int):
-        shards = jnp.asarray(shard_indices(q.shape[1], degree, balance))
-        pairs, valid = ring_schedules(q.shape[1], degree, balance, block, window)
-        self.me = jax.lax.axis_index(CONTEXT_AXIS)
-        self.degree, self.shards, self.q = degree, shards, q
-        self.pairs, self.valid = jnp.asarray(pairs)[:, self.me], jnp.asarray(valid)[:, self.me]
-
-    def visit(self, t: Array | int) -> tuple[Array, Array, Array, Array]:
-        """(query indices, key indices, pairs, valid) of hop t."""
-        return self.shards[self.me], self.shards[(self.me - t) % self.degree], self.pairs[t], self.valid[t]
-
-    def loop(self, step, state):
-        """state after hops 0 .. C-2 of `step(state, t)`, each followed by its permutes."""
-        state = varying_like(state, self.q, self.pairs, *jax.tree.leaves(state))
-        return jax.lax.scan(lambda st, t: (step(st, t), None), state, jnp.arange(self.degree - 1))[0]
-
-
 def _ring_forward(q, k, v, seg, degree, balance, window, block):
-    ring = _Ring(q, degree, balance, window, block)
-
-    def hop(carry, visiting, t):
+    local = q.shape[1]
+    shards = jnp.asarray(shard_indices(local, degree, balance))
+    me = jax.lax.axis_index(CONTEXT_AXIS)
+    carry = init_carry(q, k.shape[2], block)
+    visiting = (k, v, seg)
+    for hop, (pairs, valid) in enumerate(ring_schedules(local, degree, balance, block, window)):
         kh, vh, segh = visiting
-        q_idx, k_idx, pairs, valid = ring.visit(t)
-        return accumulate(carry, q, kh, vh, q_idx, k_idx, seg, segh, pairs, valid, window=window, block=block)
-
-    carry, visiting = ring.loop(lambda st, t: (hop(*st, t), _ring_permute(st[1])),
-                                (init_carry(q, k.shape[2], block), (k, v, seg)))
-    return finish(hop(carry, visiting, degree - 1))
+        carry = accumulate(carry, q, kh, vh, shards[me], shards[(me - hop) % degree], seg, segh,
+                           jnp.asarray(pairs)[me], jnp.asarray(valid)[me], window=window, block=block)
+        if hop < degree - 1:
+            visiting = _ring_permute(visiting)
+    return finish(carry)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
@@ -171,24 +150,23 @@ def _ring_fwd(q, k, v, seg, degree, balance, window, block):
 def _ring_bwd(degree, balance, window, block, residuals, d_out):
     """k, v go round again; their gradients travel with them and one last hop brings them home."""
     q, k, v, seg, out, lse = residuals
-    ring = _Ring(q, degree, balance, window, block)
+    local = q.shape[1]
+    shards = jnp.asarray(shard_indices(local, degree, balance))
+    me = jax.lax.axis_index(CONTEXT_AXIS)
     delta = output_delta(d_out, out, jnp.zeros_like(lse))
-
-    def hop(state, t):
-        dq, (kh, vh, segh), (dk, dv) = state
-        q_idx, k_idx, pairs, valid = ring.visit(t)
-        dq_h, dk_h, dv_h = backward(q, kh, vh, q_idx, k_idx, seg, segh, pairs, valid, d_out, lse, delta,
+    dq = jnp.zeros(q.shape, jnp.float32)
+    visiting = (k, v, seg)
+    d_visiting = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    for hop, (pairs, valid) in enumerate(ring_schedules(local, degree, balance, block, window)):
+        kh, vh, segh = visiting
+        dq_h, dk_h, dv_h = backward(q, kh, vh, shards[me], shards[(me - hop) % degree], seg, segh,
+                                    jnp.asarray(pairs)[me], jnp.asarray(valid)[me], d_out, lse, delta,
                                     window=window, block=block)
-        return dq + dq_h, _ring_permute((dk + dk_h, dv + dv_h))
-
-    def step(state, t):
-        dq, d_visiting = hop(state, t)
-        return dq, _ring_permute(state[1]), d_visiting
-
-    zeros = (jnp.zeros(q.shape, jnp.float32), (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)))
-    state = ring.loop(step, (zeros[0], (k, v, seg), zeros[1]))
-    dq, (dk, dv) = hop(state, degree - 1)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+        dq = dq + dq_h
+        d_visiting = _ring_permute((d_visiting[0] + dk_h, d_visiting[1] + dv_h))
+        if hop < degree - 1:
+            visiting = _ring_permute(visiting)
+    return dq.astype(q.dtype), d_visiting[0].astype(k.dtype), d_visiting[1].astype(v.dtype), None
 
 
 ring_attention.defvjp(_ring_fwd, _ring_bwd)
