@@ -11,10 +11,12 @@ is a table row ("out of memory under the cap"), not a crash. Rows per sequence l
   them for the backward pass): the seq^2 term;
 - blockwise, 1 device (attention_block_size=512): O(seq x block) per head;
 - blockwise CP=8 all_gather and CP=8 ring on 8 simulated CPU devices (per device: 1/8 of the
-  sequence, per_device_batch_size=0.125 = the same one row).
+  sequence, per_device_batch_size=0.125 = the same one row), and CP=8 ring with unrolled layers
+  (scan_layers=false).
 
 Peak RSS is the whole process (all 8 simulated devices of a CP row share it, with the ~0.5 GiB
-runtime baseline of every row); step time is wall time on a shared, noisy 2-core machine (the 1-minute load
+runtime baseline of every row); one device's program is XLA's buffer assignment for one device's
+compiled step (its arguments and temporaries), the per-device figure of a CP row; step time is wall time on a shared, noisy 2-core machine (the 1-minute load
 average is printed with every row). Simulated CPU devices share the host's cores, so CP rows
 show memory per device, not speed-up.
 
@@ -49,6 +51,9 @@ ROWS = {
                            "ici_fsdp_parallelism=1", "context_parallel_strategy=all_gather"]),
     "cp8_ring": (8, ["attention=blockwise", "per_device_batch_size=0.125", "ici_context_parallelism=8",
                      "ici_fsdp_parallelism=1", "context_parallel_strategy=ring"]),
+    # XLA:CPU assigns ring attention far more temporaries inside the scanned layer stack (README)
+    "cp8_ring_unscanned": (8, ["attention=blockwise", "per_device_batch_size=0.125", "ici_context_parallelism=8",
+                               "ici_fsdp_parallelism=1", "context_parallel_strategy=ring", "scan_layers=false"]),
 }
 
 
@@ -93,9 +98,11 @@ def row_text(row: dict) -> str:
     if "step_s" not in row:
         why = row.get("out_of_memory") or row.get("refused") or row.get("error")
         what = "out of memory" if "out_of_memory" in row else "not run"
-        return f"| {length:,} | {name} | {devices} | {what}: {why} | | | |"
-    return (f"| {length:,} | {name} | {devices} | {row['peak_rss_mib']:,.0f} | {row['step_s']:.2f} | "
-            f"{row['first_loss']:.6f} | {row['load_avg_1m']:.1f} |")
+        return f"| {length:,} | {name} | {devices} | {what}: {why} | | | | |"
+    program = row.get("device_program_mib")
+    return (f"| {length:,} | {name} | {devices} | {row['peak_rss_mib']:,.0f} | "
+            f"{'' if program is None else f'{program:,.0f}'} | {row['step_s']:.2f} | {row['first_loss']:.6f} | "
+            f"{row['load_avg_1m']:.1f} |")
 
 
 def main() -> int:
@@ -114,8 +121,9 @@ def main() -> int:
         return 0
     print(f"# long context: tiny model, one row, float32, block 512, cap {args.memory_gib:g} GiB per row; "
           f"load average at start {os.getloadavg()[0]:.1f} (shared, noisy machine)")
-    print("| seq | attention | devices | peak RSS MiB (whole process) | step s | loss step 1 | load 1m |")
-    print("|---|---|---|---|---|---|---|")
+    print("| seq | attention | devices | peak RSS MiB (whole process) | one device's program MiB (XLA: arguments + "
+          "temporaries) | step s | loss step 1 | load 1m |")
+    print("|---|---|---|---|---|---|---|---|")
     rows = []
     for length in (int(x) for x in args.lengths.split(",")):
         for name in args.rows.split(","):

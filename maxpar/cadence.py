@@ -6,6 +6,8 @@ Kept out of the loop so that `train()` reads as a plain loop and each rule is te
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Callable
 
 from maxpar.config import Config
 
@@ -62,3 +64,21 @@ def cadence(config: Config, *, has_eval_data: bool, checkpointing: bool) -> Cade
                    eval=Every(config.eval_interval, last) if evaluates else NEVER,
                    save=Every(config.checkpoint_period, last) if checkpointing else NEVER,
                    checkpointing=checkpointing)
+
+
+class StepTimer:
+    """Wall seconds per step over the steps since the last `restart()`: the loop restarts it after each logged
+    step's evaluation and save, so a metrics line times training steps only."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
+        self.restart()
+
+    def restart(self) -> None:
+        self._start, self._steps = self._clock(), 0
+
+    def tick(self) -> None:
+        self._steps += 1
+
+    def per_step(self) -> float:
+        return (self._clock() - self._start) / max(self._steps, 1)

@@ -111,6 +111,25 @@ def stop_on_nonfinite(losses: Sequence[tuple[int, Any]], manager: Any) -> None:
                              f"regardless")
 
 
+class LossCheck:
+    """Losses waiting to be checked for NaN/Inf. Reading a loss waits for its step, so they are collected and
+    checked together when the cadence says (before anything is logged or saved), not after every step."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._pending: list[tuple[int, Any]] = []
+
+    def add(self, step: int, loss: Any) -> None:
+        if self.enabled:
+            self._pending.append((step, loss))
+
+    def check(self, manager: Any) -> None:
+        """`stop_on_nonfinite` over the pending losses, then none are pending."""
+        pending, self._pending = self._pending, []
+        if pending:
+            stop_on_nonfinite(pending, manager)
+
+
 # Exit status of a process the step watchdog ended.
 STUCK_EXIT_STATUS = 3
 

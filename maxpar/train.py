@@ -24,9 +24,9 @@ from tqdm import tqdm
 
 from maxpar import checkpoint, distributed, preflight, summary
 from maxpar.profiler import StepProfiler, profile_window
-from maxpar.cadence import cadence
-from maxpar.guards import (INTERRUPTED_EXIT_STATUS, PREEMPTED_EXIT_STATUS, Preempted, PreemptionWatch, StepWatchdog,
-                           stop_on_nonfinite)
+from maxpar.cadence import StepTimer, cadence
+from maxpar.guards import (INTERRUPTED_EXIT_STATUS, PREEMPTED_EXIT_STATUS, LossCheck, Preempted, PreemptionWatch,
+                           StepWatchdog)
 from maxpar.config import Config, ConfigError, describe_keys, load_config, to_yaml
 from maxpar.data.pipeline import make_datasets
 from maxpar.layout import BatchShape, RunLayout, check_devices
@@ -194,24 +194,20 @@ def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: 
                        dynamic_ncols=True)
             row: dict[str, Any] = {}
             when = cadence(config, has_eval_data=eval_fn is not None, checkpointing=manager is not None)
-            window_start, window_steps = time.perf_counter(), 0
-            loop_start = window_start
-            unchecked: list[tuple[int, jax.Array]] = []  # losses not yet checked for NaN/Inf (checked in batches)
+            timer, losses = StepTimer(), LossCheck(enabled=config.stop_on_nan)
+            loop_start = time.perf_counter()
             for step in range(start + 1, config.steps + 1):
                 profiler.before_step(step)
                 state, metrics = step_fn(state, global_batch(next(iterator), run.in_sharding))
                 profiler.after_step(step, metrics)
-                if config.stop_on_nan:
-                    unchecked.append((step, metrics["loss"]))
-                window_steps += 1
+                losses.add(step, metrics["loss"])
+                timer.tick()
                 bar.update(1)
                 due = when.after(step, stop=preemption.requested(step))
-                if unchecked and due.check_losses:
-                    stop_on_nonfinite(unchecked, manager)
-                    unchecked.clear()
+                if due.check_losses:
+                    losses.check(manager)
                 if due.log:
-                    row = _metrics_row(run, step, jax.device_get(metrics),
-                                       (time.perf_counter() - window_start) / window_steps, peak)
+                    row = _metrics_row(run, step, jax.device_get(metrics), timer.per_step(), peak)
                     if due.eval:
                         row["eval_loss"] = _evaluate(eval_fn, state.params, run.eval_data, config.eval_steps,
                                                      run.in_sharding)
@@ -227,7 +223,7 @@ def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: 
                                     rerun="rerun the same command" if config.run_name else
                                     f"rerun with run_name={run_dir.name}", signum=preemption.signum or signal.SIGTERM)
                 if due.log:  # the next window starts after this step's eval and save
-                    window_start, window_steps = time.perf_counter(), 0
+                    timer.restart()
                 watchdog.progress(step)
     finally:
         profiler.stop()

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
+
 from helpers import tiny_config
-from maxpar.cadence import NEVER, Every, cadence
+from maxpar.cadence import NEVER, Every, StepTimer, cadence
+from maxpar.guards import LossCheck
 
 
 def due_steps(policy, steps: int) -> list[int]:
@@ -44,3 +49,30 @@ def test_a_preemption_saves_only_when_checkpointing_and_always_checks_losses():
     assert saving.stop and saving.save and saving.check_losses and not saving.log
     not_saving = cadence(config, has_eval_data=False, checkpointing=False).after(7, stop=True)
     assert not_saving.stop and not not_saving.save and not_saving.check_losses
+
+
+def test_step_timer_times_the_steps_since_its_restart():
+    now = [100.0]
+    timer = StepTimer(clock=lambda: now[0])
+    for _ in range(4):
+        timer.tick()
+        now[0] += 0.5
+    assert timer.per_step() == 0.5
+    now[0] += 7.0  # an evaluation and a save after the logged step
+    timer.restart()
+    timer.tick()
+    now[0] += 0.25
+    assert timer.per_step() == 0.25
+
+
+def test_loss_check_raises_at_the_first_nonfinite_loss_and_then_starts_afresh():
+    check = LossCheck(enabled=True)
+    for step, loss in ((1, 2.0), (2, math.nan), (3, math.inf)):
+        check.add(step, loss)
+    with pytest.raises(FloatingPointError, match=r"loss is nan at step 2; stopped before checkpointing it \(no checkpoint was written\)"):
+        check.check(manager=None)
+    check.add(4, 1.5)
+    check.check(manager=None)  # only step 4 is pending now: fine
+    off = LossCheck(enabled=False)
+    off.add(1, math.nan)
+    off.check(manager=None)  # stop_on_nan=false trains on regardless

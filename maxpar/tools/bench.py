@@ -163,6 +163,14 @@ def time_steps(compiled: Any, state: Any, run: Any, count: int) -> tuple[list[fl
     return times, cpu_times, losses
 
 
+def device_program_mib(compiled) -> float | None:
+    """MiB one device's compiled step asks for: its arguments plus temporaries (None where XLA does not say)."""
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        return None
+    return (analysis.argument_size_in_bytes + analysis.temp_size_in_bytes) / 2**20
+
+
 def run_worker(name: str, overrides: Sequence[str], num_devices: int, steps: int, warmup: int) -> dict[str, Any]:
     """Build the real trainer pieces for one row, compile, and time `steps` steps after `warmup`.
 
@@ -218,6 +226,9 @@ def run_worker(name: str, overrides: Sequence[str], num_devices: int, steps: int
         "mfu": rates["mfu"],
         "peak_rss_mib": peak_rss_mib(),
         "peak_device_gib": peak_device_gib(devices[0]),
+        # XLA's buffer assignment of one device's program (arguments + temporaries): per device even when all the
+        # simulated devices share one process's RSS.
+        "device_program_mib": device_program_mib(compiled),
         "first_loss": losses[0],
         "final_loss": losses[-1],
         "collectives": collective_counts(compiled.as_text()),
