@@ -47,6 +47,10 @@ MOE = ["num_experts=8", "num_experts_per_tok=2", "capacity_factor=0"]  # droples
 # Model settings a row shares with its 1-device reference; a row's family is named by its prefix.
 FAMILIES = {"": [], "MoE": MOE, "bf16/fp32": ["weight_dtype=bfloat16", "optimizer_state_dtype=float32"],
             "4 layers": ["num_decoder_layers=4"]}
+# bfloat16 parameters round every update to 8 mantissa bits: a last-bit difference in a float32 gradient sum (8
+# shards' partial sums vs one device's) flips a rounding now and then, and the flips add up over steps (measured
+# 1.7e-5 after 5 steps; tests/test_equivalence.py's smaller model stays within 1e-5).
+FAMILY_RTOL = {"bf16/fp32": 1e-4}
 STRATEGIES = {  # name: (config file, overrides); all with per_device_batch_size=1 on 8 devices
     "DP(8)": ("base.yml", ["ici_data_parallelism=8", "ici_fsdp_parallelism=1"]),
     "FSDP(8)": ("base.yml", ["ici_fsdp_parallelism=8"]),
@@ -158,7 +162,7 @@ def main() -> int:
             failed.append(name)
             continue
         rel = float(np.max(np.abs(got - ref) / np.abs(ref)))
-        ok = rel <= args.rtol
+        ok = rel <= max(args.rtol, FAMILY_RTOL.get(family(name), 0.0))
         print(f"{name:<{width}}  " + "  ".join(f"{v:>10.6f}" for v in got) + f"  {rel:.2e}{'' if ok else '  FAIL'}")
         if not ok:
             failed.append(name)
@@ -167,7 +171,8 @@ def main() -> int:
         print(f"FAIL: {', '.join(failed)} differ from the 1-device losses by more than rtol {args.rtol} "
               f"({elapsed:.0f} s)")
         return 1
-    print(f"PASS: {len(results)} strategies match the 1-device losses within rtol {args.rtol} ({elapsed:.0f} s)")
+    print(f"PASS: {len(results)} strategies match the 1-device losses within rtol {args.rtol} (bf16 weights: "
+          f"{FAMILY_RTOL['bf16/fp32']:g}) ({elapsed:.0f} s)")
     return 0
 
 
