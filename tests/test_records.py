@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 
 import jax
 import numpy as np
 import pytest
 
-from helpers import read_metrics, tiny_config
+from helpers import (compilation_cache_env, logged_steps, read_metrics, start_training, tiny_config, train_command,
+                     wait_for_step, wait_until)
 from maxpar.config import ConfigError
 from maxpar.data.pipeline import make_datasets
 from maxpar.data.records import open_records
@@ -286,3 +288,30 @@ def test_global_batch_is_the_same_for_any_process_count(tmp_path, kind):
                 np.testing.assert_array_equal(
                     whole[split][step][key],
                     np.concatenate([halves[i][split][step][key] for i in range(2)]))
+
+
+@pytest.mark.parametrize("kind", ["arrayrecord", "hf-saved"])
+def test_kill_9_then_rerun_matches_the_uninterrupted_run(tmp_path, kind):
+    """A real process killed mid-run (no chance to save) resumes from its newest checkpoint, data iterator
+    included, and finishes with the uninterrupted run's losses, bit for bit."""
+    steps = 12
+    config = source_config(kind, tmp_path / "corpus", record_texts(40), f"steps={steps}", "eval_fraction=0",
+                           "enable_checkpointing=true", "checkpoint_period=4", "per_device_batch_size=1")
+    train(config, devices=jax.devices(), run_dir=tmp_path / "reference")
+    source = ("hf_path",) if kind == "hf-saved" else ("grain_file_type", "dataset_path")
+    overrides = [f"dataset_type={config.dataset_type}", *(f"{key}={getattr(config, key)}" for key in source)]
+    command = train_command(*overrides, f"steps={steps}", "eval_fraction=0", "enable_checkpointing=true",
+                            "checkpoint_period=4", "per_device_batch_size=1", f"base_output_directory={tmp_path}",
+                            "run_name=run")
+    run_dir, env = tmp_path / "run", compilation_cache_env(tmp_path / "jax_cache")
+    first = start_training(command, tmp_path / "first.log", env)
+    wait_for_step(first, run_dir, 6)
+    wait_until(first, (run_dir / "checkpoints" / "4").is_dir, "checkpoint 4 was complete")
+    first.kill()
+    assert first.wait(timeout=60) == -signal.SIGKILL and max(logged_steps(run_dir)) < steps
+    second = start_training(command, tmp_path / "second.log", env)
+    assert second.wait(timeout=300) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    assert "resumed from checkpoint at step" in (tmp_path / "second.log").read_text()
+    rows, expected = read_metrics(run_dir), read_metrics(tmp_path / "reference")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert [r["loss"] for r in rows] == [r["loss"] for r in expected]
