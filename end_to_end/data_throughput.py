@@ -4,8 +4,8 @@
 
 Writes the default corpus (the standard library's `*.py` files, real text) as each source's format in
 a temporary directory: text files as they are, JSONL, Parquet and ArrayRecord shards (dataset_type=
-grain), a `save_to_disk` dataset and the `json` builder over the JSONL shards (dataset_type=hf), plus
-synthetic tokens. For each it builds this process's datasets exactly as the trainer does
+grain), synthetic tokens, and with the `hf` extra a `save_to_disk` dataset and the `json` builder over
+the JSONL shards (dataset_type=hf). For each it builds this process's datasets exactly as the trainer does
 (`maxpar.data.pipeline.make_datasets`: tokenize, pack into lanes, shuffle) and times `--batches`
 global batches after the first. Then it trains the default model (`configs/base.yml` plus the
 overrides) for `--steps` steps and takes the median step. PASS when every source delivers tokens at
@@ -32,8 +32,7 @@ SHARD_COUNT = 8
 
 
 def write_sources(documents: list[str], directory: Path) -> dict[str, list[str]]:
-    """The corpus in every format; returns each source's overrides."""
-    import datasets
+    """The corpus in every format; returns each source's overrides (the hf ones only with `datasets` installed)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from array_record.python.array_record_module import ArrayRecordWriter
@@ -49,18 +48,23 @@ def write_sources(documents: list[str], directory: Path) -> dict[str, list[str]]
         for record in records:
             writer.write(record.encode())
         writer.close()
-    datasets.Dataset.from_dict({"text": documents}).save_to_disk(str(directory / "hf"))
     grain = ["dataset_type=grain", "dataset_text_field=text"]
-    return {
+    sources = {
         "text files": ["dataset_type=text"],
         "grain jsonl": [*grain, "grain_file_type=jsonl", f"dataset_path={directory}/jsonl/*.jsonl"],
         "grain parquet": [*grain, "grain_file_type=parquet", f"dataset_path={directory}/parquet/*.parquet"],
         "grain arrayrecord": [*grain, "grain_file_type=arrayrecord",
                               f"dataset_path={directory}/arrayrecord/*.arrayrecord"],
-        "hf save_to_disk": ["dataset_type=hf", f"hf_path={directory}/hf"],
-        "hf json builder": ["dataset_type=hf", "hf_path=json", f"hf_data_files={directory}/jsonl/*.jsonl"],
         "synthetic": ["dataset_type=synthetic"],
     }
+    try:
+        import datasets
+    except ImportError:
+        print("hf rows skipped: the `datasets` package is missing (pip install -e '.[hf]')")
+        return sources
+    datasets.Dataset.from_dict({"text": documents}).save_to_disk(str(directory / "hf"))
+    return {**sources, "hf save_to_disk": ["dataset_type=hf", f"hf_path={directory}/hf"],
+            "hf json builder": ["dataset_type=hf", "hf_path=json", f"hf_data_files={directory}/jsonl/*.jsonl"]}
 
 
 def source_tokens_per_s(config, rows: int, batches: int) -> tuple[float, float]:

@@ -317,3 +317,16 @@ def test_context_parallel_comms_follow_the_seed():
     assert result["rules_of_thumb"]["cp_intensity"] == 32768 * 32 / (8 * 8)  # the plan reports it beside C/W
     dense = plan(*cfg[:3], "ici_fsdp_parallelism=-1", "per_device_batch_size=0.125", devices=64)
     assert result["memory_per_device_bytes"]["activations"] < dense["memory_per_device_bytes"]["activations"] / 10
+
+
+def test_blockwise_attention_is_planned_without_the_masked_half_of_the_scores():
+    """dot_product computes the whole score matrix (2x the causal FLOPs MFU counts); blockwise only the blocks on
+    and below the diagonal: 1 + block / seq times them."""
+    from maxpar.plan.model_math import attention_flops_per_token
+    from maxpar.plan.predict import FORWARD, compute_flops
+    dense, blockwise = (config("max_target_length=4096", "attention_block_size=512", f"attention={a}")
+                        for a in ("dot_product", "blockwise"))
+    attention = attention_flops_per_token(dense)
+    extra = compute_flops(dense, 1.0)[FORWARD] - compute_flops(blockwise, 1.0)[FORWARD]
+    assert extra == pytest.approx(attention * (1 - 512 / 4096) / 3)
+    assert any("blockwise attention skips" in a for a in plan("attention=blockwise", devices=4)["assumptions"])

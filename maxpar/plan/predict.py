@@ -33,14 +33,18 @@ from maxpar.plan.model_math import (attention_flops_per_token, context_degree, d
 from maxpar.train_step import trace_state
 
 PHASES = (FORWARD, BACKWARD)
+FULL_SCORES = ("the {attention} core computes the full seq x seq attention score matrix and masks it: the chip does "
+               "twice the causal attention FLOPs that MFU counts (more with a sliding window, whose MFU counts only "
+               "the keys inside it)")
+BLOCKWISE_SCORES = ("blockwise attention skips the score blocks above the causal diagonal (and outside a sliding "
+                    "window) and computes the partly visible ones whole: the chip does (1 + block / span) times the "
+                    "attention FLOPs that MFU counts, span = seq (or the window)")
 ASSUMPTIONS = (
     "matmuls run at the profile's peak dense bf16 FLOP/s (roofline): step time is a lower bound, MFU an upper bound",
     "each collective overlaps the compute of its own phase (forward or backward); collectives on different mesh "
     "axes do not overlap each other; ICI and DCN transfer concurrently",
     "ring (bandwidth-optimal) collectives: all-gather / reduce-scatter send (n-1)/n of the full array per device, "
     "all-reduce twice that; a mesh axis gets the ICI bandwidth of every torus axis it spans",
-    "maxpar computes the full seq x seq attention score matrix and masks it: the chip does twice the causal "
-    "attention FLOPs that MFU counts (more with a sliding window, whose MFU counts only the keys inside it)",
     "HBM traffic counts weight reads (3 per matmul per microbatch) and one read/write of the state by the "
     "optimizer, which runs after the backward pass without overlap",
 )
@@ -100,13 +104,28 @@ def comm_bandwidth(comm: Comm, hardware: Hardware, shares: dict[str, float]) -> 
     return hardware.ici_bandwidth * max(sum(shares.get(a, 0.0) for a in comm.axes), 1e-9)
 
 
+def attention_overwork(config: Config) -> float:
+    """Attention FLOPs the chip executes beyond those MFU counts, as a fraction of them (see FULL_SCORES,
+    BLOCKWISE_SCORES)."""
+    if config.attention != "blockwise":
+        return 1.0
+    length = config.max_target_length
+    span = config.sliding_window if 0 < config.sliding_window < length else length
+    return min(min(config.attention_block_size, length) / span, 1.0)
+
+
+def assumptions(config: Config) -> list[str]:
+    scores = BLOCKWISE_SCORES if config.attention == "blockwise" else FULL_SCORES.format(attention=config.attention)
+    return [*ASSUMPTIONS[:3], scores, *ASSUMPTIONS[3:]]
+
+
 def compute_flops(config: Config, tokens_per_device: float) -> dict[str, float]:
     """Model FLOPs (what MFU counts) and hardware FLOPs per phase per device (what the chip executes)."""
     per_token = training_flops_per_token(config)
     attention = attention_flops_per_token(config)      # causal, counted once (fwd + bwd)
     model = per_token * tokens_per_device
-    hardware = {FORWARD: model / 3 + attention * tokens_per_device / 3,  # full score matrix: 2x causal
-                BACKWARD: 2 * model / 3 + 2 * attention * tokens_per_device / 3}
+    extra = attention * attention_overwork(config) * tokens_per_device  # masked-out scores computed anyway
+    hardware = {FORWARD: model / 3 + extra / 3, BACKWARD: 2 * model / 3 + 2 * extra / 3}
     layer_forward = 2 * (matmul_params(config) - config.emb_dim * config.vocab_size) + 2 * attention / 3
     if config.remat_policy == "full":
         hardware[BACKWARD] += layer_forward * tokens_per_device
@@ -262,7 +281,7 @@ def evaluate(config: Config, target: Target, state: TracedState) -> dict[str, An
         "bound_reason": _reason(bound, totals, axes, tokens_per_device, hardware, memory, batch,
                                 [p for p in PHASES if max(network[(p, "ici")], network[(p, "dcn")]) > compute[p]]),
         "warnings": warnings,
-        "assumptions": list(ASSUMPTIONS),
+        "assumptions": assumptions(config),
         "_comms": comms,
         "_layout": layout,
         "_batch": batch,
