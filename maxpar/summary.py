@@ -103,8 +103,20 @@ def generate_command(run_dir: Path, checkpoint: Path) -> str:
     no model preset is read again: model_name=), the checkpoint its parameters; paths shell-quoted."""
     config = yaml.safe_load((run_dir / "config.yml").read_text(encoding="utf-8")) or {}
     words = ["python -m maxpar.generate", shlex.quote(str(run_dir / "config.yml")), "model_name=",
-             shlex.quote(f"load_parameters_path={checkpoint}"), *unstaged_mesh(config), "--prompt 'def '"]
+             shlex.quote(f"load_parameters_path={checkpoint}"), *unstaged_mesh(config), *room_to_write(config),
+             f"--prompt {shlex.quote(PROMPT)}"]
     return " ".join(words)
+
+
+PROMPT = "def "
+
+
+def room_to_write(config: Mapping[str, Any]) -> list[str]:
+    """max_new_tokens that fits the run's max_target_length after BOS and the prompt (no tokenizer makes more
+    tokens than bytes), where the configured one would not: a short-sequence run's command still runs."""
+    length, new = config.get("max_target_length"), config.get("max_new_tokens")
+    room = length - 1 - len(PROMPT.encode()) if isinstance(length, int) else None
+    return [f"max_new_tokens={room}"] if room is not None and isinstance(new, int) and 0 < room < new else []
 
 
 def unstaged_mesh(config: Mapping[str, Any]) -> list[str]:

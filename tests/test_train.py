@@ -137,3 +137,15 @@ def test_summary_command_quotes_paths_and_unstages_a_pipelined_run(mesh, added, 
     assert shlex.split(generate_command(run, run / "checkpoints" / "5")) == [
         "python", "-m", "maxpar.generate", str(run / "config.yml"), "model_name=",
         f"load_parameters_path={run / 'checkpoints' / '5'}", *added, "--prompt", "def "]
+
+
+def test_summary_command_fits_max_new_tokens_into_a_short_sequence(tmp_path):
+    """A run with max_target_length 32 has room for 32 - BOS - 'def ' = 27 new tokens, not the default 64."""
+    import yaml
+    from maxpar.summary import generate_command
+    run = tmp_path / "run"
+    (run / "checkpoints" / "5").mkdir(parents=True)
+    (run / "config.yml").write_text(yaml.safe_dump({"max_target_length": 32, "max_new_tokens": 64}))
+    assert "max_new_tokens=27 --prompt 'def '" in generate_command(run, run / "checkpoints" / "5")
+    (run / "config.yml").write_text(yaml.safe_dump({"max_target_length": 256, "max_new_tokens": 64}))
+    assert "max_new_tokens" not in generate_command(run, run / "checkpoints" / "5")
