@@ -80,12 +80,13 @@ def _row_blocks(x: Array, block: int) -> Array:
     return x.reshape(x.shape[0], -1, block).swapaxes(0, 1)
 
 
-def _masked_scores(qi, kj, q_idx, k_idx, q_seg, k_seg, window: int) -> tuple[Array, Array]:
-    """Scores [B, KV, G, bq, bk] in float32 (NEG where masked) and the mask [B, 1, 1, bq, bk]."""
+def _masked_scores(qi, kj, q_idx, k_idx, q_seg, k_seg, window: int, ok: Array) -> tuple[Array, Array]:
+    """Scores [B, KV, G, bq, bk] in float32 (NEG where masked) and the mask [B, 1, 1, bq, bk]; `ok` false (a
+    padding entry of the schedule) masks the whole block, which makes its visit change nothing."""
     s = jnp.einsum("bqkgd,bskd->bkgqs", qi, kj, preferred_element_type=jnp.float32)
     offset = q_idx[:, None] - k_idx[None, :]
     visible = (offset >= 0) & (offset < window) if window else offset >= 0
-    mask = (visible[None] & (q_seg[:, :, None] == k_seg[:, None, :]))[:, None, None]
+    mask = (visible[None] & (q_seg[:, :, None] == k_seg[:, None, :]) & ok)[:, None, None]
     return jnp.where(mask, s, NEG), mask
 
 
@@ -121,22 +122,20 @@ def accumulate(carry: Carry, q: Array, k: Array, v: Array, q_index: Array, k_ind
     qi_all, ki_all = _row_blocks(q_index, block), _row_blocks(k_index, block)
     qs_all, ks_all = _row_blocks(q_seg, block), _row_blocks(k_seg, block)
 
-    def visit(carry: Carry, pair: Array) -> Carry:
-        i, j = pair[0], pair[1]
-        s, mask = _masked_scores(qb[i], kb[j], qi_all[i], ki_all[j], qs_all[i], ks_all[j], window)
+    def visit(carry: Carry, entry) -> tuple[Carry, None]:
+        (i, j), ok = entry
+        s, mask = _masked_scores(qb[i], kb[j], qi_all[i], ki_all[j], qs_all[i], ks_all[j], window, ok)
         m_old = carry.m[i]
         m_new = jnp.maximum(m_old, s.max(-1))
         p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
         correction = jnp.exp(m_old - m_new)
         pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v.dtype), vb[j], preferred_element_type=jnp.float32)
         return Carry(carry.acc.at[i].set(carry.acc[i] * correction[..., None] + pv),
-                     carry.m.at[i].set(m_new), carry.l.at[i].set(carry.l[i] * correction + p.sum(-1)))
+                     carry.m.at[i].set(m_new), carry.l.at[i].set(carry.l[i] * correction + p.sum(-1))), None
 
-    def step(carry: Carry, entry) -> tuple[Carry, None]:
-        pair, ok = entry
-        return jax.lax.cond(ok, visit, lambda c, _: c, carry, pair), None
-
-    carry, _ = jax.lax.scan(step, varying_like(carry, q, k, v, q_index, k_index, q_seg, k_seg, pairs), (pairs, valid))
+    # Padding entries are masked, not branched around: a lax.cond here made XLA keep every iteration's scores
+    # and masks inside a scanned layer stack (ring attention: 706 instead of 98 MiB per device at 16k tokens).
+    carry, _ = jax.lax.scan(visit, varying_like(carry, q, k, v, q_index, k_index, q_seg, k_seg, pairs), (pairs, valid))
     return carry
 
 
@@ -170,24 +169,20 @@ def backward(q: Array, k: Array, v: Array, q_index: Array, k_index: Array, q_seg
     delta_b = delta.reshape(b, kv, h // kv, nq, block).transpose(3, 0, 1, 2, 4)
     grads = (jnp.zeros(qb.shape, jnp.float32), jnp.zeros(kb.shape, jnp.float32), jnp.zeros(vb.shape, jnp.float32))
 
-    def visit(grads, pair):
+    def visit(grads, entry):
         dq, dk, dv = grads
-        i, j = pair[0], pair[1]
-        s, mask = _masked_scores(qb[i], kb[j], qi_all[i], ki_all[j], qs_all[i], ks_all[j], window)
+        (i, j), ok = entry
+        s, mask = _masked_scores(qb[i], kb[j], qi_all[i], ki_all[j], qs_all[i], ks_all[j], window, ok)
         p = jnp.where(mask, jnp.exp(s - lse_b[i][..., None]), 0.0)
         dv = dv.at[j].add(jnp.einsum("bkgqs,bkgqd->bskd", p, do_b[i]))
         dp = jnp.einsum("bkgqd,bskd->bkgqs", do_b[i], vb[j], preferred_element_type=jnp.float32)
         ds = p * (dp - delta_b[i][..., None])
         dq = dq.at[i].add(jnp.einsum("bkgqs,bskd->bqkgd", ds, kb[j], preferred_element_type=jnp.float32))
         dk = dk.at[j].add(jnp.einsum("bkgqs,bqkgd->bskd", ds, qb[i], preferred_element_type=jnp.float32))
-        return dq, dk, dv
-
-    def step(grads, entry):
-        pair, ok = entry
-        return jax.lax.cond(ok, visit, lambda g, _: g, grads, pair), None
+        return (dq, dk, dv), None
 
     grads = varying_like(grads, q, k, v, q_index, k_index, q_seg, k_seg, pairs, d_out, lse, delta)
-    (dq, dk, dv), _ = jax.lax.scan(step, grads, (pairs, valid))
+    (dq, dk, dv), _ = jax.lax.scan(visit, grads, (pairs, valid))
     return (dq.swapaxes(0, 1).reshape(q.shape), dk.swapaxes(0, 1).reshape(k.shape),
             dv.swapaxes(0, 1).reshape(v.shape))
 
