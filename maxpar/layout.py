@@ -161,10 +161,6 @@ class ModelLayout:
     experts: ExpertAxes | None = None
     context: ContextLayout | None = None
 
-    def abstract_mesh(self) -> AbstractMesh:
-        """The mesh to hand `jax.shard_map` (`MeshAxes.abstract`)."""
-        return self.mesh.abstract()
-
     def in_pipeline_loop(self, rules: Sequence[AxisRule], manual: Axes) -> ModelLayout:
         """The layout a pipeline stage's layers run under (`maxpar.pipeline.spmd`): the loop's rules, the mesh
         axes its shard_map made `manual`, the expert axes resolved from those rules, no pipeline."""

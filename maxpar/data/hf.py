@@ -90,9 +90,9 @@ def _load(config: Config) -> Any:
         return dict(loaded) if isinstance(loaded, datasets.DatasetDict) else loaded
     if config.hf_path not in TEXT_BUILDERS:
         raise ConfigError(f"hf_path={config.hf_path!r}: neither a local directory written by save_to_disk nor a "
-                          f"builder of local files ({', '.join(TEXT_BUILDERS)}); maxpar reads datasets offline, so "
-                          f"for a hub dataset run `datasets.load_dataset(NAME).save_to_disk(DIR)` where the hub is reachable "
-                          f"and set hf_path=DIR")
+                          f"builder of local files ({', '.join(TEXT_BUILDERS)}); maxpar reads datasets offline, "
+                          f"so for a hub dataset run `datasets.load_dataset(NAME).save_to_disk(DIR)` where the "
+                          f"hub is reachable and set hf_path=DIR")
     if not config.hf_data_files:
         raise ConfigError(f"hf_path={config.hf_path!r} (a builder) needs hf_data_files: a glob of local files")
     try:

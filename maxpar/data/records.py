@@ -130,13 +130,14 @@ class ArrayRecordTexts(Sequence[str]):
     def __init__(self, shards: Sequence[str], field: str):
         from grain.sources import ArrayRecordDataSource
 
-        for path in shards:  # the data source opens shards lazily; a damaged one is reported now, by name
+        lengths = []
+        for path in shards:  # opened one by one so that a damaged shard is reported now, by name
             try:
-                ArrayRecordDataSource([path]).__len__()
+                lengths.append(len(ArrayRecordDataSource([path])))
             except Exception as e:  # array_record raises RuntimeError / ValueError for what it cannot read
                 raise ConfigError(f"grain_file_type=arrayrecord: cannot read {path}: {e}") from None
         self._source = ArrayRecordDataSource(list(shards))
-        self._starts = np.cumsum([0] + [len(ArrayRecordDataSource([p])) for p in shards]).tolist()
+        self._starts = np.cumsum([0, *lengths]).tolist()
         self._paths = tuple(shards)
         self._field = field
         if len(self):

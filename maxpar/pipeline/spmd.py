@@ -153,7 +153,8 @@ def pipeline(stage_fn: StageFn, params: Any, param_specs: Any, x: Array, side: S
     if not manual:
         return loop(params, x, *side)
     rows = PartitionSpec(manual)
-    sharded = jax.shard_map(loop, mesh=layout.abstract_mesh(), in_specs=(PartitionSpec(), rows, *(rows for _ in side)),
+    sharded = jax.shard_map(loop, mesh=layout.mesh.abstract(),
+                            in_specs=(PartitionSpec(), rows, *(rows for _ in side)),
                             out_specs=(rows, PartitionSpec()), axis_names=set(manual), check_vma=False)
     return sharded(params, x, *side)
 

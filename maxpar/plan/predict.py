@@ -116,7 +116,7 @@ def attention_overwork(config: Config) -> float:
 
 def assumptions(config: Config) -> list[str]:
     scores = BLOCKWISE_SCORES if config.attention == "blockwise" else FULL_SCORES.format(attention=config.attention)
-    return [*ASSUMPTIONS[:3], scores, *ASSUMPTIONS[3:]]
+    return [*ASSUMPTIONS, scores]
 
 
 def compute_flops(config: Config, tokens_per_device: float) -> dict[str, float]:
