@@ -9,7 +9,9 @@ reductions run once per step, however many microbatches.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 from collections import Counter
 from typing import Any
 
@@ -19,12 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.ad_checkpoint import print_saved_residuals
 
 from helpers import tiny_config
 from maxpar.model import stack
 from maxpar.model import Transformer
-from maxpar.model.transformer import REMAT_POLICIES
-from maxpar.pipeline.spmd import through_stage_vmap
+from maxpar.model.matmul import PROJECTION
+from maxpar.model.transformer import DecoderLayer, _rematerialized
 from maxpar.plan import hlo
 from maxpar.train import setup_run
 from maxpar.train_step import traced_under
@@ -174,11 +177,28 @@ def test_circular_layout_initializes_the_canonical_weights(reference):
                  jax.device_get(params))
 
 
-def test_remat_policy_sees_through_the_stage_vmap():
-    """remat_policy=minimal saves the weight matmuls, whose only batch dim under the pipeline is the stage's."""
-    minimal = through_stage_vmap(REMAT_POLICIES["minimal"])
-    matmul = (((3,), (1,)), ((0,), (0,)))          # [S, b, T, E] x [S, E, F], batched over the stages
-    attention = (((4,), (3,)), ((0, 1, 3), (0, 1, 2)))  # batched over stages, rows and kv heads
-    assert minimal(jax.lax.dot_general_p, dimension_numbers=matmul)
-    assert not minimal(jax.lax.dot_general_p, dimension_numbers=attention)
-    assert not REMAT_POLICIES["minimal"](jax.lax.dot_general_p, dimension_numbers=matmul)  # why it is needed
+def test_minimal_remat_saves_the_projections_under_the_stage_vmap():
+    """remat_policy=minimal saves the layer's weight projections, also under the pipeline's vmap over
+    stages (which gives every matmul a batch dimension, so a dimension-based policy would save none)."""
+    config = tiny_config("remat_policy=minimal", "dtype=bfloat16")
+    layer = _rematerialized(config, DecoderLayer)(config)
+    x = jnp.ones((2, LENGTH, 64), jnp.bfloat16)
+    ids = jnp.ones((2, LENGTH), jnp.int32)
+    params = layer.init(jax.random.key(0), x, ids, ids)["params"]
+
+    def loss(params, x):
+        return jnp.sum(layer.apply({"params": params}, x, ids, ids)[0].astype(jnp.float32))
+
+    def saved_projections(fn, *args):  # JAX prints the residuals ("bf16[2,32,4,16] named 'projection' from ...")
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            print_saved_residuals(fn, *args)
+        return sorted(line.split()[0] for line in printed.getvalue().splitlines() if f"'{PROJECTION}'" in line)
+
+    once = saved_projections(loss, params, x)
+    # q, k, v, the attention output, gate, up (the down projection's output only feeds the residual sum, whose
+    # gradient does not need it)
+    assert once == sorted(["bf16[2,32,4,16]", "bf16[2,32,2,16]", "bf16[2,32,2,16]", "bf16[2,32,64]",
+                           "bf16[2,32,128]", "bf16[2,32,128]"])
+    stages = jax.tree.map(lambda a: jnp.stack([a, a]), (params, x))
+    staged = saved_projections(lambda p, x: jnp.sum(jax.vmap(loss)(p, x)), *stages)
+    assert staged == sorted(shape.replace("[", "[2,") for shape in once)

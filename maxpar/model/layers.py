@@ -16,6 +16,7 @@ from maxpar.axes import ATTN_KV, ATTN_Q, MLP_HIDDEN, MLP_IO, RESIDUAL, Logical
 from maxpar.config import Config, RopeScaling
 from maxpar.layout import ModelLayout
 from maxpar.model.attention import attend, cached_attention
+from maxpar.model.matmul import project
 from maxpar.sharding import constrain
 
 Array = jax.Array
@@ -106,20 +107,20 @@ class Attention(ModelModule):
         # Positions and segment ids follow q's length sharding: under TP-sequence the [B, L] inputs are
         # gathered once (int32) rather than their rotary sin/cos and mask (float, per use) by the partitioner.
         positions, segment_ids = constrain(positions, ATTN_Q[:2]), constrain(segment_ids, ATTN_Q[:2])
-        q = constrain(jnp.einsum("ble,ehd->blhd", x, wq.astype(dt)), ATTN_Q)
-        k = constrain(jnp.einsum("ble,ehd->blhd", x, wk.astype(dt)), ATTN_KV)
-        v = constrain(jnp.einsum("ble,ehd->blhd", x, wv.astype(dt)), ATTN_KV)
+        q = constrain(project("ble,ehd->blhd", x, wq, dt), ATTN_Q)
+        k = constrain(project("ble,ehd->blhd", x, wk, dt), ATTN_KV)
+        v = constrain(project("ble,ehd->blhd", x, wv, dt), ATTN_KV)
         q = apply_rope(q, positions, cfg.rope_theta, cfg.rope_scaling) * jnp.asarray(d ** -0.5, dt)
         k = apply_rope(k, positions, cfg.rope_theta, cfg.rope_scaling)
 
         if self.is_mutable_collection(CACHE) and not self.is_initializing():
             out = constrain(self._attend_cached(q, k, v, positions), ATTN_Q)
-            return constrain(jnp.einsum("blhd,hde->ble", out, wo.astype(dt)), RESIDUAL)
+            return constrain(project("blhd,hde->ble", out, wo, dt), RESIDUAL)
         # Init only needs shapes: the portable core keeps it (and the planner's abstract init) off the GPU.
         choice = "dot_product" if self.is_initializing() else cfg.attention
         context = self.layout.context if self.layout else None
         out = constrain(attend(q, k, v, segment_ids, choice, cfg.sliding_window, cfg, context), ATTN_Q)
-        return constrain(jnp.einsum("blhd,hde->ble", out, wo.astype(dt)), RESIDUAL)
+        return constrain(project("blhd,hde->ble", out, wo, dt), RESIDUAL)
 
 
     def _attend_cached(self, q: Array, k: Array, v: Array, positions: Array) -> Array:
@@ -149,6 +150,6 @@ class Mlp(ModelModule):
         w_up = kernel(self, "wi_up", (e, m), (Logical.MLP_EMBED, Logical.MLP), (0,))
         w_down = kernel(self, "wo", (m, e), (Logical.MLP, Logical.MLP_EMBED), (0,))
         x = constrain(x, MLP_IO)
-        gate = constrain(x @ w_gate.astype(dt), MLP_HIDDEN)
-        up = constrain(x @ w_up.astype(dt), MLP_HIDDEN)
-        return constrain(constrain((nn.silu(gate) * up) @ w_down.astype(dt), MLP_IO), RESIDUAL)
+        gate = constrain(project("ble,em->blm", x, w_gate, dt), MLP_HIDDEN)
+        up = constrain(project("ble,em->blm", x, w_up, dt), MLP_HIDDEN)
+        return constrain(constrain(project("blm,me->ble", nn.silu(gate) * up, w_down, dt), MLP_IO), RESIDUAL)

@@ -18,9 +18,11 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from maxpar.axes import RESIDUAL, Logical
 from maxpar.model.layers import ModelModule, kernel
+from maxpar.model.matmul import PROJECTION
 from maxpar.sharding import constrain
 from maxpar.model.moe_dispatch import capacity_local, dropless_local, expert_parallel, on_token_shards
 from maxpar.model.routing import balance_loss_from_sums, balance_sums, capacity_slots, expert_capacity, route
@@ -49,7 +51,8 @@ class MoeBlock(ModelModule):
         if self.is_initializing():  # init needs the parameters only (and its 1-row batch would not shard)
             return jnp.zeros_like(x)
 
-        logits = jnp.einsum("ble,ex->blx", x, router.astype(dt), preferred_element_type=jnp.float32)
+        logits = checkpoint_name(jnp.einsum("ble,ex->blx", x, router.astype(dt), preferred_element_type=jnp.float32),
+                                 PROJECTION)  # saved by remat_policy=minimal
         routing = on_token_shards(functools.partial(route, k=k), axes, logits)
         weights = (w_gate.astype(dt), w_up.astype(dt), w_down.astype(dt))
         routed = jnp.sum(valid).astype(jnp.float32) * k

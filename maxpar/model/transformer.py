@@ -13,15 +13,18 @@ import jax.numpy as jnp
 from maxpar.axes import LOGITS, RESIDUAL, Logical
 from maxpar.config import Config
 from maxpar.model.layers import CACHE, Attention, Mlp, ModelModule, RMSNorm
+from maxpar.model.matmul import PROJECTION, matmul
 from maxpar.model.moe import MOE_STATS, MoeBlock
 from maxpar.model.stack import STACKED, layer_stack, num_units, unrolled_name
-from maxpar.pipeline.spmd import pipeline, through_stage_vmap
+from maxpar.pipeline.spmd import pipeline
 from maxpar.sharding import constrain
 
 Array = jax.Array
 
+# minimal: the weight projections' outputs (q, k, v, attention output, gate, up, down; the MoE router logits),
+# MaxText's `minimal` list; attention scores and elementwise work are recomputed.
 REMAT_POLICIES = {
-    "minimal": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    "minimal": jax.checkpoint_policies.save_only_these_names(PROJECTION),
     "full": jax.checkpoint_policies.nothing_saveable,
 }
 
@@ -65,13 +68,12 @@ def decoder_unit(config: Config) -> tuple[type[nn.Module], dict[str, bool]]:
     return DecoderLayer, {"moe": config.num_experts > 1}
 
 
-def _rematerialized(cfg: Config, unit: type[nn.Module], under_stage_vmap: bool = False) -> type[nn.Module]:
-    """The stack's unit, rematerialized per `remat_policy` (as the pipeline's vmap over stages sees it)."""
+def _rematerialized(cfg: Config, unit: type[nn.Module]) -> type[nn.Module]:
+    """The stack's unit, rematerialized per `remat_policy`. `minimal` saves what is named, so it saves the
+    same tensors under the pipeline's vmap over stages (which gives every matmul a batch dimension)."""
     if cfg.remat_policy == "none":
         return unit
-    policy = REMAT_POLICIES[cfg.remat_policy]
-    return nn.remat(unit, policy=through_stage_vmap(policy) if under_stage_vmap else policy,
-                    prevent_cse=not cfg.scan_layers)
+    return nn.remat(unit, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=not cfg.scan_layers)
 
 
 class Decoder(ModelModule):
@@ -92,7 +94,7 @@ class Decoder(ModelModule):
         if schedule is None or self.is_initializing():  # one stage, or creating the parameters: in order
             x, _ = stack(cfg, layout, name=STACKED, **kwargs)(x, positions, segment_ids)
             return x
-        block = layer_stack(_rematerialized(cfg, unit, under_stage_vmap=True), schedule.layers_per_block,
+        block = layer_stack(_rematerialized(cfg, unit), schedule.layers_per_block,
                             collections=(MOE_STATS,))
 
         def run_block(params, x, positions, segment_ids, layout):  # (x, the block's MoE sums: {} when dense)
@@ -123,10 +125,10 @@ class Transformer(ModelModule):
         x = Decoder(cfg, layout, name="decoder")(x, positions, segment_ids)
         x = RMSNorm(cfg, layout, name="final_norm")(x)
         if cfg.logits_via_embedding:
-            logits = jnp.einsum("ble,ve->blv", x, table.astype(dt), preferred_element_type=jnp.float32)
+            logits = matmul("ble,ve->blv", x, table, dt, jnp.float32)
         else:
             out = self.param("output", nn.with_logical_partitioning(
                 nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal"), (Logical.EMBED, Logical.VOCAB)),
                 (cfg.emb_dim, cfg.vocab_size), wdt)
-            logits = jnp.einsum("ble,ev->blv", x, out.astype(dt), preferred_element_type=jnp.float32)
+            logits = matmul("ble,ev->blv", x, out, dt, jnp.float32)
         return constrain(logits, LOGITS)

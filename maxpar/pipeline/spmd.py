@@ -92,22 +92,6 @@ def manual_batch_axes(batch_axes: Sequence[str], weight_axes: set[str]) -> tuple
     return tuple(manual)
 
 
-def through_stage_vmap(policy: Callable[..., bool]) -> Callable[..., bool]:
-    """A remat `policy` for a layer the pipeline runs under `jax.vmap` over the stages.
-
-    The vmap adds the stage dimension to every dot_general as its leading batch dimension, so a
-    policy that saves only dots without batch dimensions (remat_policy=minimal) would save none;
-    this one judges each dot by its dimensions before the vmap.
-    """
-    def wrapped(prim, *args, **params):
-        if prim is jax.lax.dot_general_p:
-            contracting, (lhs_batch, rhs_batch) = params["dimension_numbers"]
-            if tuple(lhs_batch[:1]) == (0,) and tuple(rhs_batch[:1]) == (0,):
-                params = {**params, "dimension_numbers": (contracting, (tuple(lhs_batch[1:]), tuple(rhs_batch[1:])))}
-        return policy(prim, *args, **params)
-    return wrapped
-
-
 def pipeline(stage_fn: StageFn, params: Any, param_specs: Any, x: Array, side: Sequence[Array], *,
              layout: ModelLayout, x_axes: Sequence[str], side_axes: Sequence[str], gather_once: bool,
              gather_per_repeat: bool = False) -> tuple[Array, Any]:

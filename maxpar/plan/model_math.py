@@ -67,7 +67,7 @@ def activation_bytes_per_token(config: Config, layout: Layout) -> dict[str, floa
     `none` keeps what autodiff needs: the residual stream and norm outputs (4 x emb),
     q/k/v, the attention probabilities (float32 and `dtype`, seq per head: maxpar
     materialises the full causal score matrix) and mask, the attention output, and
-    gate/up/silu/product of the MLP. `minimal` (dots without batch dims saved) keeps
+    gate/up/silu/product of the MLP. `minimal` (the named weight projections saved) keeps
     the projections' outputs and the layer input; `full` keeps only the layer input.
 
     attention=blockwise keeps no probabilities: its custom VJP saves the float32
@@ -112,7 +112,7 @@ def moe_activation_bytes_per_token(config: Config, layout: Layout, masked_ragged
 
     `none`: per computed copy its input row and gate/up/product (rows x (emb + 3 mlp)),
     the k results combined per token, router logits and probabilities (float32).
-    `minimal` keeps the router logits (the one dot without batch dims) instead of
+    `minimal` keeps the router logits (named like the projections) instead of
     the dense MLP's gate and up. `masked_ragged_dot`: the backend lowers
     `ragged_dot` as a dense dot of a group-masked copy of its input per local
     expert (XLA:CPU), kept for the weight gradients; a layer that remat re-runs

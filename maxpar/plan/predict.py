@@ -129,7 +129,7 @@ def compute_flops(config: Config, tokens_per_device: float) -> dict[str, float]:
     layer_forward = 2 * (matmul_params(config) - config.emb_dim * config.vocab_size) + 2 * attention / 3
     if config.remat_policy == "full":
         hardware[BACKWARD] += layer_forward * tokens_per_device
-    elif config.remat_policy == "minimal":  # attention einsums have batch dims: recomputed
+    elif config.remat_policy == "minimal":  # attention einsums are not projections: recomputed
         hardware[BACKWARD] += 2 * attention / 3 * tokens_per_device
     return {"model": model, **hardware}
 
