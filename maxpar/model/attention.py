@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from maxpar.config import CUDNN_ATTENTION, Config
 from maxpar.layout import ContextLayout
 from maxpar.model.context_parallel import context_attention
+from maxpar.model.matmul import matmul
 
 Array = jax.Array
 
@@ -57,10 +58,12 @@ def masked_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
     b, length, heads, d = q.shape
     kv = k.shape[2]
     q = q.reshape(b, length, kv, heads // kv, d)
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
+    # Both matmuls take q's dtype and accumulate in float32; their backward rounds the float32 score
+    # gradient to that dtype, as flash attention's backward does (maxpar.model.matmul).
+    scores = matmul("bqkgd,bskd->bkgqs", q, k, q.dtype, jnp.float32)
     scores = jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, length, heads, d)
+    probs = jax.nn.softmax(scores, axis=-1)
+    return matmul("bkgqs,bskd->bqkgd", probs, v, v.dtype).reshape(b, length, heads, d)
 
 
 def einsum_attention(q: Array, k: Array, v: Array, segment_ids: Array, window: int = 0) -> Array:

@@ -67,7 +67,6 @@ class Comm:
     count: float                 # executions per step
     scales_with_batch: bool      # activations (True) or weights/gradients (False)
     cpu_parts: int = 1           # partial sums XLA:CPU reduces one by one (it has no AllReduceReassociate)
-    top_level_gather: bool = False  # a once-per-step gather of a weight used by forward and backward matmuls
     tensor: str = ""             # the weight it moves, for per-weight patterns
     explicit: bool = False       # written in a shard_map (psum_scatter): XLA:CPU keeps it a reduce-scatter
 
@@ -86,7 +85,7 @@ def _levels(layout: Layout, axes: tuple[str, ...]) -> tuple[int, int]:
 
 def hierarchical(layout: Layout, pattern: str, axes: Iterable[str], collective: str, operand_bytes: float, *,
                  count: float, phase: str, dtype: str, scales: bool, cpu_parts: int = 1,
-                 top_level_gather: bool = False, tensor: str = "") -> list[Comm]:
+                 tensor: str = "") -> list[Comm]:
     """One logical collective split into its ICI and DCN parts (XLA's hierarchical collectives)."""
     axes = layout.live(axes)
     if not axes or operand_bytes <= 0 or count <= 0:
@@ -95,8 +94,7 @@ def hierarchical(layout: Layout, pattern: str, axes: Iterable[str], collective: 
     ici_axes = tuple(a for a in axes if layout.ici(a) > 1)
     dcn_axes = tuple(a for a in axes if layout.dcn(a) > 1)
     common = dict(pattern=pattern, collective=collective, phase=phase, dtype=dtype, count=count,
-                  scales_with_batch=scales, cpu_parts=cpu_parts, top_level_gather=top_level_gather,
-                  tensor=tensor)
+                  scales_with_batch=scales, cpu_parts=cpu_parts, tensor=tensor)
     parts: list[tuple[str, tuple[str, ...], float, int]] = []
     if collective == "all-gather":          # across DCN first (small), then ICI (operand x dcn)
         parts = [("dcn", dcn_axes, operand_bytes, dcn), ("ici", ici_axes, operand_bytes * dcn, ici)]
@@ -214,8 +212,7 @@ def weight_comms(layout: Layout, microbatches: int) -> list[Comm]:
             # shards first; the output projection is gathered on its vocab dim first.
             order = (gather, sequence_gather) if t.role == "embedding" else (sequence_gather, gather)
             comms += _gather_chain(layout, "FSDP weight all-gather (once per step)", order, size, count=1,
-                                   phase=FORWARD, dtype=dtype, scales=False,
-                                   top_level_gather=t.role != "embedding", tensor=name)
+                                   phase=FORWARD, dtype=dtype, scales=False, tensor=name)
         grad = dict(phase=BACKWARD, dtype=dtype, scales=False, tensor=name)
         # A tied table (logits_via_embedding) has two partial gradients, the lookup's scatter-add and the
         # output projection's; the partitioner reduces each where it is made, and sums them after.

@@ -68,7 +68,9 @@ def activation_bytes_per_token(config: Config, layout: Layout) -> dict[str, floa
     q/k/v, the attention probabilities (float32 and `dtype`, seq per head: maxpar
     materialises the full causal score matrix) and mask, the attention output, and
     gate/up/silu/product of the MLP. `minimal` (the named weight projections saved) keeps
-    the projections' outputs and the layer input; `full` keeps only the layer input.
+    the projections' outputs the backward pass reads (q, k, v, attention output, gate, up:
+    `projections`; the down projection's output only feeds the residual sum) and the layer
+    input; `full` keeps only the layer input.
 
     attention=blockwise keeps no probabilities: its custom VJP saves the float32
     log-sum-exp per query and head instead (no seq term). Context parallelism splits
@@ -87,9 +89,9 @@ def activation_bytes_per_token(config: Config, layout: Layout) -> dict[str, floa
         none = ((hd + 2 * kvd + hd + 4 * m) * a + heads * 4 + gathered + 2 * 4) / cp + 4 * e * a
     else:
         none = (4 * e + hd + 2 * kvd + hd + 4 * m) * a + heads * s * (4 + a) + s + 2 * 4
-    minimal = (hd + 2 * kvd + 2 * m) * a / cp + 3 * e * a
+    projections = (hd + 2 * kvd + 2 * m) * a / cp + e * a
     full = e * a
-    return {"none": none, "minimal": minimal, "full": full}
+    return {"none": none, "minimal": projections + full, "full": full, "projections": projections}
 
 
 def moe_rows_per_token(config: Config, layout: Layout) -> float:
@@ -212,6 +214,8 @@ def memory_per_device(config: Config, layout: Layout, tokens_per_microbatch: flo
     if config.gradient_accumulation_steps > 1:  # float32 accumulators, sharded like the parameters
         gradients += sum(layout.local_bytes(t) / dtype_bytes(t.dtype) * 4 for t in layout.params())
     per_token = activation_bytes_per_token(config, layout)
+    # One layer re-run (or kept) in the backward pass; under `minimal` its projections are already saved.
+    rerun_layer = per_token["none"] - (per_token["projections"] if config.remat_policy == "minimal" else 0.0)
     pipe = layout.pipeline
     if pipe:  # every iteration keeps its block's activations of one pipeline microbatch, bubble included
         loop_tokens = tokens_per_microbatch * pipe.num_stages  # in the loop every stage sees its shard's rows
@@ -220,7 +224,7 @@ def memory_per_device(config: Config, layout: Layout, tokens_per_microbatch: flo
         tp = tp_degrees(layout)
         residual = loop_tokens * config.emb_dim / (tp["length"] * tp["embed"]) * dtype_bytes(config.dtype)
         saved += 2 * residual  # stage 0's microbatch buffer and its gradient
-        working = run_tokens * per_token["none"]  # one layer re-run (or kept) in the backward pass
+        working = run_tokens * rerun_layer
         if config.num_moe_layers:  # a block's MoE layers, on the same tokens
             moe = moe_activation_bytes_per_token(config, layout, masked_ragged_dot)
             moe_per_block = pipe.layers_per_block * config.num_moe_layers / config.num_decoder_layers
@@ -232,9 +236,8 @@ def memory_per_device(config: Config, layout: Layout, tokens_per_microbatch: flo
         layers = config.num_decoder_layers / layer_split(layout)
         moe_layers = config.num_moe_layers / layer_split(layout)
         saved = tokens_per_microbatch * (per_token[config.remat_policy] * layers + moe[config.remat_policy] * moe_layers)
-        # one layer re-run (or kept) in the backward pass
         rerun = moe["working"] if config.remat_policy != "none" else 0.0
-        working = tokens_per_microbatch * (per_token["none"] + (moe["none"] + rerun if moe_layers else 0.0))
+        working = tokens_per_microbatch * (rerun_layer + (moe["none"] + rerun if moe_layers else 0.0))
     logits = (tokens_per_microbatch * config.vocab_size / tp_degrees(layout)["vocab"] / context_degree(layout)
               * 4 * 2)  # f32 logits and their gradient, split over the sequence too under context parallelism
     activations = saved + working + logits

@@ -87,10 +87,6 @@ def on_backend(comm: Comm, platform: str) -> tuple[str, float, list[str]]:
     if comm.dtype in ("bfloat16", "float16"):
         size *= 4 / dtype_bytes(comm.dtype)
         notes.append(f"{comm.dtype} collectives carried as float32 (XLA:CPU computes {comm.dtype} in float32)")
-        if comm.top_level_gather:
-            count *= 2
-            notes.append("top-level weights gathered twice: XLA:CPU upcasts each bf16 matmul's operands "
-                         "separately, so the forward and backward matmuls do not share one gather")
     return kind, hlo.wire_bytes(kind, size, comm.group_size) * count, notes
 
 
