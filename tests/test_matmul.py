@@ -60,3 +60,41 @@ def test_a_spec_it_cannot_differentiate_is_refused():
     x, w, _ = operands()
     with pytest.raises(ValueError, match="two of its three terms"):
         matmul("ble,ehd->blh", x, w, jnp.float32)
+
+
+# XLA:CPU runs a bfloat16 x bfloat16 -> float32 dot only inside its YNNPACK fusions (its plain dot thunk refuses
+# that type combination at run time), so every layout's bfloat16 step is run, not just compiled.
+BF16_LAYOUTS = {
+    "1 device": (1, []),
+    "FSDP(8) unscanned": (8, ["scan_layers=false", "remat_policy=full"]),
+    "DP(2)xFSDP(2)xTP(2) minimal": (8, ["ici_data_parallelism=2", "ici_fsdp_parallelism=2",
+                                         "ici_tensor_parallelism=2", "remat_policy=minimal"]),
+    "TP-sequence(2)xFSDP(4)": (8, ["configs/tp_sequence.yml", "ici_tensor_parallelism=2"]),
+    "TP-transpose(2)xFSDP(4)": (8, ["configs/tp_transpose.yml", "ici_tensor_parallelism=2"]),
+    "CP(2) ring x FSDP(4)": (8, ["attention=blockwise", "ici_context_parallelism=2",
+                                  "context_parallel_strategy=ring", "attention_block_size=8"]),
+    "PP(2)xFSDP(4) tied": (8, ["ici_stage_parallelism=2", "num_pipeline_microbatches=2", "logits_via_embedding=true"]),
+    "MoE EP(2)xFSDP(4)": (8, ["num_experts=4", "num_experts_per_tok=2", "ici_expert_parallelism=2"]),
+}
+
+
+@pytest.mark.parametrize("name", BF16_LAYOUTS)
+def test_bfloat16_steps_run_on_every_layout(name):
+    from helpers import tiny_config
+    from maxpar.train import global_batch, setup_run
+    from maxpar.train_step import create_state
+
+    devices, overrides = BF16_LAYOUTS[name]
+    files = [o for o in overrides if o.endswith(".yml")]
+    config = tiny_config("dtype=bfloat16", "dataset_type=synthetic", "per_device_batch_size=2", "steps=2",
+                         *[o for o in overrides if o not in files],
+                         **({"config_file": files[0]} if files else {}))
+    run = setup_run(config, jax.devices()[:devices])
+    state = create_state(run.model, run.tx, run.layout, run.mesh)
+    step = run.compile_train_step()
+    batches = iter(run.train_data)
+    losses = []
+    for _ in range(2):
+        state, metrics = step(state, global_batch(next(batches), run.in_sharding))
+        losses.append(float(metrics["loss"]))
+    assert np.isfinite(losses).all() and losses[1] < losses[0] + 0.5, losses
