@@ -5,7 +5,8 @@ choice computes the same function: causal attention that never crosses a packed
 document boundary (segment ids), optionally within a sliding window of the most
 recent `sliding_window` positions (Mistral), GQA, softmax in float32, q pre-scaled.
 
-- dot_product: explicit einsums; XLA materializes the [B, heads, L, L] scores.
+- dot_product: explicit einsums; XLA materializes the [B, heads, L, L] scores. Its backward is flash
+  attention's on the whole matrices (a custom VJP).
 - xla: `jax.nn.dot_product_attention(implementation="xla")`, the same math behind
   JAX's fused-attention interface; it runs on any backend, so the CPU tests check
   on it the call (layout, GQA, causal flag, segment mask) that the cuDNN choices share.

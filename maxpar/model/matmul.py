@@ -10,6 +10,7 @@ Why not plain `jnp.einsum`: autodiff of a float32-output einsum makes mixed floa
 backward pass (XLA:CPU then runs them in float32, at half the speed), and a bfloat16-output einsum rounds each
 weight gradient to bfloat16 before it is reduced. On the 2-core CPU the benchmark model's one-device step went
 from 0.91-0.95 s to 0.48-0.55 s (README "Performance"); on accelerators the arithmetic is the same as theirs.
+The logits use `matmul` (float32 out); the attention core has its own VJP (maxpar.model.attention).
 
 `project` is the same for a weight projection (q, k, v, attention output, the MLP's gate/up/down, the MoE
 router), whose output it names `PROJECTION` for `remat_policy=minimal` to save.
