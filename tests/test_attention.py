@@ -95,3 +95,27 @@ def test_cudnn_refuses_sequence_or_head_dim_sharding():
     check_attention_sharding(sequence, sequence.axis_rules, {**sizes, "fsdp": 8, "tensor": 1})  # size 1 shards nothing
     heads = tiny_config("attention=cudnn_flash", "dtype=bfloat16", "ici_tensor_parallelism=2")
     check_attention_sharding(heads, heads.axis_rules, sizes)  # heads over tensor is fine
+
+
+def test_dot_product_gradient_equals_autodiff_of_its_formula():
+    """masked_attention's custom VJP (flash attention's backward on whole matrices) against autodiff of the
+    plain einsum-softmax-einsum formula, in float32 with packed documents and GQA."""
+    from maxpar.model.attention import causal_document_mask, masked_attention
+
+    def plain(q, k, v, mask):
+        b, length, heads, d = q.shape
+        kv = k.shape[2]
+        scores = jnp.einsum("bqkgd,bskd->bkgqs", q.reshape(b, length, kv, heads // kv, d), k)
+        probs = jax.nn.softmax(jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min), axis=-1)
+        return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(q.shape)
+
+    kq, kk, kv, kg = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(kq, (2, 16, 4, 8))
+    k, v = jax.random.normal(kk, (2, 16, 2, 8)), jax.random.normal(kv, (2, 16, 2, 8))
+    mask = causal_document_mask(jnp.array([[1] * 10 + [2] * 6, [1] * 16]))
+    cotangent = jax.random.normal(kg, q.shape)
+    ours, our_pullback = jax.vjp(lambda *a: masked_attention(*a, mask), q, k, v)
+    want, pullback = jax.vjp(lambda *a: plain(*a, mask), q, k, v)
+    np.testing.assert_allclose(ours, want, rtol=1e-6, atol=1e-6)
+    for got, expected in zip(our_pullback(cotangent), pullback(cotangent)):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)

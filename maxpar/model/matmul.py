@@ -41,15 +41,15 @@ def _accumulate(spec: str, a: Array, b: Array) -> Array:
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _matmul(spec: str, dtype: jnp.dtype, out_dtype: jnp.dtype, x: Array, w: Array) -> Array:
-    return _accumulate(spec, x, w.astype(dtype)).astype(out_dtype)
-
-
 def _matmul_fwd(spec, dtype, out_dtype, x, w):
     w_compute = w.astype(dtype)
     # Zero-size stand-in carrying w's dtype: the weight gradient is returned in it.
     return _accumulate(spec, x, w_compute).astype(out_dtype), (x, w_compute, jnp.zeros((0,), w.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _matmul(spec: str, dtype: jnp.dtype, out_dtype: jnp.dtype, x: Array, w: Array) -> Array:
+    return _matmul_fwd(spec, dtype, out_dtype, x, w)[0]
 
 
 def _weight_gradient(lhs: str, rhs: str, out: str, x: Array, g: Array) -> Array:
