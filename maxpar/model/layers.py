@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from maxpar.axes import ATTN_KV, ATTN_Q, MLP_HIDDEN, MLP_IO, RESIDUAL, Logical
 from maxpar.config import Config, RopeScaling
 from maxpar.layout import ModelLayout
+from maxpar.model.activations import swiglu
 from maxpar.model.attention import attend, cached_attention
 from maxpar.model.matmul import project
 from maxpar.sharding import constrain
@@ -152,4 +153,4 @@ class Mlp(ModelModule):
         x = constrain(x, MLP_IO)
         gate = constrain(project("ble,em->blm", x, w_gate, dt), MLP_HIDDEN)
         up = constrain(project("ble,em->blm", x, w_up, dt), MLP_HIDDEN)
-        return constrain(constrain(project("blm,me->ble", nn.silu(gate) * up, w_down, dt), MLP_IO), RESIDUAL)
+        return constrain(constrain(project("blm,me->ble", swiglu(gate, up), w_down, dt), MLP_IO), RESIDUAL)

@@ -27,13 +27,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from maxpar.axes import STAGE_AXIS
 from maxpar.layout import EXPERT_DOWN, EXPERT_GATE, ExpertAxes
+from maxpar.model.activations import swiglu
 
 Array = jax.Array
 Axes = tuple[str, ...]
@@ -45,14 +45,14 @@ def _swiglu_grouped(rows: Array, w_gate: Array, w_up: Array, w_down: Array, grou
     """SwiGLU of rows sorted by expert: group g uses expert g's weights. Rows past the groups give zeros."""
     gate = jax.lax.ragged_dot(rows, w_gate, group_sizes)
     up = jax.lax.ragged_dot(rows, w_up, group_sizes)
-    return jax.lax.ragged_dot(nn.silu(gate) * up, w_down, group_sizes)
+    return jax.lax.ragged_dot(swiglu(gate, up), w_down, group_sizes)
 
 
 def _swiglu_batched(buffers: Array, w_gate: Array, w_up: Array, w_down: Array) -> Array:
     """SwiGLU of per-expert buffers [experts, slots, emb]."""
     gate = jnp.einsum("xte,xem->xtm", buffers, w_gate)
     up = jnp.einsum("xte,xem->xtm", buffers, w_up)
-    return jnp.einsum("xtm,xme->xte", nn.silu(gate) * up, w_down)
+    return jnp.einsum("xtm,xme->xte", swiglu(gate, up), w_down)
 
 
 def _all_to_all(x: Array, axes: Axes, split_axis: int, concat_axis: int) -> Array:

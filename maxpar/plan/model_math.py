@@ -67,10 +67,10 @@ def activation_bytes_per_token(config: Config, layout: Layout) -> dict[str, floa
     `none` keeps what autodiff needs: the residual stream and norm outputs (4 x emb),
     q/k/v, the attention probabilities (float32 and `dtype`, seq per head: maxpar
     materialises the full causal score matrix) and mask, the attention output, and
-    gate/up/silu/product of the MLP. `minimal` (the named weight projections saved) keeps
-    the projections' outputs the backward pass reads (q, k, v, attention output, gate, up:
-    `projections`; the down projection's output only feeds the residual sum) and the layer
-    input; `full` keeps only the layer input.
+    the MLP's gate, up and their product (`swiglu` saves only its inputs). `minimal` (the
+    named weight projections saved) keeps the projections' outputs the backward pass reads
+    (q, k, v, attention output, gate, up: `projections`; the down projection's output only
+    feeds the residual sum) and the layer input; `full` keeps only the layer input.
 
     attention=blockwise keeps no probabilities: its custom VJP saves the float32
     log-sum-exp per query and head instead (no seq term). Context parallelism splits
@@ -86,9 +86,9 @@ def activation_bytes_per_token(config: Config, layout: Layout) -> dict[str, floa
     heads, m, s = config.num_query_heads / tp["heads"], config.mlp_dim / tp["mlp"], config.max_target_length
     if config.attention == "blockwise":
         gathered = 2 * kvd * a * (cp - 1) if config.context_parallel_strategy == "all_gather" else 0.0
-        none = ((hd + 2 * kvd + hd + 4 * m) * a + heads * 4 + gathered + 2 * 4) / cp + 4 * e * a
+        none = ((hd + 2 * kvd + hd + 3 * m) * a + heads * 4 + gathered + 2 * 4) / cp + 4 * e * a
     else:
-        none = (4 * e + hd + 2 * kvd + hd + 4 * m) * a + heads * s * (4 + a) + s + 2 * 4
+        none = (4 * e + hd + 2 * kvd + hd + 3 * m) * a + heads * s * (4 + a) + s + 2 * 4
     projections = (hd + 2 * kvd + 2 * m) * a / cp + e * a
     full = e * a
     return {"none": none, "minimal": projections + full, "full": full, "projections": projections}
