@@ -52,15 +52,16 @@ from maxpar.tools.bench import (BASE_CONFIG, GLOBAL_ROWS, MODEL, config_override
 
 TARGET_RATIO = 0.83  # maxpar step time / MaxText step time: >= 1.2x MaxText's tokens/s
 HOW_TO_GET_MAXTEXT = """\
-MaxText is not available. To run this benchmark, give it MaxText in its own Python >= 3.12 venv:
-    python3.12 -m venv /work/maxtext-venv
-    /work/maxtext-venv/bin/pip install jax jaxlib flax optax orbax-checkpoint grain absl-py omegaconf pydantic \\
+MaxText is not available. To run this benchmark, give it MaxText in its own Python >= 3.12 venv, made
+from the Python this venv was made from (the same version as maxpar's):
+    {base_python} -m venv ~/maxtext-venv
+    ~/maxtext-venv/bin/pip install jax jaxlib flax optax orbax-checkpoint grain absl-py omegaconf pydantic \\
         ml-collections tensorboardx chex jaxtyping aqtp qwix pathwaysutils sentencepiece tiktoken numpy jinja2 \\
         tokamax huggingface_hub transformers drjax pillow sympy
-    /work/maxtext-venv/bin/pip install --no-deps maxtext
+    ~/maxtext-venv/bin/pip install --no-deps maxtext
 (its own requirement files pull TPU/GPU/cloud stacks that a CPU run does not need; install the same JAX
 version as maxpar's venv for a fair comparison), then
-    python end_to_end/bench_maxtext.py --maxtext_python /work/maxtext-venv/bin/python"""
+    python end_to_end/bench_maxtext.py --maxtext_python ~/maxtext-venv/bin/python"""
 
 # MaxText's names for the benchmark model and run (maxpar's come from maxpar.tools.bench).
 MAXTEXT_MODEL = dict(base_emb_dim=MODEL["emb_dim"], base_num_query_heads=MODEL["num_query_heads"],
@@ -230,7 +231,7 @@ def main() -> int:
     config = maxtext_config(args.maxtext_python) if args.maxtext_python else None
     if config is None:
         where = f" ({args.maxtext_python} cannot import maxtext)" if args.maxtext_python else ""
-        print(HOW_TO_GET_MAXTEXT)
+        print(HOW_TO_GET_MAXTEXT.format(base_python=Path(sys.base_prefix) / "bin" / "python3"))
         print(f"SKIP: MaxText not available{where}; nothing was measured")
         return 0
     meshes = [m.strip() for m in args.meshes.split(",") if m.strip()]
