@@ -52,8 +52,8 @@ from maxpar.tools.bench import (BASE_CONFIG, GLOBAL_ROWS, MODEL, config_override
 
 TARGET_RATIO = 0.83  # maxpar step time / MaxText step time: >= 1.2x MaxText's tokens/s
 HOW_TO_GET_MAXTEXT = """\
-MaxText is not available. To run this benchmark, give it MaxText in its own Python >= 3.12 venv, made
-from the Python this venv was made from (the same version as maxpar's):
+MaxText is not available. To run this benchmark, give it MaxText in its own Python >= 3.12 venv, made with
+the Python behind this one (the same version as maxpar's):
     {base_python} -m venv ~/maxtext-venv
     ~/maxtext-venv/bin/pip install jax jaxlib flax optax orbax-checkpoint grain absl-py omegaconf pydantic \\
         ml-collections tensorboardx chex jaxtyping aqtp qwix pathwaysutils sentencepiece tiktoken numpy jinja2 \\

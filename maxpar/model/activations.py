@@ -3,9 +3,9 @@
 Why not `nn.silu(gate) * up`: on bfloat16 inputs XLA rounds every intermediate (the exponential, 1 + e, the
 reciprocal, both products) back to bfloat16, and autodiff recomputes the sigmoid in separate fusions of the
 backward pass. On XLA:CPU those converts and the recomputation were the largest elementwise fusions of the
-benchmark model's step; here the forward is one fusion and the backward one, with float32 arithmetic inside
-each (as a TPU's or GPU's fused kernel keeps it). The sigmoid is written as 0.5 * tanh(x / 2) + 0.5, which
-XLA lowers without a division.
+benchmark model's step; here the forward is one fusion and the backward one (both gradients from one
+sigmoid), with float32 arithmetic inside each, as a fused TPU or GPU kernel keeps it. The sigmoid is written
+as 0.5 * tanh(x / 2) + 0.5, which XLA lowers without a division.
 """
 
 from __future__ import annotations
