@@ -62,8 +62,9 @@ def train_command(*overrides: str) -> list[str]:
 
 def compilation_cache_env(directory: Path) -> dict[str, str]:
     """This environment plus a persistent JAX compilation cache: a restarted run reuses the compiled step
-    (the same executable, so the same numbers) instead of compiling it again."""
-    return {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(directory),
+    (the same executable, so the same numbers) instead of compiling it again. Under pytest that is the session's
+    cache (tests/conftest.py), which the test's own in-process runs have filled too; elsewhere `directory`."""
+    return {**os.environ, "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", str(directory)),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
