@@ -35,7 +35,15 @@ class Due:
     eval: bool         # an evaluation, logged on that line
     save: bool         # a checkpoint
     stop: bool         # preempted: save (if checkpointing) and stop
+    last: bool         # the run's last step
     check_losses: bool  # look for NaN/Inf among the losses not checked yet, before any of the above
+
+    @property
+    def read_late(self) -> bool:
+        """Only logged: the step's metrics may be read after the next step is dispatched, so that writing the line
+        overlaps the device's work. Evaluating, saving and stopping need this step's state, which the next step
+        consumes; the last step has no next."""
+        return self.log and not (self.eval or self.save or self.stop or self.last)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +59,8 @@ class Cadence:
         evaluate = self.eval(step)
         log = self.log(step) or evaluate
         save = self.checkpointing and (self.save(step) or stop)
-        return Due(log=log, eval=evaluate, save=save, stop=stop, check_losses=log or save or stop)
+        return Due(log=log, eval=evaluate, save=save, stop=stop, last=step == self.log.last,
+                   check_losses=log or save or stop)
 
 
 def cadence(config: Config, *, has_eval_data: bool, checkpointing: bool) -> Cadence:

@@ -195,25 +195,39 @@ def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: 
             row: dict[str, Any] = {}
             when = cadence(config, has_eval_data=eval_fn is not None, checkpointing=manager is not None)
             timer, losses = StepTimer(), LossCheck(enabled=config.stop_on_nan)
+
+            def log_step(step: int, metrics: dict[str, Any], params: Any = None) -> dict[str, Any]:
+                """Check the pending losses, then read, evaluate (given `params`) and write one metrics row."""
+                losses.check(manager)
+                row = _metrics_row(run, step, jax.device_get(metrics), timer.per_step(), peak)
+                if params is not None:
+                    row["eval_loss"] = _evaluate(eval_fn, params, run.eval_data, config.eval_steps, run.in_sharding)
+                writer.write(row)
+                bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+                log(_format_row(row))
+                return row
+
+            lagging: tuple[int, Any] | None = None  # a step read late (Due.read_late): read after the next dispatch
             loop_start = time.perf_counter()
             for step in range(start + 1, config.steps + 1):
                 profiler.before_step(step)
                 state, metrics = step_fn(state, global_batch(next(iterator), run.in_sharding))
                 profiler.after_step(step, metrics)
+                if lagging:
+                    row, lagging = log_step(*lagging), None
+                    timer.restart()
                 losses.add(step, metrics["loss"])
                 timer.tick()
                 bar.update(1)
                 due = when.after(step, stop=preemption.requested(step))
+                if due.read_late:
+                    lagging = (step, metrics)
+                    watchdog.progress(step)
+                    continue
                 if due.check_losses:
                     losses.check(manager)
                 if due.log:
-                    row = _metrics_row(run, step, jax.device_get(metrics), timer.per_step(), peak)
-                    if due.eval:
-                        row["eval_loss"] = _evaluate(eval_fn, state.params, run.eval_data, config.eval_steps,
-                                                     run.in_sharding)
-                    writer.write(row)
-                    bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
-                    log(_format_row(row))
+                    row = log_step(step, metrics, state.params if due.eval else None)
                 if due.save:
                     checkpoint.save(manager, step, state, iterator, config, run.shape.global_rows)
                 if due.stop:

@@ -34,6 +34,15 @@ def test_loop_cadence_from_the_config():
     assert not any(d.stop for d in after.values())
 
 
+def test_only_a_step_that_is_just_logged_is_read_late():
+    config = tiny_config("steps=10", "log_period=1", "eval_interval=3", "checkpoint_period=4")
+    when = cadence(config, has_eval_data=True, checkpointing=True)
+    assert [s for s in range(1, 11) if when.after(s).read_late] == [1, 2, 5, 7]  # not eval 3, 6, 9; save 4, 8; last
+    assert not when.after(5, stop=True).read_late  # a preempted step saves (or stops) with its own state
+    assert not cadence(tiny_config("steps=10", "log_period=5"), has_eval_data=False,
+                       checkpointing=False).after(3).read_late  # not logged at all
+
+
 def test_eval_interval_zero_is_the_end_only_and_minus_one_never():
     at_end = cadence(tiny_config("steps=6", "eval_interval=0"), has_eval_data=True, checkpointing=False)
     assert [s for s in range(1, 7) if at_end.after(s).eval] == [6]

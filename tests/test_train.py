@@ -81,6 +81,30 @@ def test_peak_flops_table():
     assert peak_flops("cpu", configured=5e11) == 5e11
 
 
+def test_a_step_that_is_only_logged_is_read_after_the_next_is_dispatched(tmp_path, corpus, monkeypatch):
+    """The device never waits for the host's logging: step N's metrics are read once step N+1 is queued, except
+    where step N's own state is needed (evaluation, a checkpoint) and at the last step."""
+    import maxpar.train as train_module
+    events = []
+    compile_step = train_module.RunSetup.compile_train_step
+
+    def recording_compile(run):
+        step_fn = compile_step(run)
+        return lambda state, batch: (events.append("run"), step_fn(state, batch))[1]
+
+    metrics_row = train_module._metrics_row
+    monkeypatch.setattr(train_module.RunSetup, "compile_train_step", recording_compile)
+    monkeypatch.setattr(train_module, "_metrics_row",
+                        lambda run, step, *rest: (events.append(f"read {step}"), metrics_row(run, step, *rest))[1])
+    config = text_config(corpus, "steps=6", "log_period=1", "enable_checkpointing=true", "checkpoint_period=3",
+                         "eval_fraction=0")
+    train(config, devices=jax.devices()[:1], run_dir=tmp_path)
+    assert events == ["run", "run", "read 1", "run", "read 2", "read 3",  # step 3 saves: read before step 4 runs
+                      "run", "run", "read 4", "run", "read 5", "read 6"]
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and all(r["step_time_s"] > 0 for r in rows)
+
+
 def test_resume_continues_the_same_run(tmp_path, corpus):
     # A constant schedule after warm-up makes the 6-step run's schedule independent of `steps`.
     common = ("checkpoint_period=2", "enable_checkpointing=true", "learning_rate_final_fraction=1.0",
