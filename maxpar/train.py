@@ -196,10 +196,13 @@ def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: 
             when = cadence(config, has_eval_data=eval_fn is not None, checkpointing=manager is not None)
             timer, losses = StepTimer(), LossCheck(enabled=config.stop_on_nan)
 
-            def log_step(step: int, metrics: dict[str, Any], params: Any = None) -> dict[str, Any]:
-                """Check the pending losses, then read, evaluate (given `params`) and write one metrics row."""
+            def log_step(step: int, metrics: dict[str, Any], params: Any = None, late: bool = False) -> dict[str, Any]:
+                """Check the pending losses, then read, evaluate (given `params`) and write one metrics row. A row read
+                `late` ends the timer's window where the step ended: the next step is already running."""
                 losses.check(manager)
                 row = _metrics_row(run, step, jax.device_get(metrics), timer.per_step(), peak)
+                if late:
+                    timer.restart()
                 if params is not None:
                     row["eval_loss"] = _evaluate(eval_fn, params, run.eval_data, config.eval_steps, run.in_sharding)
                 writer.write(row)
@@ -214,8 +217,7 @@ def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: 
                 state, metrics = step_fn(state, global_batch(next(iterator), run.in_sharding))
                 profiler.after_step(step, metrics)
                 if lagging:
-                    row, lagging = log_step(*lagging), None
-                    timer.restart()
+                    row, lagging = log_step(*lagging, late=True), None
                 losses.add(step, metrics["loss"])
                 timer.tick()
                 bar.update(1)
