@@ -197,9 +197,8 @@ def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: 
             timer, losses = StepTimer(), LossCheck(enabled=config.stop_on_nan)
 
             def log_step(step: int, metrics: dict[str, Any], params: Any = None, late: bool = False) -> dict[str, Any]:
-                """Check the pending losses, then read, evaluate (given `params`) and write one metrics row. A row read
-                `late` ends the timer's window where the step ended: the next step is already running."""
-                losses.check(manager)
+                """Read, evaluate (given `params`) and write one metrics row. A row read `late` ends the timer's window
+                where the step ended: the next step is already running."""
                 row = _metrics_row(run, step, jax.device_get(metrics), timer.per_step(), peak)
                 if late:
                     timer.restart()
@@ -216,7 +215,8 @@ def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: 
                 profiler.before_step(step)
                 state, metrics = step_fn(state, global_batch(next(iterator), run.in_sharding))
                 profiler.after_step(step, metrics)
-                if lagging:
+                if lagging:  # the previous step, read now that this one is queued
+                    losses.check(manager)
                     row, lagging = log_step(*lagging, late=True), None
                 losses.add(step, metrics["loss"])
                 timer.tick()
