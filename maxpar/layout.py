@@ -150,7 +150,10 @@ class ModelLayout:
     mesh: the mesh axes every shard_map of the model runs over; pipeline: the schedule (None: the layers run
     in order); stage_axes / loop_batch_axes: the mesh axes of the stacked layers and of the batch inside the
     pipeline loop; experts: the MoE axes (None: dense); context: how attention=blockwise splits over the mesh
-    (None: another core, or one device).
+    (None: another core, or one device); gather_lookup_table: whether the token lookup gathers the table's embed
+    shards first (a vocab-sharded table: each shard looks up its own rows) or runs on them (the ids are gathered
+    and the looked-up rows moved to their batch shards by an all-to-all, as MaxText's partitioned lookup does:
+    no table gather and no reduction of its gradient over the axes that shard its embed dim).
     """
 
     rules: tuple[AxisRule, ...]
@@ -160,6 +163,7 @@ class ModelLayout:
     loop_batch_axes: Axes = ()
     experts: ExpertAxes | None = None
     context: ContextLayout | None = None
+    gather_lookup_table: bool = True
 
     def in_pipeline_loop(self, rules: Sequence[AxisRule], manual: Axes) -> ModelLayout:
         """The layout a pipeline stage's layers run under (`maxpar.pipeline.spmd`): the loop's rules, the mesh
@@ -277,10 +281,20 @@ def resolve_layout(config: Config, mesh: MeshShape, state: TracedState, *, check
         update_specs = jax.tree.map(lambda leaf, s: with_zero_axis(leaf.shape, s).spec, state.abstract.params,
                                     shardings.params)
     model = ModelLayout(rules=rules, mesh=traced_mesh, pipeline=schedule, stage_axes=stage_axes,
-                        loop_batch_axes=loop_batch_axes, experts=experts, context=context)
+                        loop_batch_axes=loop_batch_axes, experts=experts, context=context,
+                        gather_lookup_table=gathers_lookup_table(rules, sizes, input_axes[0], schedule is not None))
     return RunLayout(config=config, mesh=mesh, batch=batch, input_axes=input_axes,
                      residual_axes=tuple(mesh_axes(RESIDUAL, rules)), model=model, state=state,
                      state_specs=jax.tree.map(lambda s: s.spec, shardings), update_specs=update_specs)
+
+
+def gathers_lookup_table(rules: Sequence[AxisRule], sizes: dict[str, int], row_axes: Axes, pipelined: bool) -> bool:
+    """Whether the token lookup gathers the table's embed shards first (`ModelLayout.gather_lookup_table`): unless
+    the table's vocab dim is whole and every axis splitting its embed dim also splits the batch rows (FSDP, not
+    context: the partitioner gathers a context-split table anyway). A pipelined run always gathers it: there the
+    partitioner does not turn the embed-split rows into batch-split ones with an all-to-all."""
+    vocab, embed = ([a for a in axes if sizes[a] > 1] for axes in mesh_axes((Logical.VOCAB, Logical.EMBED), rules))
+    return pipelined or bool(vocab) or not set(embed) <= set(row_axes)
 
 
 # ---------------------------------------------------------------- the checks

@@ -101,8 +101,10 @@ def test_expert_parallel_outputs_and_gradients_equal_one_device(name, mode, para
     # Gradients sum over every token (in another order on another mesh): compare at each array's scale.
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5 * np.abs(b).max()), grads, want_grads)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), stats, want_stats)
-    # Tokens travel to their experts' devices and back over the expert axis: all-to-all in the compiled step.
-    assert all_to_all_axes(text, mesh) == {"expert"}
+    # Tokens travel to their experts' devices and back over the expert axis: all-to-all in the compiled step. The
+    # token lookup runs on the table's embed shards (fsdp+expert) and moves its rows with an all-to-all too.
+    axes = all_to_all_axes(text, mesh)
+    assert "expert" in axes and axes <= {"expert", "fsdp+expert"}
     if mode == "capacity":
         assert np.sum(stats[MOE_STATS]["decoder"]["layers"]["moe"]["dropped"]) > 0  # the rule bites here
 

@@ -62,6 +62,15 @@ STRATEGIES = {
     "CP(4, ring)xFSDP(2)": ("base.yml", ["ici_context_parallelism=4", "ici_fsdp_parallelism=2", "attention=blockwise",
                                          "attention_block_size=8", "context_parallel_strategy=ring"],
                             {("fsdp+context", "all-gather"), ("context", "collective-permute")}),
+    # A table split on embed over fsdp only is looked up on its shards: the ids gathered, the rows moved to their
+    # batch shards by an all-to-all (and their gradient back); its gradient summed over data alone.
+    "DP(2)xFSDP(4) untied": ("base.yml", ["ici_data_parallelism=2", "ici_fsdp_parallelism=4",
+                                          "logits_via_embedding=false"],
+                             {("fsdp", "all-gather"), ("fsdp", "all-to-all"), ("fsdp", "all-reduce"),
+                              ("data", "all-reduce")}),
+    "DP(2)xFSDP(4) untied ZeRO-1": ("base.yml", ["ici_data_parallelism=2", "ici_fsdp_parallelism=4",
+                                                 "logits_via_embedding=false", "shard_optimizer_over_data=true"],
+                                    {("fsdp", "all-to-all"), ("data", "all-reduce"), ("data", "all-gather")}),
     # The table's lookup and projection gradients are reduced apart.
     "FSDP(8) tied embeddings": ("base.yml", ["ici_fsdp_parallelism=-1", "logits_via_embedding=true"],
                                 {("fsdp", "all-gather"), ("fsdp", "all-reduce")}),

@@ -349,6 +349,18 @@ def test_check_divisible_directly():
 
 # ---------------------------------------------------------------- TP-sequence really shards activations on length
 
+@pytest.mark.parametrize("preset, overrides, gathered", [
+    ("base.yml", ["ici_fsdp_parallelism=8"], False),                               # FSDP: lookup on embed shards
+    ("base.yml", ["ici_data_parallelism=2", "ici_fsdp_parallelism=4"], False),
+    ("base.yml", FSDP4_TP2, True),                                                 # vocab split over tensor
+    ("base.yml", ["ici_context_parallelism=4", "ici_fsdp_parallelism=2", "attention=blockwise"], True),  # context
+    ("base.yml", ["ici_fsdp_parallelism=2", "ici_stage_parallelism=4", "num_decoder_layers=4"], True),  # pipeline
+])
+def test_the_token_lookup_gathers_the_table_unless_its_embed_shards_split_the_batch(preset, overrides, gathered):
+    layout, _ = layout_on(config_for(preset, *overrides))
+    assert layout.model.gather_lookup_table is gathered
+
+
 def test_tp_sequence_rules_move_length_to_tensor():
     base = config_for("base.yml", *FSDP4_TP2).axis_rules
     seq = config_for("tp_sequence.yml", *FSDP4_TP2).axis_rules

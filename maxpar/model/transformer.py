@@ -119,8 +119,8 @@ class Transformer(ModelModule):
         cfg, layout, dt, wdt = self.config, self.layout, self.dtype, self.weight_dtype
         table = self.param("token_embedding", nn.with_logical_partitioning(
             nn.initializers.normal(stddev=1.0), (Logical.VOCAB, Logical.EMBED)), (cfg.vocab_size, cfg.emb_dim), wdt)
-        # Gather the table's embed shards first so the lookup lands batch-sharded, not embed-sharded.
-        lookup_table = constrain(table, (Logical.VOCAB, None))
+        gather_table = layout is None or layout.gather_lookup_table  # maxpar.layout.ModelLayout says why
+        lookup_table = constrain(table, (Logical.VOCAB, None)) if gather_table else table
         x = constrain(jnp.take(lookup_table, tokens, axis=0).astype(dt), RESIDUAL)
         x = Decoder(cfg, layout, name="decoder")(x, positions, segment_ids)
         x = RMSNorm(cfg, layout, name="final_norm")(x)

@@ -15,9 +15,12 @@ real model through its shardings (a `Layout`), not to a two-matrix caricature:
   gradient in the backward pass (all-gather + reduce-scatter of the same bytes
   when the residual stream is sequence-sharded); the vocab-sharded loss reduces
   its max / sum / label logit over that axis.
-- The token-embedding lookup: the model gathers the table's embed shards first
-  (an FSDP gather, once per step) so the looked-up rows land batch-sharded; a
-  vocab-sharded table looks up its own rows and all-reduces them.
+- The token-embedding lookup: a table split on embed over batch axes only (FSDP)
+  is looked up on its shards: the token ids are gathered, each shard looks up
+  every token's slice and an all-to-all moves the rows to their batch shards (and
+  their gradient back), so the lookup's gradient needs no FSDP reduction. Any
+  other table has its embed shards gathered first (an FSDP gather, once per
+  step); a vocab-sharded one looks up its own rows and all-reduces them.
 - PP (`stage`), as maxpar.pipeline.spmd runs it: per iteration of the
   M x R + S - 1, one collective-permute of a pipeline microbatch's activations to
   the next stage in the forward pass and one back in the backward pass; once per
@@ -206,7 +209,11 @@ def weight_comms(layout: Layout, microbatches: int) -> list[Comm]:
                     comms += hierarchical(layout, f"FSDP weight all-gather ({phase})", gather, "all-gather",
                                           size, count=microbatches * per_iteration, phase=phase, dtype=dtype,
                                           scales=False, tensor=name)
-        if (gather or sequence_gather) and not t.layered:
+        # A tied table (logits_via_embedding) has two partial gradients, the lookup's scatter-add and the
+        # output projection's; the partitioner reduces each where it is made, and sums them after.
+        tied = t.role == "embedding" and config.logits_via_embedding
+        on_shards = t.role == "embedding" and layout.lookup_on_shards  # gathered only for the tied logits
+        if (gather or sequence_gather) and not t.layered and (tied or not on_shards):
             # Outside the layer scan the gathered weight is one array that the forward and the backward
             # matmul share: one gather per step. The table's ("vocab", None) constraint gathers its embed
             # shards first; the output projection is gathered on its vocab dim first.
@@ -214,9 +221,6 @@ def weight_comms(layout: Layout, microbatches: int) -> list[Comm]:
             comms += _gather_chain(layout, "FSDP weight all-gather (once per step)", order, size, count=1,
                                    phase=FORWARD, dtype=dtype, scales=False, tensor=name)
         grad = dict(phase=BACKWARD, dtype=dtype, scales=False, tensor=name)
-        # A tied table (logits_via_embedding) has two partial gradients, the lookup's scatter-add and the
-        # output projection's; the partitioner reduces each where it is made, and sums them after.
-        tied = t.role == "embedding" and config.logits_via_embedding
         if sequence:
             # Its gradient sums partial results of the sequence shards: the partitioner all-reduces the whole
             # gradient over them, separately from (and before) the batch axes' reduction.
@@ -224,7 +228,12 @@ def weight_comms(layout: Layout, microbatches: int) -> list[Comm]:
                                   count=microbatches * (2 if tied else 1), **grad)
         reduce = layout.live(a for a in layout.weight_batch_axes(t) if a not in t.axes)
         pieces = 2 if tied else 1  # partial gradients reduced like a matmul weight's (FSDP, then DP)
-        if gather and (reduce or "context" in gather) and t.role == "embedding":
+        if on_shards:
+            # Each embed shard looked up every token of its batch group: only the other batch axes sum it.
+            comms += hierarchical(layout, "DP gradient all-reduce", reduce, "all-reduce", size, count=microbatches,
+                                  **grad)
+            pieces -= 1
+        elif gather and (reduce or "context" in gather) and t.role == "embedding":
             # The lookup's gradient is a scatter-add of the looked-up rows, unreduced on every batch
             # shard; the partitioner sums it over all batch axes at once and keeps its FSDP slice.
             # Context shards hold other tokens of the same rows: their partial sums are reduced first, on their own.
@@ -457,8 +466,19 @@ def tp_transpose_comms(layout: Layout, tokens: float, count: float, microbatches
 
 
 def lookup_comms(layout: Layout, tokens: float, microbatches: int) -> list[Comm]:
-    """A vocab-sharded token table: each shard looks up the ids it owns, then the rows are summed."""
+    """The token lookup's own collectives: on embed shards, the ids' all-gather and the rows' all-to-all (and
+    back); on a vocab-sharded table, the looked-up rows summed over the vocab shards."""
     table = layout.param("['token_embedding']")
+    if table is not None and layout.lookup_on_shards:
+        axes = _fsdp_axes(layout, table)
+        rows = tokens * layout.config.emb_dim * dtype_bytes(table.dtype)  # one device's before the all-to-all
+        common = dict(count=microbatches, dtype=table.dtype, scales=True)
+        return (hierarchical(layout, "embedding lookup token-id all-gather", axes, "all-gather", tokens * 4,
+                             phase=FORWARD, **{**common, "dtype": "int32"})
+                + hierarchical(layout, "embedding lookup all-to-all (forward)", axes, "all-to-all", rows,
+                               phase=FORWARD, **common)
+                + hierarchical(layout, "embedding lookup all-to-all (backward)", axes, "all-to-all", rows,
+                               phase=BACKWARD, **common))
     # Under TP-sequence the table is gathered (weight_comms) and each sequence shard looks up its own tokens.
     sequence = _sequence_axes(layout, table) if table else ()
     vocab_axes = tuple(a for a in _tp_axes(layout, table, Logical.VOCAB) if a not in sequence)

@@ -121,6 +121,11 @@ class Layout:
         """The pipeline schedule the trainer would run on this mesh (None: one stage)."""
         return self.run.pipeline
 
+    @property
+    def lookup_on_shards(self) -> bool:
+        """The token lookup runs on the table's embed shards (`maxpar.layout.ModelLayout.gather_lookup_table`)."""
+        return not self.run.model.gather_lookup_table
+
     def weight_batch_axes(self, tensor: Tensor) -> tuple[str, ...]:
         """The batch axes whose shards use `tensor` on different rows (its gradient sums over them, FSDP
         gathers over those that shard it): all of them, but a pipeline's stages for its stacked layers,
