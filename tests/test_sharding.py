@@ -347,8 +347,6 @@ def test_check_divisible_directly():
     assert "['b']" in str(info.value) and "(6, 4)" in str(info.value) and "8" in str(info.value)
 
 
-# ---------------------------------------------------------------- TP-sequence really shards activations on length
-
 @pytest.mark.parametrize("preset, overrides, gathered", [
     ("base.yml", ["ici_fsdp_parallelism=8"], False),                               # FSDP: lookup on embed shards
     ("base.yml", ["ici_data_parallelism=2", "ici_fsdp_parallelism=4"], False),
@@ -360,6 +358,8 @@ def test_the_token_lookup_gathers_the_table_unless_its_embed_shards_split_the_ba
     layout, _ = layout_on(config_for(preset, *overrides))
     assert layout.model.gather_lookup_table is gathered
 
+
+# ---------------------------------------------------------------- TP-sequence really shards activations on length
 
 def test_tp_sequence_rules_move_length_to_tensor():
     base = config_for("base.yml", *FSDP4_TP2).axis_rules
