@@ -212,8 +212,8 @@ def weight_comms(layout: Layout, microbatches: int) -> list[Comm]:
         # A tied table (logits_via_embedding) has two partial gradients, the lookup's scatter-add and the
         # output projection's; the partitioner reduces each where it is made, and sums them after.
         tied = t.role == "embedding" and config.logits_via_embedding
-        on_shards = t.role == "embedding" and layout.lookup_on_shards  # gathered only for the tied logits
-        if (gather or sequence_gather) and not t.layered and (tied or not on_shards):
+        on_shards = t.role == "embedding" and layout.lookup_on_shards
+        if (gather or sequence_gather) and not t.layered and (t.role != "embedding" or layout.table_gathered):
             # Outside the layer scan the gathered weight is one array that the forward and the backward
             # matmul share: one gather per step. The table's ("vocab", None) constraint gathers its embed
             # shards first; the output projection is gathered on its vocab dim first.
@@ -472,13 +472,12 @@ def lookup_comms(layout: Layout, tokens: float, microbatches: int) -> list[Comm]
     if table is not None and layout.lookup_on_shards:
         axes = _fsdp_axes(layout, table)
         rows = tokens * layout.config.emb_dim * dtype_bytes(table.dtype)  # one device's before the all-to-all
-        common = dict(count=microbatches, dtype=table.dtype, scales=True)
-        return (hierarchical(layout, "embedding lookup token-id all-gather", axes, "all-gather", tokens * 4,
-                             phase=FORWARD, **{**common, "dtype": "int32"})
-                + hierarchical(layout, "embedding lookup all-to-all (forward)", axes, "all-to-all", rows,
-                               phase=FORWARD, **common)
-                + hierarchical(layout, "embedding lookup all-to-all (backward)", axes, "all-to-all", rows,
-                               phase=BACKWARD, **common))
+        comms = hierarchical(layout, "embedding lookup token-id all-gather", axes, "all-gather", tokens * 4,
+                             count=microbatches, phase=FORWARD, dtype="int32", scales=True)
+        for phase in (FORWARD, BACKWARD):
+            comms += hierarchical(layout, f"embedding lookup all-to-all ({phase})", axes, "all-to-all", rows,
+                                  count=microbatches, phase=phase, dtype=table.dtype, scales=True)
+        return comms
     # Under TP-sequence the table is gathered (weight_comms) and each sequence shard looks up its own tokens.
     sequence = _sequence_axes(layout, table) if table else ()
     vocab_axes = tuple(a for a in _tp_axes(layout, table, Logical.VOCAB) if a not in sequence)

@@ -126,6 +126,11 @@ class Layout:
         """The token lookup runs on the table's embed shards (`maxpar.layout.ModelLayout.gather_lookup_table`)."""
         return not self.run.model.gather_lookup_table
 
+    @property
+    def table_gathered(self) -> bool:
+        """The token table is gathered once per step: for the lookup, or for the logits it is tied to."""
+        return not self.lookup_on_shards or self.config.logits_via_embedding
+
     def weight_batch_axes(self, tensor: Tensor) -> tuple[str, ...]:
         """The batch axes whose shards use `tensor` on different rows (its gradient sums over them, FSDP
         gathers over those that shard it): all of them, but a pipeline's stages for its stacked layers,

@@ -172,8 +172,8 @@ def gathered_weight_bytes(config: Config, layout: Layout) -> float:
         # An axis splitting a weight and the batch is gathered, except the experts' own (EP keeps them split).
         gathered_axes = [a for dim, axes in zip(t.logical, t.mesh_axes) if dim not in (Logical.LAYERS, Logical.EXP)
                          for a in axes if a in batch and layout.degree(a) > 1]
-        if not gathered_axes or (t.role == "embedding" and layout.lookup_on_shards and not config.logits_via_embedding):
-            continue  # nothing to gather (or a table looked up on its shards and not tied to the logits)
+        if not gathered_axes or (t.role == "embedding" and not layout.table_gathered):
+            continue  # nothing to gather
         kept = _degree(layout, [a for dim, axes in zip(t.logical, t.mesh_axes) if dim != Logical.LAYERS
                                 for a in axes if a not in batch or dim == Logical.EXP])
         # The table is gathered in its own dtype, and so are the stage weights gathered before the pipeline loop.
