@@ -28,7 +28,6 @@ BASE = str(Path(__file__).resolve().parents[1] / "configs" / "base.yml")
 
 MOE = ["model_name=tiny-moe", "dataset_type=synthetic"]
 # name -> (devices, overrides); every mesh sees the same 8-row global batch.
-LOOKUP_ALL_TO_ALL = {"ep4_fsdp2": ("fsdp+expert",)}  # the token lookup's, where not over `expert` alone
 MESHES = {
     "ep2": (2, ["ici_expert_parallelism=2", "ici_fsdp_parallelism=1", "per_device_batch_size=4"]),
     "ep4": (4, ["ici_expert_parallelism=4", "ici_fsdp_parallelism=1", "per_device_batch_size=2"]),
@@ -39,6 +38,7 @@ MESHES = {
     "dp2_ep4": (8, ["ici_data_parallelism=2", "ici_expert_parallelism=4", "ici_fsdp_parallelism=1",
                     "per_device_batch_size=1"]),
 }
+LOOKUP_ALL_TO_ALL = {"ep4_fsdp2": ("fsdp+expert",)}  # the token lookup's, where not over `expert` alone
 ONE = (1, ["per_device_batch_size=8"])
 
 

@@ -13,12 +13,11 @@ from maxpar.config import ConfigError, load_config
 from maxpar.metrics import peak_flops
 from maxpar.plan import rooflines
 from maxpar.plan.__main__ import main, resolve_target
-from maxpar.plan.comms import expert_all_to_all_bytes, predict_comms
+from maxpar.plan.comms import expert_all_to_all_bytes
 from maxpar.plan.hardware import (HARDWARE_DIR, available, ici_axis_shares, load_hardware, slice_shape_exists,
                                   torus_shape)
 from maxpar.train_step import trace_state
-from maxpar.plan.layout import build_layout
-from maxpar.plan.predict import Target, evaluate, make_plan, plan_batch, resolve_mesh_shape
+from maxpar.plan.predict import Target, evaluate, make_plan
 from maxpar.plan.recommend import recommend
 from maxpar.plan.report import render_plan
 
@@ -33,14 +32,6 @@ def config(*overrides: str):
 
 def plan(*overrides: str, hardware: str = "tpu-v5p", devices: int = 4096, slices: int = 1):
     return make_plan(config(*overrides), Target(load_hardware(hardware), devices, slices))
-
-
-def tensor_comms(*overrides: str, devices: int) -> list:
-    """The predicted collectives one by one (a plan sums them per pattern), on one slice."""
-    c = config(*overrides)
-    layout = build_layout(c, resolve_mesh_shape(c, devices, 1), trace_state(c))
-    batch = plan_batch(c, layout)
-    return predict_comms(layout, batch.tokens_per_shard, batch.microbatches)
 
 
 # The seeds' LLaMA-3 70B, bf16, 8k context; per_device_batch_size fractional as in real pod-scale runs.
@@ -292,7 +283,7 @@ def test_zero1_divides_the_moments_by_the_data_degree_and_keeps_dp_bytes():
     assert data_bytes(zero, ("all-reduce",)) < data_bytes(plain, ("all-reduce",)) / 100  # only norm-like leftovers
     # The output projection's gradient is reduce-scattered over data and fsdp at once: its data share (half its
     # DP all-reduce's bytes) leaves the data-only collectives.
-    output_share = 0.5 * sum(c.bytes_per_device for c in tensor_comms(*dp, devices=256)
+    output_share = 0.5 * sum(c.bytes_per_device for c in plain["_comms"]  # one by one, per tensor
                              if c.tensor == "output" and c.axis == "data" and c.collective == "all-reduce")
     assert output_share > 0
     assert data_bytes(zero, ("reduce-scatter", "all-gather", "all-reduce")) + output_share == pytest.approx(
