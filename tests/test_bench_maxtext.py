@@ -43,14 +43,17 @@ def test_maxtext_log_gives_compile_time_and_steps(bm):
 
 
 def test_table_reports_the_ratio_and_keeps_missing_runs_visible(bm):
-    runs = {("fsdp8", "full"): {"maxpar": [{"step_s": 0.4, "compile_s": 3.0, "peak_rss_mib": 900, "load_1m": 1.0}],
-                                "maxtext": [{"step_s": 0.5, "compile_s": 7.0, "peak_rss_mib": 1000, "load_1m": 3.0}]},
+    runs = {("fsdp8", "full"): {"maxpar": [{"step_s": 0.4, "compile_s": 3.0, "peak_rss_mib": 900, "load_1m": 1.0},
+                                           {"step_s": 0.45, "compile_s": 3.0, "peak_rss_mib": 900, "load_1m": 1.0}],
+                                "maxtext": [{"step_s": 0.5, "compile_s": 7.0, "peak_rss_mib": 1000, "load_1m": 3.0},
+                                            {"step_s": 0.5, "compile_s": 7.0, "peak_rss_mib": 1000, "load_1m": 3.0}]},
             ("one", "minimal"): {"maxpar": [{"step_s": None, "compile_s": None, "peak_rss_mib": 10, "load_1m": 1.0}],
                                  "maxtext": [{"step_s": 0.9, "compile_s": 7.0, "peak_rss_mib": 1000, "load_1m": 1.0}]}}
     table, rows = bm.summarize(runs)
-    assert rows[0]["ratio"] == pytest.approx(0.8) and rows[1]["ratio"] is None
-    assert "| fsdp8 | full | 0.400 | 0.500 | 0.80 | 1.25x |" in table
-    assert "| one | minimal | n/a | 0.900 | n/a |" in table
+    assert rows[0]["ratio"] == pytest.approx(0.85) and rows[1]["ratio"] is None
+    assert rows[0]["round_ratios"] == pytest.approx([0.8, 0.9]) and rows[1]["round_ratios"] == [None]
+    assert "| fsdp8 | full | 0.425 | 0.500 | 0.85 | 0.80 / 0.90 | 1.18x |" in table
+    assert "| one | minimal | n/a | 0.900 | n/a | n/a | n/a |" in table
 
 
 def test_without_maxtext_it_says_how_to_get_it_and_skips():
