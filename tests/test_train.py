@@ -81,6 +81,23 @@ def test_peak_flops_table():
     assert peak_flops("cpu", configured=5e11) == 5e11
 
 
+def test_tensorboard_events_are_written_without_loading_torch(tmp_path):
+    """tensorboardX would import an installed torch (2 s, 610 MB per process); the writer keeps it out, and the
+    process can still import torch afterwards. A fresh interpreter: this one may hold torch already."""
+    pytest.importorskip("torch")
+    script = (
+        "import sys; from pathlib import Path; from maxpar.metrics import MetricsWriter\n"
+        f"writer = MetricsWriter(Path({str(tmp_path)!r}), enabled=True)\n"
+        "writer.write({'step': 3, 'loss': 2.5}); writer.close()\n"
+        "print('torch loaded:', 'torch' in sys.modules)\n"
+        "import torch; print('torch imports:', hasattr(torch, 'Tensor'))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["torch loaded: False", "torch imports: True"]
+    events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 1 and b"loss" in events[0].read_bytes()
+
+
 def test_a_step_that_is_only_logged_is_read_after_the_next_is_dispatched(tmp_path, corpus, monkeypatch):
     """The device never waits for the host's logging: step N's metrics are read once step N+1 is queued, except
     where step N's own state is needed (evaluation, a checkpoint) and at the last step."""
