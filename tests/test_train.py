@@ -82,7 +82,7 @@ def test_peak_flops_table():
 
 
 def test_tensorboard_events_are_written_without_loading_torch(tmp_path):
-    """tensorboardX would import an installed torch (2 s, 610 MB per process); the writer keeps it out, and the
+    """tensorboardX would import an installed torch (2 s and 610 MB at import); the writer keeps it out, and the
     process can still import torch afterwards. A fresh interpreter: this one may hold torch already."""
     pytest.importorskip("torch")
     script = (
