@@ -36,6 +36,7 @@ from maxpar.metrics import (MetricsWriter, parameter_counts, peak_flops, rewind_
 from maxpar.model import Transformer
 from maxpar.optimizer import make_optimizer
 from maxpar.pipeline.schedule import Schedule
+from maxpar.tools import host_malloc
 from maxpar.train_step import compile_train_step, create_state, jit_eval_step, run_layout
 
 
@@ -297,6 +298,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         preflight.check_output_directory(config)
         distributed.setup(config)  # before any JAX device use
         preflight.check_memory(config)  # before anything is allocated
+        malloc_note = host_malloc.tune(config.cpu_malloc_tuning, jax.default_backend())  # this process is ours
+        if malloc_note and jax.process_index() == 0:
+            print(f"maxpar: {malloc_note}", flush=True)
         train(config)
     except ConfigError as e:
         print(f"maxpar: config error: {e}", file=sys.stderr)

@@ -13,6 +13,7 @@ import pytest
 
 from helpers import read_metrics, tiny_config, write_corpus
 from maxpar.metrics import METRIC_KEYS, matmul_params, peak_flops, training_flops_per_token
+from maxpar.tools import host_malloc
 from maxpar.train import train
 
 
@@ -147,6 +148,8 @@ def test_command_line_training_run(tmp_path, corpus):
     assert [r["step"] for r in read_metrics(tmp_path / "cli")] == [1, 2, 3]
     assert "maxpar: done: steps 1-3 (3)" in result.stdout
     assert "checkpoint: none (enable_checkpointing=false)" in result.stdout
+    if host_malloc.libc_name() == "glibc":  # the trainer's own process keeps XLA:CPU's step buffers mapped
+        assert "maxpar: glibc malloc keeps each step's freed buffers mapped" in result.stdout
 
 
 def test_summary_prints_the_generate_command_of_a_run_with_a_checkpoint(tmp_path):

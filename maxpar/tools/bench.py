@@ -181,6 +181,7 @@ def run_worker(name: str, overrides: Sequence[str], num_devices: int, steps: int
 
     from maxpar.config import ConfigError, load_config
     from maxpar.metrics import parameter_counts, peak_flops, throughput
+    from maxpar.tools import host_malloc
     from maxpar.train import setup_run
     from maxpar.train_step import create_state
 
@@ -189,6 +190,7 @@ def run_worker(name: str, overrides: Sequence[str], num_devices: int, steps: int
         raise RuntimeError(f"{name}: needs {num_devices} devices, JAX sees {len(jax.devices())}")
     try:
         config = load_config([str(BASE_CONFIG), *overrides, f"steps={warmup + steps}"])
+        host_malloc.tune(config.cpu_malloc_tuning, jax.default_backend())  # as the trainer's process does
         run = setup_run(config, devices)
         state = create_state(run.model, run.tx, run.layout, run.mesh)
         start = time.perf_counter()
