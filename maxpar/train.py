@@ -298,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         preflight.check_output_directory(config)
         distributed.setup(config)  # before any JAX device use
         preflight.check_memory(config)  # before anything is allocated
-        malloc_note = host_malloc.tune(config.cpu_malloc_tuning, jax.default_backend())  # this process is ours
+        malloc_note = host_malloc.tune(config.cpu_malloc_tuning, jax.default_backend())  # process-wide: the CLI's own
         if malloc_note and jax.process_index() == 0:
             print(f"maxpar: {malloc_note}", flush=True)
         train(config)

@@ -56,5 +56,5 @@ def tune(enabled: bool, platform: str, env: Mapping[str, str] | None = None) -> 
         apply(ctypes.CDLL(None))
         return "glibc malloc keeps each step's freed buffers mapped (cpu_malloc_tuning=false: glibc's defaults)"
     if enabled and platform == "cpu" and user_settings(env):
-        return f"glibc malloc: {', '.join(user_settings(env))} from the environment stand(s); cpu_malloc_tuning not applied"
+        return f"glibc malloc left to your {', '.join(user_settings(env))}; cpu_malloc_tuning not applied"
     return None
