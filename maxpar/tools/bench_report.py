@@ -14,10 +14,6 @@ from typing import Any
 
 Row = dict[str, Any]
 
-# MaxText on a comparable 2-core CPU, same model and 2,048 tokens/step (seconds per step).
-MAXTEXT_REFERENCE_S = {"one": 0.80, "fsdp8": 0.32}
-
-
 def not_measured(row: Row) -> str | None:
     """Why a row has no figures (None if it has them)."""
     for key, label in (("error", "error"), ("refused", "not run"), ("out_of_memory", "out of memory")):
@@ -31,12 +27,6 @@ def _collectives(row: Row) -> str:
     if row.get("remat_warnings"):
         text += f"; {row['remat_warnings']} involuntary remat warning(s)"
     return text
-
-
-def _reference(row: Row) -> tuple[str, str]:
-    """(MaxText s/step, ours/MaxText) where a reference exists; ratio < 1 means we are faster."""
-    ref = MAXTEXT_REFERENCE_S.get(row["name"])
-    return ("", "") if ref is None else (f"{ref:.2f}", f"{row['step_s'] / ref:.2f}")
 
 
 def _mfu(row: Row) -> str:
@@ -57,8 +47,6 @@ CPU_COLUMNS: tuple[Column, ...] = (
     ("CPU s/step", lambda r: f"{r['cpu_s']:.2f}"),
     ("tokens/s", lambda r: f"{r['tokens_per_s']:,.0f}"),
     ("peak RSS MiB", lambda r: f"{r['peak_rss_mib']:,.0f}"),
-    ("MaxText s/step", lambda r: _reference(r)[0]),
-    ("ours/MaxText", lambda r: _reference(r)[1]),
     ("final loss", lambda r: f"{r['final_loss']:.4f}"),
     ("collectives", _collectives),
 )
