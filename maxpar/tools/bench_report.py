@@ -14,6 +14,7 @@ from typing import Any
 
 Row = dict[str, Any]
 
+
 def not_measured(row: Row) -> str | None:
     """Why a row has no figures (None if it has them)."""
     for key, label in (("error", "error"), ("refused", "not run"), ("out_of_memory", "out of memory")):
