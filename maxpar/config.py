@@ -143,7 +143,7 @@ class Config:
                                       "0 = off, or set XLA_FLAGS=--xla_force_host_platform_device_count=N)", min=0)
     cpu_malloc_tuning: bool = _key("on XLA:CPU, glibc malloc keeps each step's freed buffers mapped instead of "
                                    "faulting them in again every step (2-5% faster multi-device CPU steps; "
-                                   "python -m maxpar.train only; your MALLOC_* variables stand; false = defaults)")
+                                   "maxpar's own processes only; your MALLOC_* variables stand; false = defaults)")
     peak_flops_per_device: float = _key("peak dense FLOP/s of one device for MFU (0 = look up the device kind)", min=0)
     profiler: str = _key("'' = off; xplane = a jax.profiler trace of profiler_steps steps under RUN/profile/ "
                          "(TensorBoard's profile plugin, Perfetto)", choices=("", "xplane"))

@@ -36,11 +36,6 @@ def user_settings(env: Mapping[str, str]) -> list[str]:
     return names + (["GLIBC_TUNABLES"] if "glibc.malloc." in env.get("GLIBC_TUNABLES", "") else [])
 
 
-def should_tune(enabled: bool, platform: str, env: Mapping[str, str], libc: str) -> bool:
-    """On: the key is on, the backend is XLA:CPU, the C library glibc, and the user set none of its variables."""
-    return enabled and platform == "cpu" and libc == "glibc" and not user_settings(env)
-
-
 def apply(libc: Any) -> None:
     """Set SETTINGS through `libc.mallopt` (which returns 1 on success)."""
     refused = [param for param, value in SETTINGS.items() if libc.mallopt(param, value) != 1]
@@ -48,13 +43,14 @@ def apply(libc: Any) -> None:
         raise OSError(f"mallopt refused parameter(s) {refused}")
 
 
-def tune(enabled: bool, platform: str, env: Mapping[str, str] | None = None) -> str | None:
-    """Apply SETTINGS where `should_tune` says so; a line for the run's log when it did, or when the user's own
-    variables kept it from doing so (None otherwise)."""
-    env = os.environ if env is None else env
-    if should_tune(enabled, platform, env, libc_name()):
-        apply(ctypes.CDLL(None))
-        return "glibc malloc keeps each step's freed buffers mapped (cpu_malloc_tuning=false: glibc's defaults)"
-    if enabled and platform == "cpu" and user_settings(env):
-        return f"glibc malloc left to your {', '.join(user_settings(env))}; cpu_malloc_tuning not applied"
-    return None
+def tune(enabled: bool, platform: str, env: Mapping[str, str] | None = None, libc: Any = None) -> str | None:
+    """Apply SETTINGS when the key is on, the backend is XLA:CPU, the C library glibc and the user set none of its
+    variables (`libc`: the C library to call, default this process's). Returns a line for the run's log when it
+    applied them or when the user's variables kept it from doing so, else None."""
+    if not enabled or platform != "cpu" or libc_name() != "glibc":
+        return None
+    theirs = user_settings(os.environ if env is None else env)
+    if theirs:
+        return f"glibc malloc left to your {', '.join(theirs)}; cpu_malloc_tuning not applied"
+    apply(ctypes.CDLL(None) if libc is None else libc)
+    return "glibc malloc keeps each step's freed buffers mapped (cpu_malloc_tuning=false: glibc's defaults)"
