@@ -1,10 +1,13 @@
 """Every test: 8 simulated CPU devices, and one persistent JAX compilation cache for the session. Both are set
-before JAX initializes, through the environment, so the training processes that tests start get them too.
+before JAX initializes, through the environment, so the training processes that tests start get them too, and
+so do pytest-xdist's workers (README runs the suite with `-n 2`): they inherit the main process's environment
+and share its cache.
 
 Why the cache: most tests compile the same few tiny-model programs again and again (a run, its resumed
 half, the same step on another test's mesh); reading the executable back instead of recompiling it took
 tests/test_records.py from 144 s to 76 s. The directory is new for each session and removed after it, so
-no session reads another's entries; a test that sets its own cache directory keeps it.
+no session reads another's entries. JAX writes an entry without a lock: one read while another process is
+still writing it fails to decompress, and JAX warns and compiles instead.
 """
 
 import atexit
@@ -16,8 +19,9 @@ from maxpar.tools.host_devices import simulate_cpu_devices
 
 simulate_cpu_devices(8)
 
-_CACHE = tempfile.mkdtemp(prefix="maxpar-tests-jax-cache-")
-atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # set: a worker of this session, or the user's own cache
+    _CACHE = tempfile.mkdtemp(prefix="maxpar-tests-jax-cache-")
+    atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
