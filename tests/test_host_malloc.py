@@ -19,33 +19,36 @@ class FakeLibc:
         return 0 if param in self.refuse else 1
 
 
-@pytest.mark.parametrize("enabled, platform, env, libc, applied", [
-    (True, "cpu", {}, "glibc", True),
-    (False, "cpu", {}, "glibc", False),
-    (True, "gpu", {}, "glibc", False),
-    (True, "tpu", {}, "glibc", False),
-    (True, "cpu", {}, "", False),                                            # musl, macOS: no glibc mallopt
-    (True, "cpu", {"MALLOC_TOP_PAD_": "0"}, "glibc", False),                  # the user's own setting stands
-    (True, "cpu", {"MALLOC_TRIM_THRESHOLD_": "1"}, "glibc", False),
-    (True, "cpu", {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, "glibc", False),
-    (True, "cpu", {"GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX512F"}, "glibc", True),  # not a malloc tunable
-    (True, "cpu", {"MALLOC_ARENA_MAX": "2"}, "glibc", True),                  # a setting it does not touch
+APPLIED, KEPT_OUT, SILENT = "applied", "kept out by the user's variable", None
+
+
+@pytest.mark.parametrize("enabled, platform, env, glibc, outcome", [
+    (True, "cpu", {}, True, APPLIED),
+    (False, "cpu", {}, True, SILENT),
+    (True, "gpu", {}, True, SILENT),
+    (True, "tpu", {}, True, SILENT),
+    (True, "cpu", {}, False, SILENT),                                            # musl, macOS: no glibc mallopt
+    (True, "cpu", {"MALLOC_TOP_PAD_": "0"}, True, KEPT_OUT),                      # the user's own setting stands
+    (True, "cpu", {"MALLOC_TRIM_THRESHOLD_": "1"}, True, KEPT_OUT),
+    (True, "cpu", {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, True, KEPT_OUT),
+    (True, "cpu", {"GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX512F"}, True, APPLIED),  # not a malloc tunable
+    (True, "cpu", {"MALLOC_ARENA_MAX": "2"}, True, APPLIED),                      # a setting it does not touch
 ])
 def test_it_applies_only_on_xla_cpu_with_glibc_and_never_over_the_users_settings(monkeypatch, enabled, platform,
-                                                                                  env, libc, applied):
-    monkeypatch.setattr(host_malloc, "libc_name", lambda: libc)
+                                                                                  env, glibc, outcome):
+    monkeypatch.setattr(host_malloc, "on_glibc", lambda: glibc)
     fake = FakeLibc()
     note = host_malloc.tune(enabled, platform, env, fake)
-    if applied:  # the three settings, and the run's log says so
+    if outcome is APPLIED:  # the three settings, and the run's log says so
         assert dict(fake.calls) == {host_malloc.M_MMAP_THRESHOLD: 32 << 20, host_malloc.M_TRIM_THRESHOLD: 1 << 30,
                                     host_malloc.M_TOP_PAD: 64 << 20}
         assert "keeps each step's freed buffers mapped" in note
     else:
         assert fake.calls == []
-    kept_out_by_user = enabled and platform == "cpu" and libc == "glibc" and not applied
-    assert (note is not None) == (applied or kept_out_by_user)
-    if kept_out_by_user:  # the log names the user's variable
+    if outcome is KEPT_OUT:  # the log names the user's variable
         assert next(iter(env)) in note and "not applied" in note
+    if outcome is SILENT:
+        assert note is None
 
 
 def test_a_refused_setting_is_an_error_that_names_it():
@@ -53,7 +56,7 @@ def test_a_refused_setting_is_an_error_that_names_it():
         host_malloc.apply(FakeLibc(refuse={host_malloc.M_TOP_PAD}))
 
 
-@pytest.mark.skipif(host_malloc.libc_name() != "glibc", reason="glibc only")
+@pytest.mark.skipif(not host_malloc.on_glibc(), reason="glibc only")
 def test_glibc_accepts_the_settings_in_a_fresh_process():
     # A fresh interpreter: the settings are process-wide, and this test process should keep glibc's defaults.
     script = "from maxpar.tools import host_malloc; print(host_malloc.tune(True, 'cpu', {}))"

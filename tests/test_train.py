@@ -148,7 +148,7 @@ def test_command_line_training_run(tmp_path, corpus):
     assert [r["step"] for r in read_metrics(tmp_path / "cli")] == [1, 2, 3]
     assert "maxpar: done: steps 1-3 (3)" in result.stdout
     assert "checkpoint: none (enable_checkpointing=false)" in result.stdout
-    if host_malloc.libc_name() == "glibc":  # the trainer's own process keeps XLA:CPU's step buffers mapped
+    if host_malloc.on_glibc():  # the trainer's own process keeps XLA:CPU's step buffers mapped
         assert "maxpar: glibc malloc keeps each step's freed buffers mapped" in result.stdout
 
 

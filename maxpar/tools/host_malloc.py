@@ -22,12 +22,12 @@ SETTINGS = {M_MMAP_THRESHOLD: 32 << 20, M_TRIM_THRESHOLD: 1 << 30, M_TOP_PAD: 64
 USER_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 
 
-def libc_name() -> str:
-    """'glibc' where this process runs on glibc, else '' (os.confstr names only glibc)."""
+def on_glibc() -> bool:
+    """Whether this process runs on glibc (os.confstr names only glibc; musl and macOS have no such name)."""
     try:
-        return "glibc" if os.confstr("CS_GNU_LIBC_VERSION") else ""
+        return bool(os.confstr("CS_GNU_LIBC_VERSION"))
     except (ValueError, OSError, AttributeError):
-        return ""
+        return False
 
 
 def user_settings(env: Mapping[str, str]) -> list[str]:
@@ -47,7 +47,7 @@ def tune(enabled: bool, platform: str, env: Mapping[str, str] | None = None, lib
     """Apply SETTINGS when the key is on, the backend is XLA:CPU, the C library glibc and the user set none of its
     variables (`libc`: the C library to call, default this process's). Returns a line for the run's log when it
     applied them or when the user's variables kept it from doing so, else None."""
-    if not enabled or platform != "cpu" or libc_name() != "glibc":
+    if not enabled or platform != "cpu" or not on_glibc():
         return None
     theirs = user_settings(os.environ if env is None else env)
     if theirs:
