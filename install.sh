@@ -2,7 +2,7 @@
 # Create .venv with the newest JAX this machine can run and install maxpar into it.
 #
 #   bash install.sh            # maxpar
-#   bash install.sh test,plot  # maxpar with extras (comma-separated, as in pyproject.toml)
+#   bash install.sh test,hf    # maxpar with extras (comma-separated, as in pyproject.toml)
 #
 # Why not plain `python3 -m venv`: JAX 0.12 needs Python >= 3.12, and on an older Python pip quietly
 # resolves JAX 0.10, which is ~1.5x slower on simulated multi-device meshes. So this picks Python 3.12
@@ -35,7 +35,7 @@ find_python() {
 
 check_disk() {  # a clear message now instead of pip's "No space left on device" after the downloads
   [[ -d .venv ]] && return  # reinstalling into an existing .venv needs far less
-  local needed_gb=2 why="" free_gb  # peaks measured in a fresh clone (2026-11-26): 7.6 GB with `test`, 1.1 GB without
+  local needed_gb=2 why="" free_gb  # a fresh clone's measured peaks (docs/results/install-*.json) plus headroom
   if [[ ",$extras," == *",test,"* ]]; then needed_gb=8 why=" (the test extra's torch comes as its ~5 GB CUDA build)"; fi
   free_gb=$(df -Pk . | awk 'NR == 2 {print int($4 / 1048576)}')
   if (( free_gb < needed_gb )); then

@@ -47,6 +47,7 @@ from verdict import exit_with  # end_to_end/verdict.py
 
 REPO = prepare(devices=None, tests=False)  # each run is a child process with its own device count
 
+from maxpar.tools import records  # noqa: E402
 from maxpar.tools.bench import (BASE_CONFIG, GLOBAL_ROWS, MODEL, config_overrides, cpu_env,  # noqa: E402
                                 strategy_degrees, strategy_devices)
 
@@ -220,6 +221,7 @@ def summarize(results: dict[tuple[str, str], dict[str, list[dict[str, Any]]]]) -
 
 
 def main() -> int:
+    load_start = records.load_average()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--maxtext_python", help="the Python (of a venv) where MaxText is installed")
     parser.add_argument("--meshes", default="one,fsdp8,dp2_fsdp2_tp2",
@@ -230,6 +232,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2, help="steps dropped at the start of each run")
     parser.add_argument("--timeout", type=int, default=900, help="seconds allowed per run")
     parser.add_argument("--out", type=Path, help="write bench_maxtext.md and bench_maxtext.json here")
+    records.add_record_option(parser)
     args = parser.parse_args()
     config = maxtext_config(args.maxtext_python) if args.maxtext_python else None
     if config is None:
@@ -284,6 +287,12 @@ def main() -> int:
         (args.out / "bench_maxtext.md").write_text(described + "\n\n" + table + "\n", encoding="utf-8")
         (args.out / "bench_maxtext.json").write_text(json.dumps({"run": described, "rows": rows, "runs": {
             f"{mesh}/{remat}": value for (mesh, remat), value in results.items()}}, indent=2, default=str))
+    if args.record:
+        figures = {"run": described, "target_ratio": TARGET_RATIO, "rounds": args.rounds, "steps": args.steps,
+                   "warmup": args.warmup, "rows": rows}
+        print("record:", records.write_record(args.record, "bench_maxtext",
+                                              ["python", "end_to_end/bench_maxtext.py", *sys.argv[1:]], figures,
+                                              load_start))
 
     met = [r for r in rows if r["ratio"] is not None and r["ratio"] <= TARGET_RATIO]
     missed = [f"{r['mesh']}/{r['remat']} {fmt(r['ratio'], 2)}" for r in rows if r not in met]

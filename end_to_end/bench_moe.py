@@ -35,6 +35,7 @@ from maxpar.plan.hardware import load_hardware
 from maxpar.plan.predict import Target, make_plan
 from maxpar.train import global_batch, setup_run
 from maxpar.train_step import create_state
+from maxpar.tools import records
 
 RUN = ["model_name=tiny-moe", "dataset_type=synthetic", "max_target_length=256", "per_device_batch_size=1",
        "dtype=float32", "enable_checkpointing=false", "eval_interval=-1"]
@@ -72,12 +73,14 @@ def bench(ep: int, mode: str, steps: int, warmup: int, extra: list[str]) -> dict
 
 
 def main() -> int:
+    load_start = records.load_average()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ep", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("overrides", nargs="*", help="key=value config overrides for every run")
+    records.add_record_option(parser)
     args = parser.parse_args()
     rows = [bench(ep, mode, args.steps, args.warmup, args.overrides) for mode in args.modes for ep in args.ep]
     p = rows[0]["params"]
@@ -102,6 +105,9 @@ def main() -> int:
             failures.append(f"{r['mode']} EP={r['ep']}: losses {r['losses']} differ from EP={base['ep']}'s")
     for failure in failures:
         print(f"  FAIL: {failure}")
+    if args.record:
+        print("record:", records.write_record(args.record, "bench_moe", ["python", "end_to_end/bench_moe.py",
+                                                                         *sys.argv[1:]], {"rows": rows}, load_start))
     print("FAIL" if failures else "PASS")
     return 1 if failures else 0
 

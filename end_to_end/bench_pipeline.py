@@ -39,6 +39,18 @@ import statistics
 import sys
 import time
 
+from maxpar.tools import records
+
+LOAD_START = records.load_average()  # before any compile: the load this run found
+
+
+def record(args: argparse.Namespace, name: str, header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    """With --record DIR, the printed table as a record (one dict per row, keyed by the header)."""
+    if args.record:
+        print("record:", records.write_record(args.record, name, ["python", "end_to_end/bench_pipeline.py",
+                                                                  *sys.argv[1:]],
+                                              {"rows": [dict(zip(header, row)) for row in rows]}, LOAD_START))
+
 
 def measure(overrides: list[str], steps: int) -> dict:
     """Compile and time one schedule with the trainer's own pieces; count its permutes."""
@@ -103,8 +115,10 @@ def compare_fsdp_modes(args: argparse.Namespace) -> int:
     rows = [(name, f"{r['gather_bytes']:,.0f}", f"{r['predicted_gather_bytes']:,.0f}",
              f"{r['planned_gathered_weights']:,.0f}", f"{r['temp_bytes']:,.0f}", f"{r['step_s']:.3f}",
              f"{r['cpu_s']:.2f}", f"{r['first_loss']:.6f}") for name, r in results.items()]
-    table(("FSDP gathers", "all-gather bytes/device", "plan predicts", "planned gathered weights",
-           "XLA temporaries", "step s", "CPU s/step", "loss step 1"), rows)
+    header = ("FSDP gathers", "all-gather bytes/device", "plan predicts", "planned gathered weights",
+              "XLA temporaries", "step s", "CPU s/step", "loss step 1")
+    table(header, rows)
+    record(args, "bench_pipeline_fsdp_modes", header, rows)
     failures = []
     for name, r in results.items():
         if abs(r["gather_bytes"] - r["predicted_gather_bytes"]) > 0.10 * max(r["gather_bytes"], 1):
@@ -126,6 +140,7 @@ def main() -> int:
     parser.add_argument("--fsdp_modes", action="store_true",
                         help="compare the three FSDP gather modes of one circular pipeline (R = last of --repeats)")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides for every schedule")
+    records.add_record_option(parser)
     args = parser.parse_args()
     if args.fsdp_modes:
         return compare_fsdp_modes(args)
@@ -157,6 +172,7 @@ def main() -> int:
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
     for line in (header, tuple("-" * w for w in widths), *rows):
         print("  " + "  ".join(cell.rjust(w) for cell, w in zip(line, widths)))
+    record(args, "bench_pipeline", header, rows)
     failures = []
     for r in results:
         sc = r["schedule"]

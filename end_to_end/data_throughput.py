@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ from preamble import prepare  # end_to_end/preamble.py: this script's folder is 
 from verdict import exit_with
 
 REPO = prepare(devices=None, tests=False)
+from maxpar.tools import records  # noqa: E402
 HEADROOM = 2.0
 SHARD_COUNT = 8
 
@@ -82,11 +84,13 @@ def source_tokens_per_s(config, rows: int, batches: int) -> tuple[float, float]:
 
 
 def main() -> int:
+    load_start = records.load_average()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, default=1000,
                         help="global batches timed per source (1000 x 2,048 tokens: ~40%% of the default corpus)")
     parser.add_argument("--steps", type=int, default=12, help="training steps (the first two are not timed)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="applied to every source and the run")
+    records.add_record_option(parser)
     args = parser.parse_args()
     import jax
 
@@ -117,6 +121,13 @@ def main() -> int:
     print(f"| training step ({jax.device_count()} {jax.devices()[0].platform} device(s), median of steps 3-"
           f"{args.steps}) | {step_rate:,.0f} | 1.0x | |")
     print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    if args.record:
+        rows = [{"source": name, "tokens_per_s": rate, "x_step": rate / step_rate, "open_s": opened}
+                for name, (rate, opened) in figures.items()]
+        rows.append({"source": "training step", "tokens_per_s": step_rate, "x_step": 1.0})
+        print("record:", records.write_record(args.record, "data_throughput",
+                                              ["python", "end_to_end/data_throughput.py", *sys.argv[1:]],
+                                              {"rows": rows}, load_start))
     slow = [name for name, (rate, _) in figures.items() if rate < HEADROOM * step_rate]
     if slow:
         print(f"FAIL: input slower than {HEADROOM}x the step's consumption: {', '.join(slow)}")

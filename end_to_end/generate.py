@@ -23,12 +23,16 @@ PROMPTS = ["import os\n\n\ndef ", "class Parser:\n    def __init__(self", "for i
 
 
 def main() -> int:
+    sys.path.insert(0, str(REPO))
+    from maxpar.tools import records
+
+    load_start = records.load_average()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run", type=Path, help="run directory to sample from (default: train one first)")
     parser.add_argument("--steps", type=int, default=100, help="steps of the run trained when --run is not given")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="for training and sampling alike")
+    records.add_record_option(parser)
     args = parser.parse_args()
-    sys.path.insert(0, str(REPO))
     from maxpar.config import load_config
     from maxpar.generate import generate
 
@@ -50,6 +54,12 @@ def main() -> int:
     load = os.getloadavg()
     print(f"prefill {result.prefill_tokens_per_s:,.0f} tokens/s, decode {result.decode_tokens_per_s:,.1f} tokens/s "
           f"({len(PROMPTS)} rows, 1 process; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f})")
+    if args.record:
+        figures = {"prefill_tokens_per_s": result.prefill_tokens_per_s,
+                   "decode_tokens_per_s": result.decode_tokens_per_s, "rows": len(PROMPTS),
+                   "new_tokens": sum(map(len, result.tokens))}
+        print("record:", records.write_record(args.record, "generate", ["python", "end_to_end/generate.py",
+                                                                        *sys.argv[1:]], figures, load_start))
     if all(texts):  # whitespace counts: an undertrained byte model writes plenty of it
         print(f"PASS: {len(texts)} prompts continued ({sum(map(len, result.tokens))} new tokens)")
         return 0

@@ -14,9 +14,9 @@ is a table row ("out of memory under the cap"), not a crash. Rows per sequence l
   sequence, per_device_batch_size=0.125 = the same one row), and CP=8 ring with unrolled layers
   (scan_layers=false) beside blockwise with unrolled layers, its 1-device reference.
 
-Peak RSS is the whole process (all 8 simulated devices of a CP row share it, with the ~0.5 GiB
-runtime baseline of every row); one device's program is XLA's buffer assignment for one device's
-compiled step (its arguments and temporaries), the per-device figure of a CP row; step time is wall time on a shared, noisy 2-core machine (the 1-minute load
+Peak RSS is the whole process (all 8 simulated devices of a CP row share it, with the runtime's
+baseline of every row); one device's program is XLA's buffer assignment for one device's
+compiled step (its arguments and temporaries), the per-device figure of a CP row; step time is wall time on a possibly shared machine (the 1-minute load
 average is printed with every row). Simulated CPU devices share the host's cores, so CP rows
 show memory per device, not speed-up.
 
@@ -39,6 +39,7 @@ from preamble import prepare  # end_to_end/preamble.py: this script's folder is 
 from verdict import exit_with  # end_to_end/verdict.py
 
 REPO = prepare(devices=None, tests=False)  # each row is a child process that simulates its own device count
+from maxpar.tools import records  # noqa: E402
 
 PREFIX = "LONGCTX "
 MODEL = ["model_name=", "emb_dim=64", "num_query_heads=4", "num_kv_heads=2", "head_dim=16", "mlp_dim=128",
@@ -108,6 +109,7 @@ def row_text(row: dict) -> str:
 
 
 def main() -> int:
+    load_start = records.load_average()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="4096,8192,16384,32768")
     parser.add_argument("--rows", default=",".join(ROWS))
@@ -117,6 +119,7 @@ def main() -> int:
                         "step is the first run of the compiled step)")
     parser.add_argument("--worker")
     parser.add_argument("--length", type=int)
+    records.add_record_option(parser)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.length, args.memory_gib, args.warmup)
@@ -132,6 +135,9 @@ def main() -> int:
             row = spawn(name, length, args)
             rows.append(row)
             print(row_text(row), flush=True)
+    if args.record:
+        print("record:", records.write_record(args.record, "long_context", ["python", "end_to_end/long_context.py",
+                                                                            *sys.argv[1:]], {"rows": rows}, load_start))
     problems = []
     by = {(r["name"], r["length"]): r for r in rows}
     for row in rows:

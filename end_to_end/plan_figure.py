@@ -1,6 +1,6 @@
 """Draw README's figure: predicted matmul time vs communication time across batch sizes, per strategy.
 
-    pip install -e ".[plot]" && python end_to_end/plan_figure.py [--out docs/plan_comms_vs_compute.png]
+    python end_to_end/plan_figure.py [--out docs/plan_comms_vs_compute.png]
 
 Every point is a `maxpar.plan` prediction (the same `evaluate` the CLI runs) for LLaMA-3 70B,
 bfloat16, 8k context, on a 4096-chip TPU v5p slice (16x16x16), sweeping the global batch. It

@@ -48,8 +48,8 @@ MOE = ["num_experts=8", "num_experts_per_tok=2", "capacity_factor=0"]  # droples
 FAMILIES = {"": [], "MoE": MOE, "bf16/fp32": ["weight_dtype=bfloat16", "optimizer_state_dtype=float32"],
             "4 layers": ["num_decoder_layers=4"]}
 # bfloat16 parameters round every update to 8 mantissa bits: a last-bit difference in a float32 gradient sum (8
-# shards' partial sums vs one device's) flips a rounding now and then, and the flips add up over steps (measured
-# 1.7e-5 after 5 steps; tests/test_equivalence.py's smaller model stays within 1e-5).
+# shards' partial sums vs one device's) flips a rounding now and then, and the flips add up over steps (above
+# 1e-5 after 5 steps here; tests/test_equivalence.py's smaller model stays within 1e-5).
 FAMILY_RTOL = {"bf16/fp32": 1e-4}
 STRATEGIES = {  # name: (config file, overrides); all with per_device_batch_size=1 on 8 devices
     "DP(8)": ("base.yml", ["ici_data_parallelism=8", "ici_fsdp_parallelism=1"]),

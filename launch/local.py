@@ -6,7 +6,8 @@
 Every process gets its own simulated CPU devices and the environment contract of
 `maxpar/distributed.py` (one host per slice: MEGASCALE_NUM_SLICES = N, MEGASCALE_SLICE_ID = rank, the
 coordinator on 127.0.0.1 at a free port), so the `dcn_*` degrees apply across processes exactly as
-across TPU slices. Output lines are prefixed with `[rank R]`. When any process exits non-zero the
+across TPU slices. Output lines are prefixed with `[rank R]`; Gloo's "is connected to all its peers" lines
+are dropped unless the config says log_level=debug. When any process exits non-zero the
 others are stopped (SIGTERM, then SIGKILL after a grace period) and the launcher exits non-zero, its
 last line naming the rank that failed first (a dead or hung coordinator, rank 0, included) after the
 others' C++ stack dumps; a process that hangs is caught by the trainer's `distributed_heartbeat_timeout_s`. All processes share
@@ -20,15 +21,18 @@ import argparse
 import ctypes
 import dataclasses
 import os
+import queue
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import IO
 
+from maxpar.config import ConfigError, load_config
 from maxpar.tools.host_devices import with_device_count
 
 LOCALHOST = "127.0.0.1"
@@ -103,10 +107,40 @@ def _die_with_parent() -> None:
         pass
 
 
-def _forward(rank: int, stream: IO[bytes], out: IO[str], lock: threading.Lock) -> None:
-    """Copy one process's output line by line, each line prefixed with its rank."""
+# Gloo (the CPU collectives across processes) prints this on stdout from C++, unconditionally, for every group of
+# processes a collective connects; no environment variable or log level turns it off, so the launcher drops it.
+# Its threads print at once, so one line may hold pieces of several messages, and a message may span two lines.
+_GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
+                             r"Expected number of connected peer ranks is : (\d+)")
+_GLOO_PIECES = re.compile(r"(?:\[Gloo\] Rank |\d+| is connected to | peer ranks\. |"
+                          r"Expected number of connected peer ranks is : )+")
+
+
+def is_gloo_all_connected(line: str) -> bool:
+    """Whether `line` is Gloo's message that a rank connected to every peer it expected, or pieces of such
+    messages run together. A whole message that a rank connected to fewer is a real problem: that line is kept."""
+    text = line.strip()
+    if message := _GLOO_CONNECTED.fullmatch(text):
+        return message.group(1) == message.group(2)
+    return not text.isdigit() and bool(_GLOO_PIECES.fullmatch(text))
+
+
+def shows_library_logs(args: Sequence[str]) -> bool:
+    """Whether the processes' config asks for the libraries' logs on the terminal (log_level=debug); arguments
+    that are not a maxpar config (another --module's) ask for nothing."""
+    try:
+        return load_config(list(args)).log_level == "debug"
+    except (ConfigError, OSError, ValueError):
+        return False
+
+
+def _forward(rank: int, stream: IO[bytes], out: IO[str], lock: threading.Lock, quiet: bool) -> None:
+    """Copy one process's output line by line, each line prefixed with its rank (`quiet`: without Gloo's
+    all-connected lines)."""
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace").rstrip("\r\n")
+        if quiet and is_gloo_all_connected(line):
+            continue
         with lock:
             out.write(f"[rank {rank}] {line}\n")
             out.flush()
@@ -135,6 +169,38 @@ def _exit_status(code: int) -> int:
     return code if code > 0 else 128 - code
 
 
+@dataclasses.dataclass(frozen=True, order=True)
+class Exit:
+    """One process's exit, `at` the `time.monotonic()` when the launcher's wait on it returned."""
+
+    at: float
+    rank: int
+    code: int
+
+
+def first_failure(exits: Iterable[Exit]) -> Exit | None:
+    """The failure that happened first: a peer that a failed rank takes down exits moments later, and a lower rank
+    seen failed at the same look must not be blamed for it."""
+    return min((e for e in exits if e.code != 0), default=None)
+
+
+def _report_exit(rank: int, proc: subprocess.Popen, exits: queue.Queue[Exit]) -> None:
+    """Wait for one process and report its exit with the time it happened (to within a thread wake-up)."""
+    code = proc.wait()
+    exits.put(Exit(time.monotonic(), rank, code))
+
+
+def _reported(exits: queue.Queue[Exit], timeout_s: float) -> list[Exit]:
+    """The exits reported so far, waiting up to `timeout_s` for one if there are none yet."""
+    try:
+        got = [exits.get(timeout=timeout_s)]
+    except queue.Empty:
+        return []
+    while not exits.empty():
+        got.append(exits.get_nowait())
+    return got
+
+
 class Job:
     """The N processes of one local job, all in one process group."""
 
@@ -143,6 +209,7 @@ class Job:
         self.lock = threading.Lock()
         self.procs: list[subprocess.Popen] = []
         self.threads: list[threading.Thread] = []
+        self.exits: queue.Queue[Exit] = queue.Queue()
         self.verdict: str | None = None  # why the job failed, said again as the launcher's last line
 
     def say(self, message: str) -> None:
@@ -160,10 +227,13 @@ class Job:
             self.procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                stdin=subprocess.DEVNULL, process_group=group, preexec_fn=preexec))
         # Threads only after every fork: preexec_fn is not safe while other threads run.
+        quiet = not shows_library_logs(self.args.args)
         for rank, proc in enumerate(self.procs):
-            thread = threading.Thread(target=_forward, args=(rank, proc.stdout, self.out, self.lock), daemon=True)
+            thread = threading.Thread(target=_forward, args=(rank, proc.stdout, self.out, self.lock, quiet),
+                                      daemon=True)
             thread.start()
             self.threads.append(thread)
+            threading.Thread(target=_report_exit, args=(rank, proc, self.exits), daemon=True).start()
         pids = ", ".join(f"rank {r} pid {p.pid}" for r, p in enumerate(self.procs))
         self.say(f"{self.args.num_processes} process(es) x {self.args.devices_per_process} device(s), "
                  f"coordinator {LOCALHOST}:{port}; {pids}")
@@ -171,17 +241,16 @@ class Job:
     def wait(self) -> int:
         """Exit status of the job: 0 when all succeed, else the first failure's (124 on timeout)."""
         deadline = time.monotonic() + self.args.timeout_s if self.args.timeout_s else None
+        exited: list[Exit] = []
         while True:
-            codes = [p.poll() for p in self.procs]
-            failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
-            if failed:
-                return self._failed(*failed[0])
-            if all(code == 0 for code in codes):
+            exited += _reported(self.exits, timeout_s=0.05)
+            if failed := first_failure(exited):
+                return self._failed(failed.rank, failed.code)
+            if len(exited) == len(self.procs):
                 return 0
             if deadline is not None and time.monotonic() > deadline:
                 self.say(f"the job did not finish within --timeout_s={self.args.timeout_s:g}; stopping it")
                 return 124
-            time.sleep(0.05)
 
     def _failed(self, rank: int, code: int) -> int:
         """Say which rank failed first and what that means for the others; returns the job's exit status."""

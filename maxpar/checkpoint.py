@@ -40,6 +40,7 @@ from jax.sharding import Mesh
 
 from maxpar import distributed
 from maxpar.config import Config, ConfigError
+from maxpar.data.pipeline import POSITION_KEYS
 from maxpar.layout import RunLayout
 from maxpar.model import stack
 from maxpar.train_step import TrainState
@@ -50,9 +51,6 @@ ARRAY_ITEMS = ("params", "opt_state")
 # Keys that change the parameter tree or its dtype: every kind of load needs them equal.
 MODEL_KEYS = ("emb_dim", "num_query_heads", "num_kv_heads", "head_dim", "mlp_dim", "num_decoder_layers",
               "vocab_size", "weight_dtype", "logits_via_embedding", "num_experts", "moe_layer_interval")
-# Keys that give the saved data position its meaning: resuming a run needs them equal too.
-DATA_KEYS = ("dataset_type", "dataset_path", "grain_file_type", "dataset_text_field", "tokenizer_path", "eval_fraction",
-             "seed", "max_target_length")
 
 Warn = Callable[[str], None]
 
@@ -177,6 +175,12 @@ def config_differences(saved: Mapping[str, Any], config: Config, keys: Iterable[
 
 def _format_differences(differences: Sequence[tuple[str, Any, Any]]) -> str:
     return "\n".join(f"  {key}: {old!r} in the checkpoint, {new!r} now" for key, old, new in differences)
+
+
+def resume_keys(config: Config) -> tuple[str, ...]:
+    """Keys a resumed run must share with its checkpoint: the model's, and those that give the saved data
+    position its meaning (declared beside the data sources, maxpar/data/pipeline.py)."""
+    return tuple(dict.fromkeys(MODEL_KEYS + POSITION_KEYS[config.dataset_type]))
 
 
 def check_config(saved: Mapping[str, Any], config: Config, keys: Sequence[str], where: str, advice: str) -> None:
@@ -327,7 +331,7 @@ def resume_step(manager: ocp.CheckpointManager, step: int, target: Target, data_
     """
     where = f"checkpoint step {step} in {manager.directory}"
     meta, saved_config = _read_json_items(manager, step)
-    check_config(saved_config, target.config, MODEL_KEYS + DATA_KEYS, where,
+    check_config(saved_config, target.config, resume_keys(target.config), where,
                  "Changing only parallelism (mesh degrees, logical_axis_rules), scan_layers, dtype, remat or the "
                  "optimizer settings is fine. Use the checkpoint's values, or a new run_name for a fresh run "
                  "(load_parameters_path= / load_full_state_path= start one from this checkpoint).")

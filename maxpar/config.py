@@ -28,6 +28,8 @@ SYNTHETIC_FIRST_TOKEN = 3  # synthetic data skips ids 0-2, the byte tokenizer's 
 ATTENTION = ("dot_product", "xla", "cudnn_flash", "cudnn_flash_causal", "blockwise")
 CONTEXT_STRATEGIES = ("all_gather", "ring")
 CUDNN_ATTENTION = ("cudnn_flash", "cudnn_flash_causal")
+QUANTIZATION = ("", "fp8")
+FP8_SCALING = ("current", "delayed")
 
 
 class ConfigError(ValueError):
@@ -109,7 +111,7 @@ class Config:
     sliding_window: int = _key("attend only to this many most recent tokens, the current one included "
                                "(0 = all; Mistral; maxpar.convert sets it from config.json)", min=0)
     scan_layers: bool = _key("nn.scan over layers (stacked `layers` axis); faster compile")
-    # Mixture of experts (maxpar/model/moe.py; README "Mixture of experts")
+    # Mixture of experts (maxpar/model/moe.py; docs/moe.md)
     num_experts: int = _key("experts per MoE layer (1 = dense SwiGLU MLP in every layer)", min=1)
     num_experts_per_tok: int = _key("experts each token is routed to (top-k); <= num_experts", min=1)
     moe_layer_interval: int = _key("every k-th decoder layer (layers k, 2k, ...) is MoE, the others dense; "
@@ -118,13 +120,25 @@ class Config:
                                   "x top-k / num_experts) tokens of a row, the rest are dropped", min=0)
     load_balance_loss_weight: float = _key("weight of the load-balancing auxiliary loss added to the training "
                                            "objective", min=0)
-    # Sampling (python -m maxpar.generate; README "Sampling from a checkpoint")
+    # Quantization (maxpar/model/fp8.py): the layer stack's projections and MLP matmuls
+    quantization: str = _key("'' = matmuls in dtype; fp8 = the attention q/k/v/out and MLP matmuls take float8 "
+                             "e4m3 operands and e5m2 gradients with per-tensor scales, float32 accumulation, output "
+                             "in dtype (embedding, logits, attention scores and MoE experts stay in dtype)",
+                             choices=QUANTIZATION)
+    fp8_scaling: str = _key("fp8 scale recipe: current (from each tensor's amax in this step) or delayed (from an "
+                            "amax history in the train state; not implemented yet)", choices=FP8_SCALING)
+    fp8_amax_history_length: int = _key("fp8_scaling=delayed: steps of amax history kept per tensor", min=1)
+    # Sampling (python -m maxpar.generate; docs/sampling.md)
     max_new_tokens: int = _key("tokens generated per prompt (fewer if it ends with EOS)", min=1)
     temperature: float = _key("sampling temperature (0 = greedy: the most likely token)", min=0)
     top_k: int = _key("sample among the k most likely tokens only (0 = all)", min=0)
-    top_p: float = _key("sample among the most likely tokens whose probability sums to top_p (1 = all)", min=0, max=1)
+    top_p: float = _key("sample among the most likely tokens whose probability sums to top_p "
+                        "(1 = all; 0 = the most likely one)", min=0, max=1)
     # Logging, eval, checkpoints
     log_period: int = _key("log metrics every N steps", min=1)
+    log_level: str = _key("library logs (absl, Orbax, JAX, Gloo): info = written to RUN/libraries.log, kept off "
+                          "the terminal; debug = DEBUG records too, also printed on the terminal",
+                          choices=("info", "debug"))
     eval_interval: int = _key("evaluate every N steps (0 = only at the end, -1 = never)", min=-1)
     eval_steps: int = _key("batches per evaluation", min=1)
     eval_fraction: float = _key("fraction of text documents held out for eval", min=0, max=0.5)
@@ -142,7 +156,7 @@ class Config:
     num_simulated_devices: int = _key("simulate this many CPU devices (applied before JAX starts, CPU only; "
                                       "0 = off, or set XLA_FLAGS=--xla_force_host_platform_device_count=N)", min=0)
     cpu_malloc_tuning: bool = _key("on XLA:CPU, glibc malloc keeps each step's freed buffers mapped instead of "
-                                   "faulting them in again every step (2-5% faster multi-device CPU steps; "
+                                   "faulting them in again every step (faster multi-device CPU steps; "
                                    "maxpar's own processes only; your MALLOC_* variables stand; false = defaults)")
     peak_flops_per_device: float = _key("peak dense FLOP/s of one device for MFU (0 = look up the device kind)", min=0)
     profiler: str = _key("'' = off; xplane = a jax.profiler trace of profiler_steps steps under RUN/profile/ "
@@ -288,8 +302,20 @@ def load_config(argv: Sequence[str]) -> Config:
         model_layer = _read_yaml(model_file)
         _check_known_keys(model_layer, str(model_file))
         model_layers = [(str(model_file), model_layer)]
-    ordered = chain[:1] + model_layers + chain[1:] + [overrides]
+    ordered = _defaults_for_saved(chain) + chain[:1] + model_layers + chain[1:] + [overrides]
     return config_from_dict(_merge([layer for _, layer in ordered]))
+
+
+DEFAULTS = Path(__file__).resolve().parents[1] / "configs" / "base.yml"
+
+
+def _defaults_for_saved(chain: Sequence[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+    """base.yml's defaults under a root file that lacks keys: a run's saved config.yml names every key there was
+    when it was written, so one saved before a key was added still loads (the new key takes its default)."""
+    given = set().union(*(layer for _, layer in chain))
+    if Path(chain[0][0]) == DEFAULTS or given >= set(FIELDS) or not DEFAULTS.is_file():
+        return []
+    return [(str(DEFAULTS), {k: v for k, v in _read_yaml(DEFAULTS).items() if k not in given})]
 
 
 def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
@@ -481,6 +507,7 @@ def validate(config: Config) -> None:
         raise ConfigError(f"vocab_size={config.vocab_size}: dataset_type=synthetic draws tokens from "
                           f"[{SYNTHETIC_FIRST_TOKEN}, vocab_size), so it must be > {SYNTHETIC_FIRST_TOKEN}")
     _validate_moe(config)
+    _validate_quantization(config)
     _validate_rope_scaling(config)
     if config.dataset_type == "text" and not config.dataset_path:
         raise ConfigError("dataset_type=text needs dataset_path (a glob of text files)")
@@ -514,6 +541,13 @@ def _validate_rope_scaling(config: Config) -> None:
         raise ConfigError(f"rope_low_freq_factor={config.rope_low_freq_factor}, rope_high_freq_factor="
                           f"{config.rope_high_freq_factor}: rope_scaling_type=llama3 needs "
                           f"0 < rope_low_freq_factor < rope_high_freq_factor (Llama 3.1 uses 1 and 4)")
+
+
+def _validate_quantization(config: Config) -> None:
+    """fp8 recipes that exist: delayed scaling needs an amax history in the train state, not built yet."""
+    if config.quantization == "fp8" and config.fp8_scaling == "delayed":
+        raise ConfigError("quantization=fp8 with fp8_scaling=delayed: delayed scaling is not implemented yet; "
+                          "use fp8_scaling=current (each tensor scaled by its own amax in the step)")
 
 
 def _validate_moe(config: Config) -> None:

@@ -2,8 +2,9 @@
 
 Loads the parameters of `load_parameters_path` (a run, a step directory or a `maxpar.convert` output) onto
 the run's mesh, tokenizes the prompts with the run's tokenizer and decodes with a KV cache: one prefill of
-all prompts (right-padded, each row at its own positions), then one token per step for every row, until
-each row has written EOS or `max_new_tokens`. The cache is the `cache` collection of the model's attention
+all prompts (right-padded, each row at its own positions; any number of them: the batch runs padded with
+copies of the last row up to a multiple of the mesh's batch shards), then one token per step for every row,
+until each row has written EOS or `max_new_tokens`. The cache is the `cache` collection of the model's attention
 (maxpar/model/layers.py), sharded by the same logical rules as its k/v: batch over data/fsdp, heads over
 tensor. Sampling is greedy (`temperature=0`) or temperature with optional top-k / top-p, seeded by `seed`.
 It runs in one process: it joins no multi-process job, so the mesh must fit this host's devices.
@@ -25,14 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from maxpar import checkpoint, preflight
+from maxpar import checkpoint, logs, preflight
 from maxpar.config import Config, ConfigError, load_config
 from maxpar.data.tokenizer import Tokenizer, load_tokenizer
 from maxpar.guards import INTERRUPTED_EXIT_STATUS
 from maxpar.mesh import build_mesh, local_mesh_shape
 from maxpar.model import Transformer
 from maxpar.model.layers import CACHE
-from maxpar.train_step import run_layout, sharding_context
+from maxpar.train_step import layout_check, run_layout, sharding_context
 
 Array = jax.Array
 
@@ -66,7 +67,8 @@ def check_request(config: Config, prompts: Sequence[Sequence[int]]) -> None:
 
 def sample(logits: Array, key: Array, temperature: float, top_k: int, top_p: float) -> Array:
     """[B, V] float32 logits -> [B] token ids: argmax at temperature 0, else a draw from the tempered
-    distribution restricted to the top_k most likely tokens and to the smallest set whose mass reaches top_p."""
+    distribution restricted to the top_k most likely tokens and to the smallest set whose mass reaches top_p
+    (never empty: the most likely token always stays, so top_p=0 is greedy, as in transformers)."""
     if temperature == 0:
         return jnp.argmax(logits, axis=-1)
     logits = logits / temperature
@@ -77,7 +79,8 @@ def sample(logits: Array, key: Array, temperature: float, top_k: int, top_p: flo
         ordered = jnp.sort(logits, axis=-1)[:, ::-1]
         probs = jax.nn.softmax(ordered, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
-        cutoff = jnp.min(jnp.where(before < top_p, ordered, jnp.inf), axis=-1, keepdims=True)
+        keep = (before < top_p).at[:, 0].set(True)
+        cutoff = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
         logits = jnp.where(logits < cutoff, -jnp.inf, logits)
     return jax.random.categorical(key, logits, axis=-1)
 
@@ -128,9 +131,20 @@ def decode(apply: Callable[..., tuple[Array, Any]], params: Any, prompts: Sequen
     return Generation(new, rows * width / prefill_s, rows * steps / decode_s if steps else 0.0)
 
 
-def model_apply(model: nn.Module, mesh: Any, rules: Any) -> Callable[..., tuple[Array, Any]]:
+def pad_rows(array: Any, multiple: int) -> np.ndarray:
+    """[rows, ...] -> [rows rounded up to `multiple`, ...], the last row repeated: whole, ordinary rows (no
+    all-padding row for attention to mask out), computed apart from the real ones and dropped by the caller."""
+    array = np.asarray(array)
+    return np.pad(array, [(0, -len(array) % multiple)] + [(0, 0)] * (array.ndim - 1), mode="edge")
+
+
+def model_apply(model: nn.Module, mesh: Any, rules: Any, rows_multiple: int = 1) -> Callable[..., tuple[Array, Any]]:
     """The jitted (params, cache, tokens, positions, segment_ids) -> (logits, cache) of `decode`, traced under
-    the run's mesh and logical rules so the cache and activations shard as in training."""
+    the run's mesh and logical rules so the cache and activations shard as in training.
+
+    Any number of rows: they run padded to a multiple of `rows_multiple` (the mesh's batch shards, which the MoE
+    dispatch's shard_map must split evenly); the logits are the real rows', the cache keeps the padding rows,
+    so it goes back in as it came out."""
     @jax.jit
     def run(params, cache, tokens, positions, segment_ids):
         variables = {"params": params, **({CACHE: cache} if cache is not None else {})}
@@ -138,19 +152,22 @@ def model_apply(model: nn.Module, mesh: Any, rules: Any) -> Callable[..., tuple[
         return logits, mutated[CACHE]
 
     def apply(params, cache, tokens, positions, segment_ids):
+        padded = (jnp.asarray(pad_rows(a, rows_multiple)) for a in (tokens, positions, segment_ids))
         with sharding_context(mesh, rules):
-            return run(params, cache, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(segment_ids))
+            logits, cache = run(params, cache, *padded)
+        return logits[:len(tokens)], cache
     return apply
 
 
 def load_model(config: Config, devices: Sequence[Any] | None = None) -> tuple[Callable[..., Any], Any]:
     """(apply for `decode`, parameters of load_parameters_path) on the run's mesh over `devices`."""
     devices = list(jax.devices() if devices is None else devices)
-    layout = run_layout(config, local_mesh_shape(config, devices), optax.identity(), check_batch=False)
+    runs = layout_check(config, optax.identity(), check_batch=False)
+    layout = run_layout(config, local_mesh_shape(config, devices, runs), optax.identity(), check_batch=False)
     mesh = build_mesh(layout.mesh, devices)
     target = checkpoint.Target.of(layout, mesh)
     params = checkpoint.load_parameters(config.load_parameters_path, target)
-    return model_apply(Transformer(config, layout.model), mesh, config.axis_rules), params
+    return model_apply(Transformer(config, layout.model), mesh, config.axis_rules, layout.rows_degree), params
 
 
 def generate(config: Config, prompts: Sequence[str], tokenizer: Tokenizer | None = None,
@@ -197,7 +214,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load_config([args.config, *args.overrides])
         preflight.apply_simulated_devices(config)  # a run's num_simulated_devices=N: before JAX starts
         prompts = [*args.prompt, *(read_prompts(args.prompts_file) if args.prompts_file else [])]
-        texts, result = generate(config, prompts)
+        with logs.library_logs(logs.tool_log_path("generate"), config.log_level, mode="w"):
+            texts, result = generate(config, prompts)
     except ConfigError as e:
         print(f"maxpar: config error: {e}", file=sys.stderr)
         return 2

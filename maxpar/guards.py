@@ -8,6 +8,7 @@ collective, fail on the lost heartbeat instead of waiting forever); it never tou
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import signal
@@ -90,6 +91,26 @@ class PreemptionWatch:
             return multihost_utils.reached_preemption_sync_point(step)
         except RuntimeError:  # this runtime has no preemption service
             return False
+
+
+class StepsInFlight:
+    """Keeps the host at most `depth` steps ahead of the device.
+
+    JAX dispatches steps asynchronously, so an unbounded host runs many steps ahead between the syncs that
+    logging makes; a stop it then notices at "this step" waits for every step already queued. Waiting for the
+    step `depth` back before going on makes a stop (and a stuck-step check) follow the device within about a
+    step, and costs no sync in the steady state: the device is still busy with the newer steps.
+    """
+
+    def __init__(self, depth: int = 1) -> None:
+        self._depth = depth
+        self._queued: collections.deque[Any] = collections.deque()
+
+    def add(self, outputs: Any) -> None:
+        """`outputs`: a step's (small) results, just dispatched; waits for those of the step `depth` back."""
+        self._queued.append(outputs)
+        if len(self._queued) > self._depth:
+            jax.block_until_ready(self._queued.popleft())
 
 
 def first_nonfinite(losses: Sequence[tuple[int, Any]]) -> tuple[int, float] | None:

@@ -214,6 +214,12 @@ class RunLayout:
     def axis_sizes(self) -> dict[str, int]:
         return dict(zip(self.mesh.axis_names, self.mesh.shape))
 
+    @property
+    def rows_degree(self) -> int:
+        """How many shards the mesh splits the batch rows into: a row count must be a multiple of it (the MoE
+        dispatch's shard_map needs an even split)."""
+        return math.prod(self.axis_sizes[a] for a in self.input_axes[0])
+
     def state_shardings(self, mesh: Mesh | AbstractMesh) -> Any:
         """NamedShardings of the train state on `mesh` (real devices, or the abstract mesh)."""
         return jax.tree.map(lambda spec: NamedSharding(mesh, spec), self.state_specs,
@@ -314,16 +320,19 @@ def check_batch_split(config: Config, batch: BatchShape, input_axes: tuple[Axes,
                           f"{length_degree}")
 
 
+# Keys that only a pipelined run may set, with their values for a run without stages.
+PIPELINE_ONLY_KEYS = {"num_pipeline_repeats": 1, "num_pipeline_microbatches": -1, "pipeline_fsdp_ag_once": False,
+                      "pipeline_fsdp_ag_per_repeat": False}
+
+
 def check_pipeline(config: Config, stages: int) -> None:
     """Pipeline keys against each other and the number of stages S of the mesh."""
     layers, repeats, micro = config.num_decoder_layers, config.num_pipeline_repeats, config.num_pipeline_microbatches
     stage_keys = f"ici_stage_parallelism={config.ici_stage_parallelism} x dcn_stage_parallelism=" \
                  f"{config.dcn_stage_parallelism} = {stages} stage(s)"
     if stages == 1:
-        extra = [f"{key}={value}" for key, value, default in (
-            ("num_pipeline_repeats", repeats, 1), ("num_pipeline_microbatches", micro, -1),
-            ("pipeline_fsdp_ag_once", config.pipeline_fsdp_ag_once, False),
-            ("pipeline_fsdp_ag_per_repeat", config.pipeline_fsdp_ag_per_repeat, False)) if value != default]
+        extra = [f"{key}={getattr(config, key)}" for key, unstaged in PIPELINE_ONLY_KEYS.items()
+                 if getattr(config, key) != unstaged]
         if extra:
             raise ConfigError(f"{', '.join(extra)} need(s) pipeline stages, but {stage_keys}; set "
                               f"ici_stage_parallelism (or dcn_stage_parallelism) > 1, or drop these keys")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -98,17 +98,43 @@ def num_slices_for(config: Config, devices: Sequence[jax.Device]) -> int:
                       f"(TPU slices, or processes elsewhere); use -1 to detect or 1 for one flat mesh")
 
 
-def local_mesh_shape(config: Config, devices: Sequence[jax.Device]) -> MeshShape:
-    """`resolve_mesh_shape` for real devices; on the CPU, too few devices come with how to simulate more."""
+def local_mesh_shape(config: Config, devices: Sequence[jax.Device],
+                     runs: Callable[[MeshShape], object] | None = None) -> MeshShape:
+    """`resolve_mesh_shape` for real devices; on the CPU, too few devices come with how many to simulate: a count
+    whose mesh `runs` (the caller's check of the whole config on a mesh, raising ConfigError) accepts too."""
     num_slices = num_slices_for(config, devices)
     try:
         return resolve_mesh_shape(config, len(devices), num_slices)
     except DeviceCountError as e:
         if devices[0].platform != "cpu" or "devices per slice" not in str(e):
             raise
-        count = e.needed * num_slices
-        raise ConfigError(f"{e}; on a CPU machine simulate devices with num_simulated_devices={count} or "
-                          f"XLA_FLAGS=--xla_force_host_platform_device_count={count}") from None
+        processes = len({d.process_index for d in devices})
+        raise ConfigError(f"{e}; {simulation_hint(config, e.needed, num_slices, processes, runs)}") from None
+
+
+def simulation_hint(config: Config, needed: int, num_slices: int, num_processes: int,
+                    runs: Callable[[MeshShape], object] | None) -> str:
+    """The num_simulated_devices (per process) to try: the smallest multiple of the `needed` devices per slice (any
+    multiple, when a -1 fills the rest) whose mesh resolves and `runs`, so that the hint does not lead into the
+    next error; else why the smallest would not run either."""
+    multiples = (1, 2, 4, 8) if -1 in config.ici_parallelism().values() else (1,)
+    first_error = None
+    for total in (needed * multiple * num_slices for multiple in multiples):
+        if total % num_processes:
+            continue
+        try:
+            shape = resolve_mesh_shape(config, total, num_slices)
+            if runs is not None:
+                runs(shape)
+        except ConfigError as e:
+            first_error = first_error or e
+            continue
+        count = total // num_processes
+        return (f"on a CPU machine simulate devices with num_simulated_devices={count} or "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={count}")
+    if first_error is None:
+        return f"the {needed * num_slices} devices it needs do not split evenly over {num_processes} processes"
+    return f"simulating {needed * num_slices} CPU devices would not run this config either: {first_error}"
 
 
 def create_mesh(config: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:

@@ -145,9 +145,9 @@ class MetricsWriter:
 def _summary_writer_class() -> type:
     """tensorboardX's SummaryWriter, loaded without torch.
 
-    tensorboardX imports torch whenever it is installed, only to accept torch tensors (maxpar logs floats). On
-    the 2-core CPU machine that import took 2.0-2.3 s and 610 MB (0.14 s and 30 MB without torch), and raised a
-    training run's peak RSS by about 460 MB. A torch the process already holds is used as is.
+    tensorboardX imports torch whenever it is installed, only to accept torch tensors (maxpar logs floats);
+    that import costs seconds and hundreds of MB of every training process's memory. A torch the process
+    already holds is used as is.
     """
     if "torch" in sys.modules or "tensorboardX" in sys.modules:
         from tensorboardX import SummaryWriter

@@ -1,25 +1,29 @@
 """The end of a run: a few summary lines and the loss curve, so that a finished run says what it did and where.
 
-matplotlib is optional (the `plot` extra): it is imported only to draw, and a run without it simply has
-no loss_curve.png (the summary says so).
+matplotlib (a core dependency) is imported only to draw, so a run that logged no losses never loads it; a
+curve that cannot be drawn or written leaves the run finished, and the summary says why.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
+from maxpar.axes import STAGE_AXIS
+from maxpar.config import Config
+from maxpar.layout import PIPELINE_ONLY_KEYS
+from maxpar.mesh import MeshShape
 
 LOSS_CURVE = "loss_curve.png"
 
 
 def plot_losses(rows: Sequence[dict[str, Any]], path: Path, title: str, threshold: float | None = None) -> None:
-    """Train and eval loss vs step as a PNG. Raises ImportError without matplotlib."""
+    """Train and eval loss vs step as a PNG."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -72,8 +76,10 @@ def newest_checkpoint(run_dir: Path) -> Path | None:
     return directory / str(max(steps)) if steps else None
 
 
-def summary_lines(run_dir: Path, totals: RunTotals, rows: Sequence[dict[str, Any]], curve: Path | str) -> list[str]:
-    """The end-of-run report: steps, time, throughput, final losses, where the checkpoint and metrics are."""
+def summary_lines(run_dir: Path, totals: RunTotals, rows: Sequence[dict[str, Any]], curve: Path | str,
+                  sampling: Sequence[str]) -> list[str]:
+    """The end-of-run report: steps, time, throughput, final losses, where the checkpoint and metrics are, and the
+    command that samples from it (with the `sampling_overrides`)."""
     trained = totals.last_step - totals.first_step
     if trained > 0:
         rate = trained * totals.tokens_per_step / totals.train_s if totals.train_s > 0 else 0.0
@@ -92,18 +98,18 @@ def summary_lines(run_dir: Path, totals: RunTotals, rows: Sequence[dict[str, Any
     checkpoint = newest_checkpoint(run_dir)
     lines.append(f"  checkpoint: {checkpoint if checkpoint else 'none (enable_checkpointing=false)'}")
     if checkpoint and (run_dir / "config.yml").exists():
-        lines.append(f"  sample from it: {generate_command(run_dir, checkpoint)}")
+        lines.append(f"  sample from it: {generate_command(run_dir, checkpoint, sampling)}")
     metrics = run_dir / "metrics.jsonl"
     lines.append(f"  metrics: {metrics if metrics.exists() else 'none'}; loss curve: {curve}")
     return lines
 
 
-def generate_command(run_dir: Path, checkpoint: Path) -> str:
+def generate_command(run_dir: Path, checkpoint: Path, overrides: Sequence[str]) -> str:
     """The one-line `python -m maxpar.generate` for a run, ready to paste: its saved config.yml holds every key (so
-    no model preset is read again: model_name=), the checkpoint its parameters; paths shell-quoted."""
-    config = yaml.safe_load((run_dir / "config.yml").read_text(encoding="utf-8")) or {}
+    no model preset is read again: model_name=), the checkpoint its parameters, `overrides` what sampling changes
+    (`sampling_overrides`); paths shell-quoted."""
     words = ["python -m maxpar.generate", shlex.quote(str(run_dir / "config.yml")), "model_name=",
-             shlex.quote(f"load_parameters_path={checkpoint}"), *unstaged_mesh(config), *room_to_write(config),
+             shlex.quote(f"load_parameters_path={checkpoint}"), *map(shlex.quote, overrides),
              f"--prompt {shlex.quote(PROMPT)}"]
     return " ".join(words)
 
@@ -111,39 +117,58 @@ def generate_command(run_dir: Path, checkpoint: Path) -> str:
 PROMPT = "def "
 
 
-def room_to_write(config: Mapping[str, Any]) -> list[str]:
-    """max_new_tokens that fits the run's max_target_length after BOS and the prompt (no tokenizer makes more
-    tokens than bytes), where the configured one would not: a short-sequence run's command still runs."""
-    length, new = config.get("max_target_length"), config.get("max_new_tokens")
-    room = length - 1 - len(PROMPT.encode()) if isinstance(length, int) else None
-    return [f"max_new_tokens={room}"] if room is not None and isinstance(new, int) and 0 < room < new else []
+def sampling_overrides(config: Config, mesh: MeshShape, platform: str) -> list[str]:
+    """What turns a run's config (trained on `mesh`, devices of `platform`) into one `maxpar.generate` runs as it
+    is: one process on one host (it joins no multi-process job), no pipeline, room for the new tokens."""
+    return [*one_host_mesh(config, mesh, platform), *unstaged_keys(config), *room_to_write(config)]
 
 
-def unstaged_mesh(config: Mapping[str, Any]) -> list[str]:
-    """Overrides that give a pipelined run's mesh no stage axis (maxpar.generate runs no pipeline): the stage
-    degree goes to data parallelism, so the mesh still covers the run's devices; none for other runs."""
-    overrides = []
-    for level in ("ici", "dcn"):
-        stages = config.get(f"{level}_stage_parallelism", 1)
-        if stages == 1:
-            continue
-        overrides.append(f"{level}_stage_parallelism=1")
-        degrees = [v for k, v in config.items() if k.startswith(f"{level}_") and k.endswith("_parallelism")]
-        if stages == -1:  # the stage axis filled the level: data fills it now
-            overrides.append(f"{level}_data_parallelism=-1")
-        elif -1 not in degrees:  # no axis fills the level: data takes the stages' share
-            overrides.append(f"{level}_data_parallelism={config.get(f'{level}_data_parallelism', 1) * stages}")
+def one_host_mesh(config: Config, mesh: MeshShape, platform: str) -> list[str]:
+    """Degrees (and on a CPU the simulated devices) that lay the run's mesh out in one process, without stages.
+
+    On a CPU one process can simulate all the run's devices, so every axis keeps its whole degree, the DCN share
+    folded into ICI; elsewhere one host holds one slice's devices, so the ICI degrees stay and the DCN ones go.
+    The stage degree moves to data, so the mesh still covers the devices. A -1 stays: it fills to the same degree.
+    """
+    on_cpu = platform == "cpu"
+    degrees = dict(zip(mesh.axis_names, mesh.shape if on_cpu else mesh.ici))
+    degrees["data"], degrees[STAGE_AXIS] = degrees["data"] * degrees[STAGE_AXIS], 1
+    ici = config.ici_parallelism()
+    overrides = [f"ici_{axis}_parallelism={degree}" for axis, degree in degrees.items()
+                 if ici[axis] != degree and (ici[axis] != -1 or axis == STAGE_AXIS)]
+    overrides += [f"dcn_{axis}_parallelism=1" for axis, degree in config.dcn_parallelism().items()
+                  if degree not in (1, -1)]  # a -1 fills the one slice with 1
+    if config.num_slices not in (1, -1):
+        overrides.append("num_slices=1")
+    devices = math.prod(degrees.values())
+    if on_cpu and config.num_simulated_devices != devices and (devices > 1 or config.num_simulated_devices):
+        overrides.append(f"num_simulated_devices={devices}")
     return overrides
 
 
-def finish_run(run_dir: Path, totals: RunTotals, title: str) -> list[str]:
-    """Draw RUN/loss_curve.png (when matplotlib is installed and there are losses) and return the summary lines."""
+def unstaged_keys(config: Config) -> list[str]:
+    """The pipeline-only keys a pipelined run set, back at their values without stages (maxpar.generate refuses
+    them)."""
+    return [f"{key}={str(unstaged).lower()}" for key, unstaged in PIPELINE_ONLY_KEYS.items()
+            if getattr(config, key) != unstaged]
+
+
+def room_to_write(config: Config) -> list[str]:
+    """max_new_tokens that fits the run's max_target_length after BOS and the prompt (no tokenizer makes more
+    tokens than bytes), where the configured one would not: a short-sequence run's command still runs."""
+    room = config.max_target_length - 1 - len(PROMPT.encode())
+    return [f"max_new_tokens={room}"] if 0 < room < config.max_new_tokens else []
+
+
+def finish_run(run_dir: Path, totals: RunTotals, title: str, sampling: Sequence[str]) -> list[str]:
+    """Draw RUN/loss_curve.png (when there are losses) and return the summary lines (`sampling`: the
+    `sampling_overrides` of the command they end with)."""
     rows = read_rows(run_dir / "metrics.jsonl")
     curve: Path | str = "none (no losses logged)"
     if rows:
         try:
             plot_losses(rows, run_dir / LOSS_CURVE, title)
             curve = run_dir / LOSS_CURVE
-        except ImportError:
-            curve = "not drawn (matplotlib is missing: pip install -e '.[plot]')"
-    return summary_lines(run_dir, totals, rows, curve)
+        except (ImportError, OSError) as e:  # a broken install or an unwritable run directory: the run still finished
+            curve = f"not drawn ({type(e).__name__}: {e})"
+    return summary_lines(run_dir, totals, rows, curve, sampling)

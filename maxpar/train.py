@@ -22,13 +22,14 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from tqdm import tqdm
 
-from maxpar import checkpoint, distributed, preflight, summary
+from maxpar import checkpoint, distributed, logs, preflight, summary
 from maxpar.profiler import StepProfiler, profile_window
 from maxpar.cadence import StepTimer, cadence
 from maxpar.guards import (INTERRUPTED_EXIT_STATUS, PREEMPTED_EXIT_STATUS, LossCheck, Preempted, PreemptionWatch,
-                           StepWatchdog)
+                           StepsInFlight, StepWatchdog)
 from maxpar.config import Config, ConfigError, describe_keys, load_config, to_yaml
-from maxpar.data.pipeline import make_datasets
+from maxpar.data.errors import DataError
+from maxpar.data.pipeline import open_datasets
 from maxpar.layout import BatchShape, RunLayout, check_devices
 from maxpar.mesh import build_mesh, local_mesh_shape
 from maxpar.metrics import (MetricsWriter, parameter_counts, peak_flops, rewind_metrics, throughput,
@@ -37,7 +38,7 @@ from maxpar.model import Transformer
 from maxpar.optimizer import make_optimizer
 from maxpar.pipeline.schedule import Schedule
 from maxpar.tools import host_malloc
-from maxpar.train_step import compile_train_step, create_state, jit_eval_step, run_layout
+from maxpar.train_step import compile_train_step, create_state, jit_eval_step, layout_check, run_layout
 
 
 def global_batch(local: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
@@ -70,6 +71,7 @@ class RunSetup:
     tx: optax.GradientTransformation
     train_data: grain.IterDataset
     eval_data: Callable[[], grain.IterDataset] | None
+    data_description: str  # what the data reads, for the run header
 
     @property
     def config(self) -> Config:
@@ -106,15 +108,20 @@ class RunSetup:
 def setup_run(config: Config, devices: Sequence[jax.Device] | None = None) -> RunSetup:
     """The run layout of `config` on `devices` (every setup check), bound to them, with data, model and optimizer."""
     devices = list(jax.devices() if devices is None else devices)
-    layout = run_layout(config, local_mesh_shape(config, devices))
+    layout = run_layout(config, local_mesh_shape(config, devices, layout_check(config)))
     check_devices(config, devices)
     mesh = build_mesh(layout.mesh, devices)
     block_index, block_count = layout.process_block(mesh)
-    train_data, eval_data = make_datasets(config, global_rows=layout.batch.global_rows,
-                                          eval_rows=layout.batch.microbatch_rows, shard_index=block_index,
-                                          shard_count=block_count)
-    return RunSetup(layout, devices, mesh, Transformer(config, layout.model), make_optimizer(config), train_data,
-                    eval_data)
+    data = open_datasets(config, global_rows=layout.batch.global_rows, eval_rows=layout.batch.microbatch_rows,
+                         shard_index=block_index, shard_count=block_count)
+    return RunSetup(layout, devices, mesh, Transformer(config, layout.model), make_optimizer(config), data.train,
+                    data.eval, data.description)
+
+
+def accumulation_words(steps: int, microbatch_rows: int) -> str:
+    """The batch line's note on gradient accumulation, only where there is some: a pipeline's microbatches are
+    another thing, which its own line counts."""
+    return f" in {steps} gradient-accumulation microbatches of {microbatch_rows} rows" if steps > 1 else ""
 
 
 def _print_header(run: RunSetup, run_dir: Path, peak: float | None, log: Callable[[str], None]) -> None:
@@ -131,12 +138,16 @@ def _print_header(run: RunSetup, run_dir: Path, peak: float | None, log: Callabl
             f"{config.num_experts_per_tok}, {dispatch}, load-balance loss weight {config.load_balance_loss_weight:g}")
     log(f"  mesh {mesh_desc} over {len(devices)} {devices[0].device_kind} device(s) in {jax.process_count()} process(es)")
     log(f"  batch {run.shape.global_rows} rows x {config.max_target_length} tokens = {run.shape.tokens_per_step:,} "
-        f"tokens/step ({config.gradient_accumulation_steps} microbatch(es)); "
+        f"tokens/step{accumulation_words(config.gradient_accumulation_steps, run.shape.microbatch_rows)}; "
         f"{training_flops_per_token(config):.3e} FLOPs/token; "
         f"peak {'unknown' if peak is None else f'{peak:.3e}'} FLOP/s per device")
+    log(f"  data {run.data_description}")
     if run.pipeline is not None:
         log(f"  {run.pipeline.describe()}")
         log(f"    layers per stage: {run.pipeline.assignment()}")
+    log(f"  library logs (absl, Orbax, JAX): {library_log(run_dir)}"
+        + (" (one file per process)" if jax.process_count() > 1 else "")
+        + ("; also printed here (log_level=debug)" if config.log_level == "debug" else ""))
 
 
 def initial_state(run: RunSetup, manager: Any, iterator: Any, log: Callable[[str], None]) -> Any:
@@ -161,12 +172,23 @@ def initial_state(run: RunSetup, manager: Any, iterator: Any, log: Callable[[str
     return create_state(run.model, run.tx, run.layout, run.mesh)
 
 
+def library_log(run_dir: Path) -> Path:
+    """This process's file for the libraries' log records (absl, Orbax, JAX) while it trains."""
+    return logs.library_log_path(run_dir, jax.process_index(), jax.process_count())
+
+
 def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: Path | None = None) -> dict[str, Any]:
-    """Train per `config`; returns the last logged metrics row."""
+    """Train per `config`; returns the last logged metrics row. The libraries' logs go to `library_log`
+    meanwhile, so that the terminal shows maxpar's lines (log_level=debug shows both)."""
+    run_dir = run_dir or run_directory(config)
+    with logs.library_logs(library_log(run_dir), config.log_level):
+        return _train(config, devices, run_dir)
+
+
+def _train(config: Config, devices: Sequence[jax.Device] | None, run_dir: Path) -> dict[str, Any]:
     setup_start = time.perf_counter()
     run = setup_run(config, devices)
     devices = run.devices
-    run_dir = run_dir or run_directory(config)
     lead = jax.process_index() == 0
     log = tqdm.write if lead else (lambda *_: None)
     peak = peak_flops(devices[0].device_kind, config.peak_flops_per_device)
@@ -196,6 +218,7 @@ def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: 
             row: dict[str, Any] = {}
             when = cadence(config, has_eval_data=eval_fn is not None, checkpointing=manager is not None)
             timer, losses = StepTimer(), LossCheck(enabled=config.stop_on_nan)
+            in_flight = StepsInFlight()  # a stop requested now waits for about one step, not for all dispatched
 
             def log_step(step: int, metrics: dict[str, Any], params: Any = None, late: bool = False) -> dict[str, Any]:
                 """Read, evaluate (given `params`) and write one metrics row. A row read `late` ends the timer's window
@@ -216,6 +239,7 @@ def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: 
                 profiler.before_step(step)
                 state, metrics = step_fn(state, global_batch(next(iterator), run.in_sharding))
                 profiler.after_step(step, metrics)
+                in_flight.add(metrics)
                 if lagging:  # the previous step, read now that this one is queued
                     losses.check(manager)
                     row, lagging = log_step(*lagging, late=True), None
@@ -253,7 +277,9 @@ def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: 
     if lead:
         totals = summary.RunTotals(start, max(start, config.steps), time.perf_counter() - setup_start,
                                    time.perf_counter() - loop_start, run.shape.tokens_per_step)
-        for line in summary.finish_run(run_dir, totals, f"maxpar: {config.model_name or 'custom'}, {run_dir.name}"):
+        sampling = summary.sampling_overrides(config, run.layout.mesh, devices[0].platform)
+        for line in summary.finish_run(run_dir, totals, f"maxpar: {config.model_name or 'custom'}, {run_dir.name}",
+                                       sampling):
             log(line)
     return row
 
@@ -302,6 +328,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if malloc_note and jax.process_index() == 0:
             print(f"maxpar: {malloc_note}", flush=True)
         train(config)
+    except DataError as e:  # a document that cannot be read, at whatever step: a ConfigError named for what it is
+        print(f"maxpar: data error: {e}", file=sys.stderr)
+        return 2
     except ConfigError as e:
         print(f"maxpar: config error: {e}", file=sys.stderr)
         return 2

@@ -77,6 +77,14 @@ def run_layout(config: Config, mesh: MeshShape, tx: optax.GradientTransformation
     return resolve_layout(config, mesh, trace_state(config, tx), check_batch=check_batch)
 
 
+def layout_check(config: Config, tx: optax.GradientTransformation | None = None, *,
+                 check_batch: bool = True) -> Callable[[MeshShape], RunLayout]:
+    """`run_layout` of `config` on any candidate mesh, tracing the state once, on the first call: the whole-config
+    check that `maxpar.mesh.local_mesh_shape` tries a device-count hint with."""
+    traced = functools.cache(lambda: trace_state(config, tx))
+    return lambda mesh: resolve_layout(config, mesh, traced(), check_batch=check_batch)
+
+
 def create_state(model: nn.Module, tx: optax.GradientTransformation, layout: RunLayout, mesh: Mesh) -> TrainState:
     """Initialize directly into the sharded layout: no device ever holds the full model."""
     config = layout.config

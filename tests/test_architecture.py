@@ -1,4 +1,4 @@
-"""Imports point one way: each spine module imports only the modules before it (README "Layout")."""
+"""Imports point one way: each spine module imports only the modules before it (docs/architecture.md, "The import rule")."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ SPINE = [
     ["maxpar.cadence", "maxpar.guards", "maxpar.profiler"], ["maxpar.train", "maxpar.preflight", "maxpar.summary"],
 ]
 LOOP = SPINE[-1]  # the entry point: may use the planner (fit before you run) and the tools (simulated devices)
-BESIDE = ["maxpar.data", "maxpar.metrics", "maxpar.distributed", "maxpar.checkpoint"]  # import the spine's lower part
+# Import the spine's lower part.
+BESIDE = ["maxpar.data", "maxpar.metrics", "maxpar.distributed", "maxpar.checkpoint", "maxpar.logs"]
 ABOVE = ["maxpar.plan", "maxpar.convert", "maxpar.tools", "maxpar.generate"]
 
 

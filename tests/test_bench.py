@@ -65,19 +65,7 @@ def test_gpu_smoke_rows_measure_or_say_why_not(tmp_path):
     assert (tmp_path / "bench.md").read_text() == table
     assert [r["name"] for r in json.loads((tmp_path / "bench.json").read_text())["results"]] == [
         "base", "attention=cudnn_flash"]
-    try:
-        import matplotlib  # noqa: F401 - the `plot` extra; CI installs only `test`
-    except ImportError:
-        return
     assert (tmp_path / "bench.png").stat().st_size > 0
-
-
-def test_without_matplotlib_the_chart_is_reported_skipped_and_never_written(tmp_path, monkeypatch, capsys):
-    def no_matplotlib(*_):
-        raise ImportError("No module named 'matplotlib'")
-    monkeypatch.setattr(bench, "write_chart", no_matplotlib)
-    assert bench.write_outputs(tmp_path, "table", "header", []) == ["bench.md", "bench.json"]
-    assert "bench.png skipped" in capsys.readouterr().err and not (tmp_path / "bench.png").exists()
 
 
 def test_llama_1b_preset_is_about_one_billion_parameters():

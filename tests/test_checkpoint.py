@@ -6,7 +6,9 @@ The kill -9 / SIGTERM cases need real processes: tests/test_checkpoint_preemptio
 from __future__ import annotations
 
 import json
+import logging
 import shutil
+import sys
 from pathlib import Path
 
 import jax
@@ -257,15 +259,23 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(saved_run, cor
     assert "moved unusable checkpoint step 4 aside" in warnings[1]
 
 
-def test_a_run_resumes_past_a_damaged_newest_checkpoint_and_trains_on(saved_run, corpus, tmp_path, capsys):
+def test_a_run_resumes_past_a_damaged_newest_checkpoint_and_trains_on(saved_run, corpus, tmp_path, capsys,
+                                                                     monkeypatch):
     copy_run(saved_run, tmp_path / "run")
-    damage(tmp_path / "run" / "checkpoints" / "4", "missing params directory")
+    damage(tmp_path / "run" / "checkpoints" / "4", "truncated params array file")
+    # What absl's first record installs in a fresh process: a handler that prints library records on stderr.
+    monkeypatch.setattr(logging.root, "handlers", [*logging.root.handlers, logging.StreamHandler(sys.stderr)])
     status = main(["configs/base.yml", *TINY, *run_overrides(corpus), f"base_output_directory={tmp_path}",
                    "run_name=run"])
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert status == 0, err
-    assert "checkpoint step 4" in err and "params/ directory is missing" in err and "falling back to step 2" in err
+    assert "checkpoint step 4" in err and "is unusable (" in err and "falling back to step 2" in err
     assert (tmp_path / "run" / "checkpoints" / "4.unusable").is_dir() and (tmp_path / "run" / "checkpoints" / "4").is_dir()
+    # The terminal has maxpar's lines only; the libraries' records are in the file the header names.
+    library_log = tmp_path / "run" / "libraries.log"
+    assert f"library logs (absl, Orbax, JAX): {library_log}" in out
+    assert "Traceback" not in err and not [line for line in err.splitlines() if not line.startswith("maxpar: ")], err
+    assert f"Restoring checkpoint from {tmp_path / 'run' / 'checkpoints' / '4'}" in library_log.read_text()  # Orbax's
 
 
 def test_no_readable_checkpoint_is_an_error_and_deletes_nothing(saved_run, corpus, tmp_path):

@@ -13,7 +13,7 @@ import time
 import jax
 import pytest
 
-from helpers import (REPO, compilation_cache_env, logged_steps, read_metrics, start_training, tiny_config,
+from helpers import (REPO, TINY, compilation_cache_env, logged_steps, read_metrics, start_training, tiny_config,
                      train_command, wait_for_step, wait_until, write_corpus)
 from maxpar import checkpoint
 from maxpar.guards import INTERRUPTED_EXIT_STATUS, PREEMPTED_EXIT_STATUS
@@ -105,6 +105,51 @@ def test_stop_at_once_then_stop_after_a_step_then_finish_matches_the_uninterrupt
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
     assert [row["loss"] for row in rows] == [row["loss"] for row in expected]
     assert [row["grad_norm"] for row in rows] == [row["grad_norm"] for row in expected]
+
+
+# The trainer's CLI, sending itself a signal (argv[1]) once the device has finished step argv[2] (a fresh run's
+# argv[2]-th step): a thread waits for that step's results, as a user watching the device would.
+SIGNAL_AFTER_STEP = textwrap.dedent("""
+    import os, signal, sys, threading
+    import jax
+    from maxpar import train
+    signum, signal_step = signal.Signals[sys.argv[1]], int(sys.argv[2])
+    compile_train_step = train.RunSetup.compile_train_step
+
+    def signalling(run):
+        step_fn, dispatched = compile_train_step(run), iter(range(1, sys.maxsize))
+        def step(state, batch):
+            state, metrics = step_fn(state, batch)
+            if next(dispatched) == signal_step:
+                def send():
+                    jax.block_until_ready(metrics)
+                    os.kill(os.getpid(), signum)
+                threading.Thread(target=send, daemon=True).start()
+            return state, metrics
+        return step
+
+    train.RunSetup.compile_train_step = signalling
+    sys.exit(train.main(sys.argv[3:]))
+""")
+SIGNAL_STEP = 8
+# Steps the run may go on after the one the device had finished when the signal came: the host runs at most one
+# step ahead of the device, plus slack for the signalling thread's wake-up on a loaded machine.
+MAX_STEPS_PAST_SIGNAL = 6
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_a_signal_stops_the_run_within_a_few_steps_of_the_device_whatever_the_log_period(corpus, tmp_path, signum):
+    """Nothing is logged before the last step, so no read syncs the host with the device: the stop must still
+    come right after the step the device is at, not after every step the host has already dispatched."""
+    steps = SIGNAL_STEP + 100
+    args = [str(REPO / "configs" / "base.yml"), *TINY, *overrides(corpus), f"steps={steps}", f"log_period={steps}",
+            f"checkpoint_period={steps}", f"base_output_directory={tmp_path}", "run_name=run"]
+    done = subprocess.run([sys.executable, "-c", SIGNAL_AFTER_STEP, signum.name, str(SIGNAL_STEP), *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, env=compilation_cache_env(tmp_path / "jax_cache"))
+    assert done.returncode == PREEMPTED_EXIT_STATUS, done.stderr[-3000:]
+    stopped_at = int(re.search(r"after step (\d+): checkpoint step \1 is written", done.stderr)[1])
+    assert SIGNAL_STEP <= stopped_at <= SIGNAL_STEP + MAX_STEPS_PAST_SIGNAL
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == [str(stopped_at)]
 
 
 # Saves step 1, starts an async save of step 2 big enough to take a while, and SIGKILLs itself.

@@ -356,6 +356,16 @@ def test_missing_yaml_file(tmp_path):
     assert "not found" in str(info.value) and "nope.yml" in str(info.value)
 
 
+def test_a_run_config_saved_before_a_key_existed_still_loads(tmp_path):
+    """A run's config.yml lists the keys of its day; a key added since takes base.yml's default, the rest stay."""
+    saved = yaml.safe_load(to_yaml(load("steps=7", "learning_rate=0.002")))
+    saved.pop("max_new_tokens")
+    (tmp_path / "config.yml").write_text(yaml.safe_dump(saved))
+    config = load_config([str(tmp_path / "config.yml"), "model_name="])
+    assert (config.steps, config.learning_rate) == (7, 0.002)
+    assert config.max_new_tokens == load().max_new_tokens
+
+
 def test_missing_base_config_parent(tmp_path):
     child = tmp_path / "child.yml"
     child.write_text("base_config: parent_missing.yml\n")

@@ -29,7 +29,7 @@ from maxpar.convert.__main__ import OVERRIDES_FILE, main
 from maxpar.convert.architectures import ARCHITECTURES
 from maxpar.convert.hf_config import ConversionError, hf_config, model_keys, resolve_config, training_overrides
 from maxpar.convert.layout import hf_tensor, maxpar_block
-from maxpar.convert.safetensors_io import HFTensors
+from maxpar.convert.safetensors_io import HFTensors, write_safetensors
 from maxpar.model import Transformer
 from maxpar.train import setup_run, train
 from maxpar.train_step import sharding_context
@@ -273,6 +273,18 @@ def test_any_block_of_a_parameter_reads_only_its_slice():
     index = (slice(1, 3), slice(2, 4), slice(1, 3), slice(0, 5))
     np.testing.assert_array_equal(maxpar_block(rule, whole.shape, index, read), whole[index])
     assert max(reads) == 2 * head_dim * 2  # two heads' rows by two embed columns, per layer
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640)])
+def test_safetensors_files_get_the_umask_mode(umask, mode, tmp_path):
+    """Written shards are readable as the user's other files are (safetensors alone writes them 0600)."""
+    import os
+    previous = os.umask(umask)
+    try:
+        files = write_safetensors(tmp_path, [("a", 8), ("b", 8)], lambda name: np.zeros(2, np.float32), 8)
+    finally:
+        os.umask(previous)
+    assert [file.stat().st_mode & 0o777 for file in files] == [mode, mode]
 
 
 def legacy_llama3_8b() -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -234,6 +235,7 @@ def test_two_processes_match_one_process(job):
           f"(launch + 2 runs: {job.seconds:.0f} s)")
     rank1 = [line for line in job.output.splitlines() if line.startswith("[rank 1]")]
     assert not [line for line in rank1 if " step " in line or "maxpar: run" in line], rank1  # process 0 prints
+    assert "[Gloo]" not in job.output  # its all-connected lines: dropped by the launcher (log_level=info)
     assert {r["local_devices"] for r in job.reports.values()} == {4}
     assert {r["process_count"] for r in job.reports.values()} == {2}
 
@@ -284,6 +286,17 @@ def test_checkpoints_restore_across_process_counts(job):
     one_to_two = _losses(job.root / "two_resumed")
     assert list(one_to_two) == [3, 4]
     np.testing.assert_allclose([one_to_two[s] for s in (3, 4)], [one[s] for s in (3, 4)], rtol=1e-5, atol=0)
+
+
+def test_the_command_a_two_process_run_prints_samples_in_one_process(job):
+    """maxpar.generate joins no job: the command the 2 x 4 run prints folds its DCN degree into one process's 8
+    simulated devices, and runs as printed."""
+    printed = next(line for line in job.output.splitlines() if "sample from it: " in line and "two_resumed" in line)
+    command = shlex.split(printed.split("sample from it: ")[1])
+    assert {"ici_data_parallelism=2", "dcn_data_parallelism=1", "num_simulated_devices=8"} <= set(command)
+    sampled = subprocess.run([sys.executable, *command[1:]], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert sampled.returncode == 0, sampled.stderr[-3000:]
+    assert sampled.stdout.startswith("--- prompt: 'def '")
 
 
 if __name__ == "__main__":

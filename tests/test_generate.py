@@ -1,7 +1,8 @@
 """maxpar.generate: KV-cache decoding of converted transformers models (a GQA Llama, a Mistral whose sliding
 window is shorter than the prompts, a Mixtral, a Llama with llama3 RoPE scaling) gives transformers' greedy
-tokens on one device and FSDP(4)xTP(2); the cache path's logits equal re-running the whole prefix; bad requests exit 2;
-the command a training run's summary prints samples from it."""
+tokens on one device and FSDP(4)xTP(2); 1 or 3 prompts on meshes of 2 and 4 batch shards (FSDP, EP, EP x DP with
+capacity) give the one-device tokens; the cache path's logits equal re-running the whole prefix; top_p=0 keeps the
+most likely token; bad requests exit 2; the command a training run's summary prints samples from it."""
 
 from __future__ import annotations
 
@@ -12,15 +13,19 @@ import sys
 
 import jax
 import numpy as np
+import optax
 import pytest
 import torch
 
-from helpers import REPO, train_command
+from helpers import REPO, tiny_config, train_command
 from test_convert import BASE, MESHES, hf_model, llama3_scaled, main as convert_main, overrides_of, save_hf_model
 import maxpar.generate
 from maxpar.checkpoint import CheckpointError
-from maxpar.config import load_config
-from maxpar.generate import decode, load_model, main, sample
+from maxpar.config import load_config, to_yaml
+from maxpar.generate import check_request, decode, load_model, main, sample
+from maxpar.mesh import resolve_mesh_shape
+from maxpar.summary import sampling_overrides
+from maxpar.train_step import run_layout
 
 PROMPTS = [[5, 17, 200, 33, 9], [71, 3, 250, 12, 99, 140, 8, 61, 2], [44, 10, 7], [180, 181, 182, 183]]
 NEW = 6
@@ -39,10 +44,15 @@ def llama(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def models(llama, llama3_scaled, tmp_path_factory):
+def mixtral(tmp_path_factory):
+    return converted_model(tmp_path_factory, "mixtral")
+
+
+@pytest.fixture(scope="module")
+def models(llama, mixtral, llama3_scaled, tmp_path_factory):
     """name -> (transformers directory, maxpar conversion)."""
-    return {"llama": llama, "llama3_scaled": llama3_scaled,
-            **{name: converted_model(tmp_path_factory, name) for name in ("mistral", "mixtral")}}
+    return {"llama": llama, "mixtral": mixtral, "llama3_scaled": llama3_scaled,
+            "mistral": converted_model(tmp_path_factory, "mistral")}
 
 
 def config_for(converted, *overrides):
@@ -131,19 +141,59 @@ def test_interrupt_and_unreadable_checkpoint_are_one_line(error, status, message
     assert capsys.readouterr().err.strip() == message
 
 
+RUN_KINDS = {  # a run the trainer accepts: (overrides, devices, slices, platform)
+    "gPipe": (["ici_stage_parallelism=2", "ici_fsdp_parallelism=4", "num_pipeline_microbatches=4"], 8, 1, "cpu"),
+    "circular": (["ici_stage_parallelism=2", "ici_fsdp_parallelism=4", "num_decoder_layers=4",
+                  "num_pipeline_repeats=2", "num_pipeline_microbatches=4", "pipeline_fsdp_ag_per_repeat=true"],
+                 8, 1, "cpu"),
+    "stages fill": (["ici_stage_parallelism=-1", "ici_fsdp_parallelism=2", "num_decoder_layers=4"], 8, 1, "cpu"),
+    "2 processes": (["dcn_data_parallelism=2", "ici_fsdp_parallelism=4"], 8, 2, "cpu"),
+    "stages across slices": (["dcn_stage_parallelism=2", "dcn_data_parallelism=1", "ici_fsdp_parallelism=2",
+                              "ici_tensor_parallelism=2", "num_slices=2"], 8, 2, "cpu"),
+    "expert-parallel": (["model_name=tiny-moe", "ici_expert_parallelism=4", "ici_fsdp_parallelism=2"], 8, 1, "cpu"),
+    "experts across slices": (["model_name=tiny-moe", "dcn_expert_parallelism=2", "dcn_data_parallelism=1",
+                               "ici_expert_parallelism=2", "ici_fsdp_parallelism=2"], 8, 2, "cpu"),
+    "context-parallel": (["attention=blockwise", "ici_context_parallelism=4", "ici_fsdp_parallelism=2",
+                          "per_device_batch_size=0.5"], 8, 1, "cpu"),
+    "2 GPU hosts": (["dcn_data_parallelism=2", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"], 16, 2, "gpu"),
+}
+
+
+@pytest.mark.parametrize("kind", RUN_KINDS)
+def test_the_printed_command_lays_out_every_kind_of_run_in_one_process(kind, tmp_path):
+    """The summary's overrides on the run's saved config.yml give a config maxpar.generate accepts in one process, on
+    the devices it names (CPU: num_simulated_devices; elsewhere: one slice's), with the run's degrees but stages."""
+    overrides, devices, slices, platform = RUN_KINDS[kind]
+    config = tiny_config(*overrides, "max_new_tokens=4")
+    mesh = run_layout(config, resolve_mesh_shape(config, devices, slices)).mesh  # the trainer accepts the run
+    (tmp_path / "config.yml").write_text(to_yaml(config))
+    sampled = load_config([str(tmp_path / "config.yml"), "model_name=", "load_parameters_path=RUN",
+                           *sampling_overrides(config, mesh, platform)])
+    assert sampled.num_slices in (-1, 1)  # one process: one slice
+    one_host = sampled.num_simulated_devices if platform == "cpu" else devices // slices
+    check_request(sampled, [[1, 2, 3]])
+    layout = run_layout(sampled, resolve_mesh_shape(sampled, one_host), optax.identity(), check_batch=False)
+    run_degrees = dict(zip(mesh.axis_names, mesh.shape if platform == "cpu" else mesh.ici))
+    run_degrees["data"] *= run_degrees.pop("stage")
+    assert {**layout.axis_sizes, "stage": None} == {**run_degrees, "stage": None} and layout.axis_sizes["stage"] == 1
+
+
 def test_the_command_a_run_prints_samples_from_it(tmp_path):
-    """A pipelined run on 2 simulated devices (num_simulated_devices=2 in its config.yml): the summary's command
+    """A circular pipeline on 2 simulated devices (num_simulated_devices=2 in its config.yml): the summary's command
     runs as printed, in a fresh process; the same with a bad tokenizer_path exits 2 without a traceback."""
-    trained = subprocess.run(train_command("steps=2", "enable_checkpointing=true", "num_simulated_devices=2",
-                                           "ici_stage_parallelism=2", "ici_fsdp_parallelism=1", "max_new_tokens=3",
+    trained = subprocess.run(train_command("steps=1", "enable_checkpointing=true", "num_simulated_devices=2",
+                                           "ici_stage_parallelism=2", "ici_fsdp_parallelism=1", "num_decoder_layers=4",
+                                           "num_pipeline_repeats=2", "num_pipeline_microbatches=4", "max_new_tokens=3",
                                            f"base_output_directory={tmp_path}", "run_name=run"),
                              cwd=REPO, capture_output=True, text=True, timeout=300)
     assert trained.returncode == 0, trained.stderr[-3000:]
+    assert f"library logs (absl, Orbax, JAX): {tmp_path / 'run' / 'libraries.log'}" in trained.stdout
     printed = next(line for line in trained.stdout.splitlines() if "sample from it: " in line)
     command = shlex.split(printed.split("sample from it: ")[1])
     assert command[:3] == ["python", "-m", "maxpar.generate"] and "ici_data_parallelism=2" in command
     sampled = subprocess.run([sys.executable, *command[1:]], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert sampled.returncode == 0, sampled.stderr[-3000:]
+    assert "Given directory is read only" not in sampled.stderr and "WARNING" not in sampled.stderr, sampled.stderr
     lines = sampled.stdout.splitlines()
     assert lines[0] == "--- prompt: 'def '" and lines[1].startswith("def ")
     assert re.fullmatch(r"prefill [\d,]+ tokens/s, decode [\d,.]+ tokens/s \(1 rows; compilation excluded\)",
@@ -162,6 +212,37 @@ def test_sampling_keys_restrict_the_draw():
     drawn = np.asarray(sample(logits, keys[2], 1.0, 0, 1.0))
     assert set(drawn.tolist()) == {0, 1, 2, 3} and abs((drawn == 0).mean() - 0.5) < 0.08
     assert (np.asarray(sample(logits, keys[2], 0.0, 0, 1.0)) == 0).all()  # temperature 0: greedy
+
+
+# Meshes whose batch shards (2 or 4) divide neither 1 nor 3 prompts. capacity_factor=4.0 gives every expert
+# room for every token of a row, so the capacity path drops nothing and decodes as dropless does.
+UNEVEN_MESHES = {
+    "fsdp2": (2, ["ici_fsdp_parallelism=2"]),
+    "ep2": (2, ["ici_expert_parallelism=2", "ici_fsdp_parallelism=1"]),
+    "ep4": (4, ["ici_expert_parallelism=4", "ici_fsdp_parallelism=1"]),
+    "ep2_dp2_capacity": (4, ["ici_expert_parallelism=2", "ici_data_parallelism=2", "ici_fsdp_parallelism=1",
+                             "capacity_factor=4.0"]),
+}
+
+
+@pytest.mark.parametrize("name, mesh", [*(("mixtral", mesh) for mesh in UNEVEN_MESHES), ("llama", "fsdp2")])
+def test_any_prompt_count_decodes_as_on_one_device(name, mesh, request):
+    """The rows are padded to the batch shards (the MoE dispatch's shard_map splits them evenly) and the padding
+    dropped: 1 or 3 prompts on 2 or 4 batch shards give the tokens of one device."""
+    _, converted = request.getfixturevalue(name)
+    one = config_for(converted, "max_new_tokens=3", "ici_fsdp_parallelism=1")
+    alone = decode(*load_model(one, jax.devices()[:1]), PROMPTS[:3], one, eos_id=-1).tokens
+    count, overrides = UNEVEN_MESHES[mesh]
+    config = config_for(converted, "max_new_tokens=3", *overrides)
+    apply, params = load_model(config, jax.devices()[:count])
+    for rows in (1, 3):
+        assert decode(apply, params, PROMPTS[:rows], config, eos_id=-1).tokens == alone[:rows]
+
+
+def test_top_p_0_samples_the_most_likely_token():
+    logits = jax.random.normal(jax.random.key(1), (64, 32))
+    drawn = sample(logits, jax.random.key(2), 1.0, 0, 0.0)
+    np.testing.assert_array_equal(np.asarray(drawn), np.asarray(jax.numpy.argmax(logits, axis=-1)))
 
 
 def test_rows_stop_at_their_eos_and_unrolled_layers_decode_alike(llama):

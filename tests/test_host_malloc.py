@@ -43,6 +43,7 @@ def test_it_applies_only_on_xla_cpu_with_glibc_and_never_over_the_users_settings
         assert dict(fake.calls) == {host_malloc.M_MMAP_THRESHOLD: 32 << 20, host_malloc.M_TRIM_THRESHOLD: 1 << 30,
                                     host_malloc.M_TOP_PAD: 64 << 20}
         assert "keeps each step's freed buffers mapped" in note
+        assert "on by default; set cpu_malloc_tuning=false for glibc's defaults" in note  # the default, not theirs
     else:
         assert fake.calls == []
     if outcome is KEPT_OUT:  # the log names the user's variable

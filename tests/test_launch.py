@@ -8,6 +8,7 @@ runs cross-process collectives until stopped, so a failure costs seconds rather 
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import shlex
@@ -47,6 +48,24 @@ def collective_loop(argv: list[str]) -> int:
     return 0
 
 
+FAILURE_GAP_S = 0.5
+
+
+def fail_in_order(argv: list[str]) -> int:
+    """One process of a 2-process job whose ranks fail in a known order, well apart: rank 1 is killed (SIGKILL),
+    and rank 0, once it sees rank 1's marker file in directory argv[0], exits FAILURE_GAP_S later with status 134
+    (as JAX's runtime aborts a process that lost a peer), leaving a marker of its own."""
+    directory, rank = Path(argv[0]), int(os.environ["MEGASCALE_SLICE_ID"])
+    if rank == 1:
+        (directory / "rank1").touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+    while not (directory / "rank1").exists():
+        time.sleep(0.01)
+    time.sleep(FAILURE_GAP_S)
+    (directory / "rank0").touch()
+    os._exit(134)
+
+
 # ---------------------------------------------------------------- local launcher
 
 def test_launcher_arguments():
@@ -65,6 +84,19 @@ def test_free_port_is_bindable():
     port = local.free_port()
     with socket.socket() as sock:
         sock.bind((local.LOCALHOST, port))
+
+
+def test_only_gloos_all_connected_lines_are_dropped_unless_log_level_is_debug():
+    connected = "[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3"
+    assert local.is_gloo_all_connected(connected)
+    assert not local.is_gloo_all_connected(connected.replace("connected to 3", "connected to 2"))  # a real problem
+    assert not local.is_gloo_all_connected("maxpar: run /tmp/run")
+    # Gloo's threads print at once: pieces of two messages on one line, the rest of one on the next.
+    assert local.is_gloo_all_connected(f"[Gloo] Rank 0 is connected to {connected}")
+    assert local.is_gloo_all_connected("7 peer ranks. Expected number of connected peer ranks is : 7")
+    assert not local.shows_library_logs([BASE])
+    assert local.shows_library_logs([BASE, "log_level=debug"])
+    assert not local.shows_library_logs(["spec.json"])  # not a config: another --module's arguments
 
 
 class Launched:
@@ -133,6 +165,7 @@ def test_a_failed_process_stops_the_job_within_the_bound(how):
     job, code, elapsed, pids = _stop_one_rank(1, how)
     assert code != 0
     assert elapsed < HEARTBEAT_S + 3 + 15, elapsed  # heartbeat bound + grace + slack for a loaded machine
+    assert "[Gloo]" not in job.output()  # its all-connected lines, dropped (log_level=info)
     if how == "killed":
         assert "maxpar: rank 1 was killed by signal 9; stopping the other processes" in job.output()
     else:
@@ -162,6 +195,26 @@ def test_a_lost_coordinator_stops_the_job_with_a_clear_last_word(how):
                                           "(hung or frozen)")
     assert all(_gone(pid) for pid in pids), "a process outlived the launcher"
     print(f"\n{how}: launcher exited with {code} {elapsed:.1f} s after rank 0 was {how}")
+
+
+def test_the_launcher_blames_the_rank_that_failed_first(tmp_path, monkeypatch):
+    """Rank 1 is killed and rank 0 aborts FAILURE_GAP_S later, and the launcher looks only once both are gone (as a
+    busy launcher may, within one look): it blames rank 1, whose exit came first, not the lower-numbered rank."""
+    monkeypatch.chdir(REPO)
+    args = local.parse_args(["--num_processes", "2", "--module", "tests.test_launch", "--grace_s", "3", "--",
+                             "fail_in_order", str(tmp_path)])
+    job = local.Job(args, out=io.StringIO(), err=io.StringIO())
+    try:
+        job.start()
+        end = time.monotonic() + 120
+        while not (tmp_path / "rank0").exists() and time.monotonic() < end:
+            time.sleep(0.05)
+        time.sleep(FAILURE_GAP_S)  # rank 0 exits right after its marker
+        code = job.wait()
+    finally:
+        job.stop()
+    assert job.verdict == "the job failed because rank 1 was killed by signal 9", job.err.getvalue()
+    assert code == 137
 
 
 def test_launcher_exits_with_the_failing_status():
@@ -298,4 +351,6 @@ def test_jobset_rejects_bad_input(capsys):
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["fail_in_order"]:
+        sys.exit(fail_in_order(sys.argv[2:]))
     sys.exit(collective_loop(sys.argv[1:]))

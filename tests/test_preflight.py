@@ -13,8 +13,9 @@ from helpers import REPO, TINY, tiny_config
 from launch.cluster import hardware_profile, trainer_command
 from maxpar import preflight
 from maxpar.config import ConfigError, load_config
-from maxpar.mesh import create_mesh
+from maxpar.mesh import create_mesh, local_mesh_shape
 from maxpar.plan.fit import check_fits, check_local_fit, host_available_bytes
+from maxpar.train_step import layout_check
 
 
 def without_simulated_devices() -> dict[str, str]:
@@ -74,6 +75,20 @@ def test_too_few_cpu_devices_say_how_to_simulate_more():
                                           r"simulate devices with num_simulated_devices=16 or "
                                           r"XLA_FLAGS=--xla_force_host_platform_device_count=16"):
         create_mesh(tiny_config("ici_fsdp_parallelism=16"))
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["ici_tensor_parallelism=2"], "num_simulated_devices=2 or"),  # fsdp's -1 fills: 2 devices run it
+    (["ici_tensor_parallelism=3"], "simulating 3 CPU devices would not run this config either: parameter "),  # heads
+    (["dcn_data_parallelism=2", "ici_fsdp_parallelism=4"],  # one process is one slice, whatever its devices
+     "simulating 4 CPU devices would not run this config either: dcn degrees (dcn_data_parallelism=2)"),
+])
+def test_the_device_count_hint_names_a_count_that_runs_the_whole_config(overrides, named):
+    config = tiny_config(*overrides)
+    with pytest.raises(ConfigError) as error:
+        local_mesh_shape(config, jax.devices()[:1], layout_check(config))
+    assert named in str(error.value)
+    assert ("num_simulated_devices" in str(error.value)) == named.startswith("num_simulated_devices")
 
 
 def test_num_simulated_devices_is_refused_where_it_cannot_work(monkeypatch):

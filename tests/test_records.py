@@ -5,20 +5,25 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import shutil
 import signal
+from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
-from helpers import (compilation_cache_env, logged_steps, read_metrics, start_training, tiny_config, train_command,
-                     wait_for_step, wait_until)
-from maxpar.config import ConfigError
-from maxpar.data.pipeline import make_datasets
+from helpers import (TINY, compilation_cache_env, logged_steps, read_metrics, start_training, tiny_config,
+                     train_command, wait_for_step, wait_until)
+from maxpar import checkpoint
+from maxpar.config import Config, ConfigError
+from maxpar.data.errors import DataError
+from maxpar.data.pipeline import POSITION_KEYS, make_datasets
 from maxpar.data.records import open_records
 from maxpar.data.text import resolve_files
 from maxpar.data.tokenizer import ByteTokenizer
-from maxpar.train import train
+from maxpar.train import main, setup_run, train
 
 WORDS = "shards of records flow through the packer into lanes of the global batch".split()
 
@@ -315,3 +320,125 @@ def test_kill_9_then_rerun_matches_the_uninterrupted_run(tmp_path, kind):
     rows, expected = read_metrics(run_dir), read_metrics(tmp_path / "reference")
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert [r["loss"] for r in rows] == [r["loss"] for r in expected]
+
+
+# ---------------------------------------------------------------- shards damaged past what opening reads
+
+def resume_newest(run_dir, config, warn=checkpoint.warn_stderr):
+    """The state of `run_dir`'s newest usable checkpoint, restored as a resumed run of `config` would."""
+    run = setup_run(config, jax.devices())
+    manager = checkpoint.make_manager(run_dir, config)
+    try:
+        return checkpoint.resume(manager, run.restore_target(), iter(run.train_data), warn)
+    finally:
+        manager.close()
+
+
+def damage_parquet_row_group(path, row_group: int) -> None:
+    """Overwrites the start of a row group's `text` column chunk (its first page header); the footer stays intact."""
+    import pyarrow.parquet as pq
+    column = pq.ParquetFile(path).metadata.row_group(row_group).column(1)
+    start = min(o for o in (column.dictionary_page_offset, column.data_page_offset) if o is not None)
+    data = bytearray(path.read_bytes())
+    data[start:start + 16] = b"\xff" * 16
+    path.write_bytes(bytes(data))
+
+
+def damage_arrayrecord_record(path, text: str) -> None:
+    """Flips the bytes of one record of an uncompressed shard, so its chunk fails Riegeli's hash check."""
+    data = bytearray(path.read_bytes())
+    start = data.find(text.encode())
+    assert start > 0
+    data[start:start + len(text)] = bytes(b ^ 0x5A for b in data[start:start + len(text)])
+    path.write_bytes(bytes(data))
+
+
+def damaged_shard(directory, file_type: str, texts: list[str], damaged: int):
+    """`texts` in one shard (with an `id` column / field) whose record `damaged` (from 0) fails to read, while
+    the shard opens and its first record reads."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"part-000.{file_type}"
+    if file_type == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        pq.write_table(pa.Table.from_pylist([{"id": i, "text": t} for i, t in enumerate(texts)]), path,
+                       row_group_size=4)
+        damage_parquet_row_group(path, damaged // 4)
+    else:
+        from array_record.python.array_record_module import ArrayRecordWriter
+        writer = ArrayRecordWriter(str(path), "group_size:1,uncompressed")
+        for i, t in enumerate(texts):
+            writer.write(json.dumps({"id": i, "text": t}).encode())
+        writer.close()
+        damage_arrayrecord_record(path, texts[damaged])
+    return path
+
+
+@pytest.mark.parametrize("file_type, named", [("parquet", r"record (37|38|39|40) \(row group 9\): OSError: "),
+                                              ("arrayrecord", r"record 39: RuntimeError: .*hash mismatch")])
+def test_a_record_damaged_mid_shard_stops_the_run_with_a_data_error(tmp_path, capsys, file_type, named):
+    """Read at whatever step first needs it (step 8 with this corpus and seed): one line naming the shard and the
+    record, exit 2; the checkpoint saved before (every step here, so one is in flight when the read fails) restores."""
+    path = damaged_shard(tmp_path / "corpus", file_type, record_texts(40), damaged=38)
+    overrides = ["dataset_type=grain", f"grain_file_type={file_type}", f"dataset_path={path}", "eval_fraction=0",
+                 "per_device_batch_size=1", "steps=40", "enable_checkpointing=true", "checkpoint_period=1"]
+    status = main(["configs/base.yml", *TINY, *overrides, f"base_output_directory={tmp_path}", "run_name=run"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2, err
+    assert re.fullmatch(rf"maxpar: data error: grain_file_type={file_type}: cannot read {re.escape(str(path))}, "
+                        rf"{named}.*", err[-1]), err[-1]
+    saved = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved[-1] >= 2 and not list((tmp_path / "run" / "checkpoints").glob("*.unusable"))
+    warnings: list[str] = []
+    assert int(resume_newest(tmp_path / "run", tiny_config(*overrides), warnings.append).step) == saved[-1]
+    assert not warnings
+
+
+def test_a_text_file_that_vanishes_mid_run_is_a_data_error(tmp_path):
+    (tmp_path / "a.txt").write_text("a document")
+    config = tiny_config("dataset_type=text", f"dataset_path={tmp_path / '*.txt'}", "eval_fraction=0")
+    train_data, _ = datasets(config)
+    (tmp_path / "a.txt").unlink()
+    with pytest.raises(DataError, match=r"dataset_type=text: cannot read .*a.txt: FileNotFoundError: "):
+        next(iter(train_data))
+
+
+# ---------------------------------------------------------------- resuming on other data
+
+def test_every_config_key_the_data_sources_read_is_checked_on_resume():
+    """A key a source reads (`config.KEY` in maxpar/data/) must be compared when a run resumes."""
+    sources = Path(open_records.__code__.co_filename).parent.glob("*.py")
+    read = ({key for path in sources for key in re.findall(r"\bconfig\.(\w+)", path.read_text())}
+            & {field.name for field in dataclasses.fields(Config)})
+    assert read and read <= set(checkpoint.MODEL_KEYS).union(*POSITION_KEYS.values())
+
+
+def test_hf_resume_on_another_dataset_split_field_or_tokenizer_is_refused(tmp_path, capsys):
+    import datasets as hf_datasets
+    tokenizers = pytest.importorskip("tokenizers")
+    splits = {name: hf_datasets.Dataset.from_dict({"text": record_texts(12, seed), "body": record_texts(12, seed + 2)})
+              for name, seed in (("train", 0), ("validation", 1))}
+    hf_datasets.DatasetDict(splits).save_to_disk(str(tmp_path / "ds"))
+    shutil.copytree(tmp_path / "ds", tmp_path / "copy")
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator(WORDS, tokenizers.trainers.WordLevelTrainer(special_tokens=["<unk>", "<s>", "</s>"]))
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    overrides = ["eval_fraction=0", "per_device_batch_size=1", "steps=2", "enable_checkpointing=true"]
+    train(hf_config(str(tmp_path / "ds"), *overrides), devices=jax.devices(), run_dir=tmp_path / "run")
+
+    def resume(*changes: str):
+        return resume_newest(tmp_path / "run", hf_config(str(tmp_path / "ds"), *overrides, *changes))
+
+    assert int(resume().step) == 2
+    changes = {"hf_path": f"hf_path={tmp_path / 'copy'}", "hf_train_split": "hf_train_split=validation",
+               "dataset_text_field": "dataset_text_field=body",
+               "tokenizer_path": f"tokenizer_path={tmp_path / 'tokenizer.json'}"}
+    for key, change in changes.items():
+        with pytest.raises(checkpoint.IncompatibleCheckpoint, match=rf"keys differ:\n  {key}: .* in the checkpoint, "):
+            resume(change)
+    status = main(["configs/base.yml", *TINY, "dataset_type=hf", f"hf_path={tmp_path / 'ds'}", *overrides,
+                   *changes.values(), f"base_output_directory={tmp_path}", "run_name=run"])
+    err = capsys.readouterr().err
+    assert status == 2 and "maxpar: config error: checkpoint step 2" in err
+    assert all(f"\n  {key}: " in err for key in changes), err

@@ -33,6 +33,12 @@ def test_outputs_metrics_and_eval(tmp_path, corpus, capsys):
     rows = read_metrics(tmp_path)
     # The end-of-run summary: what was trained, how fast, the final losses, where everything is.
     out = capsys.readouterr().out
+    header = out[:out.index("compiled the train step")].splitlines()
+    # The header says what the run reads: the source, how many files train and are held out, the tokenizer.
+    assert (f"  data text files {corpus}: 10 files for training, 2 for eval; tokenizer byte-level (259 tokens)"
+            in header)
+    batch = next(line for line in header if line.startswith("  batch "))  # no accumulation, so no microbatch count
+    assert batch.startswith("  batch 4 rows x 32 tokens = 128 tokens/step; "), batch
     summary = out[out.index("maxpar: done:"):].splitlines()
     assert re.fullmatch(r"maxpar: done: steps 1-6 \(6\) in [\d.]+ s wall, [\d.]+ s of them training: [\d,]+ tokens/s",
                         summary[0]), summary
@@ -49,6 +55,12 @@ def test_outputs_metrics_and_eval(tmp_path, corpus, capsys):
     assert [r["eval_loss"] is not None for r in rows] == [False, True, False, True]
     assert all(np.isfinite(r["eval_loss"]) for r in rows if r["eval_loss"] is not None)
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_the_batch_line_counts_only_gradient_accumulation_microbatches():
+    from maxpar.train import accumulation_words
+    assert accumulation_words(1, 64) == ""  # a pipeline's M microbatches are on the pipeline's own line
+    assert accumulation_words(4, 16) == " in 4 gradient-accumulation microbatches of 16 rows"
 
 
 def test_mfu_uses_configured_peak(tmp_path, corpus):
@@ -83,7 +95,7 @@ def test_peak_flops_table():
 
 
 def test_tensorboard_events_are_written_without_loading_torch(tmp_path):
-    """tensorboardX would import an installed torch (2 s and 610 MB at import); the writer keeps it out, and the
+    """tensorboardX would import an installed torch (seconds and hundreds of MB); the writer keeps it out, and the
     process can still import torch afterwards. A fresh interpreter: this one may hold torch already."""
     pytest.importorskip("torch")
     script = (
@@ -157,39 +169,49 @@ def test_summary_prints_the_generate_command_of_a_run_with_a_checkpoint(tmp_path
     run = tmp_path / "run"
     (run / "checkpoints" / "5").mkdir(parents=True)
     (run / "config.yml").write_text("steps: 5\n")
-    lines = summary_lines(run, RunTotals(0, 5, 1.0, 1.0, 128), [{"step": 5, "loss": 2.0}], "none")
+    lines = summary_lines(run, RunTotals(0, 5, 1.0, 1.0, 128), [{"step": 5, "loss": 2.0}], "none", [])
     command = [line for line in lines if "sample from it:" in line]
     assert command == [f"  sample from it: python -m maxpar.generate {run / 'config.yml'} model_name= "
                        f"load_parameters_path={run / 'checkpoints' / '5'} --prompt 'def '"]
 
 
-@pytest.mark.parametrize("mesh, added", [
-    ({"ici_stage_parallelism": 2, "ici_fsdp_parallelism": 2}, ["ici_stage_parallelism=1", "ici_data_parallelism=2"]),
-    ({"ici_stage_parallelism": 2, "ici_fsdp_parallelism": -1}, ["ici_stage_parallelism=1"]),  # fsdp takes the devices
-    ({"ici_stage_parallelism": -1, "ici_fsdp_parallelism": 2}, ["ici_stage_parallelism=1", "ici_data_parallelism=-1"]),
-    ({"dcn_stage_parallelism": 2, "dcn_data_parallelism": -1}, ["dcn_stage_parallelism=1"]),
+@pytest.mark.parametrize("run, devices, slices, platform, added", [
+    # One process, no stages: nothing to change (the run's own num_simulated_devices=8 stays).
+    (["num_simulated_devices=8", "ici_tensor_parallelism=2"], 8, 1, "cpu", []),
+    # gPipe: the stages go to data, the pipeline-only keys back to their unstaged values.
+    (["num_simulated_devices=8", "ici_stage_parallelism=2", "ici_fsdp_parallelism=4", "num_pipeline_microbatches=4"],
+     8, 1, "cpu", ["ici_data_parallelism=2", "ici_stage_parallelism=1", "num_pipeline_microbatches=-1"]),
+    (["ici_stage_parallelism=2", "ici_fsdp_parallelism=-1", "num_decoder_layers=4", "num_pipeline_repeats=2",
+      "pipeline_fsdp_ag_once=true"], 8, 1, "cpu",  # circular; fsdp's -1 still fills; the devices were XLA_FLAGS'
+     ["ici_data_parallelism=2", "ici_stage_parallelism=1", "num_simulated_devices=8", "num_pipeline_repeats=1",
+      "pipeline_fsdp_ag_once=false"]),
+    (["ici_stage_parallelism=-1", "ici_fsdp_parallelism=2", "num_decoder_layers=4", "num_simulated_devices=8"],
+     8, 1, "cpu", ["ici_data_parallelism=4", "ici_stage_parallelism=1"]),
+    # Two processes (slices) of 4 CPU devices: one process simulates all 8, the DCN degree folded into ICI.
+    (["dcn_data_parallelism=2", "ici_fsdp_parallelism=4"], 8, 2, "cpu",
+     ["ici_data_parallelism=2", "dcn_data_parallelism=1", "num_simulated_devices=8"]),
+    (["dcn_stage_parallelism=2", "dcn_data_parallelism=1", "ici_fsdp_parallelism=-1", "num_slices=2"], 8, 2, "cpu",
+     ["ici_data_parallelism=2", "dcn_stage_parallelism=1", "num_slices=1", "num_simulated_devices=8"]),
+    # Accelerators: one host holds one slice, so the DCN degrees go and the ICI ones stay.
+    (["dcn_data_parallelism=2", "ici_fsdp_parallelism=4"], 8, 2, "gpu", ["dcn_data_parallelism=1"]),
 ])
-def test_summary_command_quotes_paths_and_unstages_a_pipelined_run(mesh, added, tmp_path):
-    """maxpar.generate runs no pipeline stages: the printed command moves them to data parallelism, so the same
-    devices still fill the mesh; a path with a space pastes as one word."""
-    import yaml
-    from maxpar.summary import generate_command
-    run = tmp_path / "my run"
-    (run / "checkpoints" / "5").mkdir(parents=True)
-    base = {f"{level}_{axis}_parallelism": 1 for level in ("ici", "dcn") for axis in ("data", "fsdp", "stage")}
-    (run / "config.yml").write_text(yaml.safe_dump({**base, "ici_fsdp_parallelism": -1, **mesh}))
-    assert shlex.split(generate_command(run, run / "checkpoints" / "5")) == [
-        "python", "-m", "maxpar.generate", str(run / "config.yml"), "model_name=",
-        f"load_parameters_path={run / 'checkpoints' / '5'}", *added, "--prompt", "def "]
+def test_summary_command_lays_the_run_out_in_one_process(run, devices, slices, platform, added, tmp_path):
+    """maxpar.generate runs in one process, without pipeline stages: the printed command folds the run's mesh into
+    one process's devices (the stages into data) and unsets the pipeline-only keys; a path with a space pastes as
+    one word."""
+    from maxpar.mesh import resolve_mesh_shape
+    from maxpar.summary import generate_command, sampling_overrides
+    config = tiny_config("max_new_tokens=8", *run)  # room in TINY's 32 tokens
+    overrides = sampling_overrides(config, resolve_mesh_shape(config, devices, slices), platform)
+    assert overrides == added
+    run_dir = tmp_path / "my run"
+    assert shlex.split(generate_command(run_dir, run_dir / "checkpoints" / "5", overrides)) == [
+        "python", "-m", "maxpar.generate", str(run_dir / "config.yml"), "model_name=",
+        f"load_parameters_path={run_dir / 'checkpoints' / '5'}", *added, "--prompt", "def "]
 
 
-def test_summary_command_fits_max_new_tokens_into_a_short_sequence(tmp_path):
+def test_summary_command_fits_max_new_tokens_into_a_short_sequence():
     """A run with max_target_length 32 has room for 32 - BOS - 'def ' = 27 new tokens, not the default 64."""
-    import yaml
-    from maxpar.summary import generate_command
-    run = tmp_path / "run"
-    (run / "checkpoints" / "5").mkdir(parents=True)
-    (run / "config.yml").write_text(yaml.safe_dump({"max_target_length": 32, "max_new_tokens": 64}))
-    assert "max_new_tokens=27 --prompt 'def '" in generate_command(run, run / "checkpoints" / "5")
-    (run / "config.yml").write_text(yaml.safe_dump({"max_target_length": 256, "max_new_tokens": 64}))
-    assert "max_new_tokens" not in generate_command(run, run / "checkpoints" / "5")
+    from maxpar.summary import room_to_write
+    assert room_to_write(tiny_config("max_target_length=32", "max_new_tokens=64")) == ["max_new_tokens=27"]
+    assert room_to_write(tiny_config("max_target_length=256", "max_new_tokens=64")) == []

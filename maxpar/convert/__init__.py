@@ -1,4 +1,4 @@
-"""Hugging Face interop: `python -m maxpar.convert from_hf|to_hf` (see README "Hugging Face checkpoints").
+"""Hugging Face interop: `python -m maxpar.convert from_hf|to_hf` (see docs/huggingface.md).
 
 architectures.py  the tables: config.json keys and tensors of each supported architecture
 hf_config.py      config.json <-> maxpar config, unsupported features, override conflicts

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from maxpar import logs
 from maxpar.config import DTYPES, ConfigError
 from maxpar.convert.architectures import ARCHITECTURES
 from maxpar.convert.from_hf import convert_from_hf
@@ -25,14 +26,20 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m maxpar.convert",
                                      description="Convert Llama/Mistral/Mixtral checkpoints between Hugging Face and maxpar.")
     commands = parser.add_subparsers(dest="command", required=True)
-    from_hf = commands.add_parser("from_hf", help="Hugging Face directory -> maxpar checkpoint (load_parameters_path=)")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log_level", choices=("info", "debug"), default="info",
+                        help=f"library logs (absl, Orbax, JAX): info = only in {logs.tool_log_path('convert')}; "
+                             f"debug = DEBUG records too, also printed here")
+    from_hf = commands.add_parser("from_hf", parents=[common],
+                                  help="Hugging Face directory -> maxpar checkpoint (load_parameters_path=)")
     from_hf.add_argument("--hf_path", type=Path, required=True, help="local directory: config.json + *.safetensors")
     from_hf.add_argument("--out", type=Path, required=True, help="new directory; the checkpoint is OUT/checkpoints/0")
     from_hf.add_argument("--config", type=Path, default=BASE_CONFIG, help="maxpar base config (configs/base.yml)")
     from_hf.add_argument("overrides", nargs="*", metavar="key=value",
                          help="maxpar config overrides: model_name= (checked against config.json), weight_dtype=, "
                               "mesh degrees for the conversion's sharding")
-    to_hf = commands.add_parser("to_hf", help="maxpar checkpoint -> Hugging Face directory (from_pretrained)")
+    to_hf = commands.add_parser("to_hf", parents=[common],
+                                help="maxpar checkpoint -> Hugging Face directory (from_pretrained)")
     to_hf.add_argument("--checkpoint", required=True, help="RUN/checkpoints/STEP, or a run directory (newest step)")
     to_hf.add_argument("--out", type=Path, required=True, help="directory for config.json and *.safetensors")
     to_hf.add_argument("--architecture", choices=sorted(ARCHITECTURES),
@@ -50,19 +57,25 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else list(argv))
     try:
-        if args.command == "from_hf":
-            config = convert_from_hf(args.hf_path, args.out, args.overrides, args.config)
-            overrides = [f"load_parameters_path={args.out.absolute()}", *training_overrides(config, args.config)]
-            (args.out / OVERRIDES_FILE).write_text("\n".join(overrides) + "\n", encoding="utf-8")
-            print(f"train from it with (also in {args.out / OVERRIDES_FILE}):\n"
-                  f"  python -m maxpar.train configs/base.yml {' '.join(overrides)}")
-        else:
-            convert_to_hf(args.checkpoint, args.out, args.config, architecture=args.architecture, dtype=args.dtype,
-                          max_shard_bytes=int(args.max_shard_size_mb * 2**20), template_path=args.hf_template)
+        with logs.library_logs(logs.tool_log_path("convert"), args.log_level, mode="w"):
+            _convert(args)
     except ConfigError as e:
         print(f"maxpar.convert: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _convert(args: argparse.Namespace) -> None:
+    """The conversion the command line asks for; bad input raises ConfigError."""
+    if args.command == "from_hf":
+        config = convert_from_hf(args.hf_path, args.out, args.overrides, args.config)
+        overrides = [f"load_parameters_path={args.out.absolute()}", *training_overrides(config, args.config)]
+        (args.out / OVERRIDES_FILE).write_text("\n".join(overrides) + "\n", encoding="utf-8")
+        print(f"train from it with (also in {args.out / OVERRIDES_FILE}):\n"
+              f"  python -m maxpar.train configs/base.yml {' '.join(overrides)}")
+    else:
+        convert_to_hf(args.checkpoint, args.out, args.config, architecture=args.architecture, dtype=args.dtype,
+                      max_shard_bytes=int(args.max_shard_size_mb * 2**20), template_path=args.hf_template)
 
 
 if __name__ == "__main__":

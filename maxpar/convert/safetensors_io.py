@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,14 @@ def shard_plan(sizes: Sequence[tuple[str, int]], max_shard_bytes: int) -> list[l
     return shards
 
 
+def with_default_mode(path: Path) -> None:
+    """Give `path` the mode of any file this process creates (0666 less the umask): safetensors writes its files
+    0600, which would keep a converted model from the other users and services that load it."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
+
+
 def write_safetensors(directory: Path, sizes: Sequence[tuple[str, int]], produce: Callable[[str], np.ndarray],
                       max_shard_bytes: int) -> list[Path]:
     """Write tensors named in `sizes` (name, bytes) as Hugging Face shards, made one by one by `produce`.
@@ -99,6 +108,7 @@ def write_safetensors(directory: Path, sizes: Sequence[tuple[str, int]], produce
     for names, file in zip(shards, files):
         tensors = {name: np.ascontiguousarray(produce(name)) for name in names}
         save_file(tensors, str(directory / file), metadata={"format": "pt"})
+        with_default_mode(directory / file)
         del tensors
     if len(shards) > 1:
         weight_map = {name: file for names, file in zip(shards, files) for name in names}

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from maxpar.config import Config, ConfigError
+from maxpar.data.errors import reading
 from maxpar.data.text import resolve_files
 
 TEXT_BUILDERS = ("arrow", "csv", "json", "parquet", "text")  # the `datasets` packaged builders of tabular files
@@ -37,7 +38,8 @@ class HfTexts(Sequence[str]):
         return len(self._column)
 
     def __getitem__(self, index: int) -> str:  # type: ignore[override]
-        text = self._column[int(index)][self._field]
+        with reading("dataset_type=hf", f"{self._where}, row {index}"):
+            text = self._column[int(index)][self._field]
         if isinstance(text, bytes):
             return text.decode("utf-8", errors="replace")
         if not isinstance(text, str):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import grain
@@ -12,6 +13,19 @@ from maxpar.data.records import open_records
 from maxpar.data.synthetic import synthetic_batches
 from maxpar.data.text import FileTexts, Subset, document_batches, resolve_files, split_files
 from maxpar.data.tokenizer import load_tokenizer
+
+# The config keys that give a saved data position (each lane's document count and packer remainder) its meaning,
+# by dataset_type: which documents, in which order, tokenized how, packed into rows how long. A checkpoint resumes
+# only when they are equal (maxpar/checkpoint.py); every key a source reads belongs in its tuple.
+_ROWS = ("dataset_type", "seed", "max_target_length")
+_DOCUMENTS = _ROWS + ("tokenizer_path", "eval_fraction")
+POSITION_KEYS = {
+    "synthetic": _ROWS + ("vocab_size",),
+    "text": _DOCUMENTS + ("dataset_path",),
+    "grain": _DOCUMENTS + ("dataset_path", "grain_file_type", "dataset_text_field"),
+    # hf_eval_split decides whether eval_fraction holds out training rows
+    "hf": _DOCUMENTS + ("hf_path", "hf_data_files", "hf_train_split", "hf_eval_split", "dataset_text_field"),
+}
 
 
 def corpus(config: Config) -> tuple[Sequence[str], Sequence[str]]:
@@ -34,14 +48,33 @@ def corpus(config: Config) -> tuple[Sequence[str], Sequence[str]]:
     return Subset(documents, train_ids), Subset(documents, eval_ids)
 
 
+@dataclasses.dataclass(frozen=True)
+class Datasets:
+    """A run's data: the training dataset, a factory of fresh eval datasets (None: nothing is held out), and what
+    they read, in words (the run header's data line)."""
+
+    train: grain.IterDataset
+    eval: Callable[[], grain.IterDataset] | None
+    description: str
+
+
 def make_datasets(config: Config, *, global_rows: int, eval_rows: int, shard_index: int, shard_count: int
                   ) -> tuple[grain.IterDataset, Callable[[], grain.IterDataset] | None]:
     """(train dataset, factory of fresh eval datasets or None when nothing is held out)."""
+    datasets = open_datasets(config, global_rows=global_rows, eval_rows=eval_rows, shard_index=shard_index,
+                             shard_count=shard_count)
+    return datasets.train, datasets.eval
+
+
+def open_datasets(config: Config, *, global_rows: int, eval_rows: int, shard_index: int, shard_count: int
+                  ) -> Datasets:
+    """The train and eval datasets of this process's share of each global batch, and what they read."""
     share = dict(seq_len=config.max_target_length, process_index=shard_index, process_count=shard_count)
     if config.dataset_type == "synthetic":
         def synthetic(rows: int, seed: int) -> grain.IterDataset:
             return synthetic_batches(vocab_size=config.vocab_size, global_batch_rows=rows, seed=seed, **share)
-        return synthetic(global_rows, config.seed), lambda: synthetic(eval_rows, config.seed + 1)
+        return Datasets(synthetic(global_rows, config.seed), lambda: synthetic(eval_rows, config.seed + 1),
+                        f"synthetic: random tokens below vocab_size={config.vocab_size}, no tokenizer")
 
     try:
         tokenizer = load_tokenizer(config.tokenizer_path)
@@ -52,7 +85,23 @@ def make_datasets(config: Config, *, global_rows: int, eval_rows: int, shard_ind
                           f"({tokenizer.vocab_size}); set vocab_size >= {tokenizer.vocab_size}")
     train_docs, eval_docs = corpus(config)
     train = document_batches(train_docs, tokenizer, global_batch_rows=global_rows, seed=config.seed, **share)
+    description = describe_corpus(config, len(train_docs), len(eval_docs), tokenizer.vocab_size)
     if not len(eval_docs):
-        return train, None
-    return train, lambda: document_batches(eval_docs, tokenizer, global_batch_rows=eval_rows, seed=config.seed,
-                                           **share)
+        return Datasets(train, None, description)
+    return Datasets(train, lambda: document_batches(eval_docs, tokenizer, global_batch_rows=eval_rows,
+                                                    seed=config.seed, **share), description)
+
+
+def describe_corpus(config: Config, train_documents: int, eval_documents: int, vocab_size: int) -> str:
+    """Where a text, grain or hf run's documents come from, how many it trains and evaluates on, and its tokenizer."""
+    if config.dataset_type == "text":
+        source, unit = f"text files {config.dataset_path}", "files"
+    elif config.dataset_type == "grain":
+        source, unit = f"{config.grain_file_type} records {config.dataset_path}", "records"
+    else:
+        source, unit = f"Hugging Face dataset {config.hf_path or config.hf_data_files}", "rows"
+        source += f" (split {config.hf_train_split}" + (f", eval split {config.hf_eval_split})"
+                                                        if config.hf_eval_split else ")")
+    tokenizer = config.tokenizer_path or "byte-level"
+    return (f"{source}: {train_documents:,} {unit} for training, {eval_documents:,} for eval; tokenizer {tokenizer} "
+            f"({vocab_size:,} tokens)")

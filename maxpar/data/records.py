@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from maxpar.config import ConfigError
+from maxpar.data.errors import reading
 
 FILE_TYPES = ("jsonl", "parquet", "arrayrecord")
 CACHED_ROW_GROUPS = 8
@@ -48,10 +49,10 @@ class JsonlTexts(Sequence[str]):
         return self._text(self._shards[shard], int(self._offsets[shard][local]), local + 1)
 
     def _text(self, path: str, offset: int, record_number: int) -> str:
-        with open(path, "rb") as f:
+        where = f"{path}, record {record_number}"
+        with reading("grain_file_type=jsonl", f"{where} (byte {offset})"), open(path, "rb") as f:
             f.seek(offset)
             line = f.readline()
-        where = f"{path}, record {record_number}"
         try:
             record = json.loads(line)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -64,14 +65,11 @@ class JsonlTexts(Sequence[str]):
 def _line_offsets(path: str) -> np.ndarray:
     """Byte offsets of the non-blank lines of a file."""
     offsets, position = [], 0
-    try:
-        with open(path, "rb") as f:
-            for line in f:
-                if line.strip():
-                    offsets.append(position)
-                position += len(line)
-    except OSError as e:
-        raise ConfigError(f"grain_file_type=jsonl: cannot read {path}: {e}") from None
+    with reading("grain_file_type=jsonl", path), open(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                offsets.append(position)
+            position += len(line)
     return np.asarray(offsets, np.int64)
 
 
@@ -85,10 +83,8 @@ class ParquetTexts(Sequence[str]):
         self._files = []
         group_rows: list[list[int]] = []
         for path in shards:
-            try:
+            with reading("grain_file_type=parquet", path):
                 parquet = pq.ParquetFile(path)
-            except Exception as e:  # pyarrow raises ArrowInvalid/OSError for a file that is not Parquet
-                raise ConfigError(f"grain_file_type=parquet: cannot read {path}: {e}") from None
             names = parquet.schema_arrow.names
             if field not in names:
                 raise ConfigError(f"dataset_text_field={field!r}: {path} has no such column; its columns: "
@@ -98,6 +94,8 @@ class ParquetTexts(Sequence[str]):
         # (shard, row group) of every row group with rows, and the corpus index of its first row
         self._groups = [(s, g) for s, rows in enumerate(group_rows) for g, n in enumerate(rows) if n]
         self._starts = np.cumsum([0] + [group_rows[s][g] for s, g in self._groups]).tolist()
+        shard_firsts = [np.cumsum([0, *rows]).tolist() for rows in group_rows]
+        self._first_rows = [shard_firsts[s][g] for s, g in self._groups]  # each group's first row in its shard
         self._paths = tuple(shards)
         self._cache: collections.OrderedDict[int, list[Any]] = collections.OrderedDict()
 
@@ -107,17 +105,22 @@ class ParquetTexts(Sequence[str]):
     def __getitem__(self, index: int) -> str:  # type: ignore[override]
         group = bisect.bisect_right(self._starts, index) - 1
         local = index - self._starts[group]
-        text = self._column(group)[local]
-        shard, row_group = self._groups[group]
-        return _field_text({self._field: text}, self._field,
-                           f"{self._paths[shard]}, row group {row_group}, row {local}", [self._field])
+        where = self._where(group, local)
+        text = self._column(group, where)[local]
+        return _field_text({self._field: text}, self._field, where, [self._field])
 
-    def _column(self, group: int) -> list[Any]:
+    def _where(self, group: int, local: int) -> str:
+        """Row `local` of a row group as `PATH, record N (row group G)`, N counting from 1 in its shard."""
+        shard, row_group = self._groups[group]
+        return f"{self._paths[shard]}, record {self._first_rows[group] + local + 1} (row group {row_group})"
+
+    def _column(self, group: int, where: str) -> list[Any]:
         if group in self._cache:
             self._cache.move_to_end(group)
             return self._cache[group]
         shard, row_group = self._groups[group]
-        column = self._files[shard].read_row_group(row_group, columns=[self._field]).column(0).to_pylist()
+        with reading("grain_file_type=parquet", where):
+            column = self._files[shard].read_row_group(row_group, columns=[self._field]).column(0).to_pylist()
         self._cache[group] = column
         if len(self._cache) > CACHED_ROW_GROUPS:
             self._cache.popitem(last=False)
@@ -132,10 +135,8 @@ class ArrayRecordTexts(Sequence[str]):
 
         lengths = []
         for path in shards:  # opened one by one so that a damaged shard is reported now, by name
-            try:
+            with reading("grain_file_type=arrayrecord", path):
                 lengths.append(len(ArrayRecordDataSource([path])))
-            except Exception as e:  # array_record raises RuntimeError / ValueError for what it cannot read
-                raise ConfigError(f"grain_file_type=arrayrecord: cannot read {path}: {e}") from None
         self._source = ArrayRecordDataSource(list(shards))
         self._starts = np.cumsum([0, *lengths]).tolist()
         self._paths = tuple(shards)
@@ -149,7 +150,9 @@ class ArrayRecordTexts(Sequence[str]):
     def __getitem__(self, index: int) -> str:  # type: ignore[override]
         shard = bisect.bisect_right(self._starts, index) - 1
         where = f"{self._paths[shard]}, record {index - self._starts[shard] + 1}"
-        record = decode_record(self._source[index], where)
+        with reading("grain_file_type=arrayrecord", where):
+            data = self._source[index]
+        record = decode_record(data, where)
         return _field_text(record, self._field, where, sorted(record))
 
 

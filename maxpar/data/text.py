@@ -18,6 +18,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from maxpar.data.errors import reading
 from maxpar.data.tokenizer import Tokenizer
 
 # Datasets are index-addressed; this is "forever" (one doc or step per index).
@@ -116,7 +117,8 @@ class FileTexts(Sequence[str]):
         return len(self._files)
 
     def __getitem__(self, index: int) -> str:  # type: ignore[override]
-        return read_text(self._files[index])
+        with reading("dataset_type=text", self._files[index]):
+            return read_text(self._files[index])
 
 
 class Subset(Sequence[str]):

@@ -74,8 +74,8 @@ def masked_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
 
     The gradient is flash attention's, on the whole matrices: the softmax's row sums come from the output
     (rowsum(dO * O), over D) instead of the [Lq, Lk] probabilities, and the float32 score gradient is rounded
-    to the compute dtype before its two matmuls. (XLA:CPU turned autodiff's [Lq, Lk] row sum into a
-    reduce-window fusion that took 12 ms per layer on the benchmark model, 11% of a one-device step.)
+    to the compute dtype before its two matmuls. (XLA:CPU turned autodiff's [Lq, Lk] row sum into a slow
+    reduce-window fusion, a large share of a one-device step.)
     """
     return _scores_and_output(q, k, v, mask)[1].reshape(q.shape)
 

@@ -98,7 +98,7 @@ class Attention(ModelModule):
 
     @nn.compact
     def __call__(self, x: Array, positions: Array, segment_ids: Array) -> Array:
-        cfg, dt = self.config, self.dtype
+        cfg, dt, qt = self.config, self.dtype, self.config.quantization
         e, h, kv, d = cfg.emb_dim, cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
         wq = kernel(self, "query", (e, h, d), (Logical.EMBED, Logical.HEADS, Logical.HEAD_DIM), (0,))
         wk = kernel(self, "key", (e, kv, d), (Logical.EMBED, Logical.KV_HEADS, Logical.HEAD_DIM), (0,))
@@ -108,20 +108,20 @@ class Attention(ModelModule):
         # Positions and segment ids follow q's length sharding: under TP-sequence the [B, L] inputs are
         # gathered once (int32) rather than their rotary sin/cos and mask (float, per use) by the partitioner.
         positions, segment_ids = constrain(positions, ATTN_Q[:2]), constrain(segment_ids, ATTN_Q[:2])
-        q = constrain(project("ble,ehd->blhd", x, wq, dt), ATTN_Q)
-        k = constrain(project("ble,ehd->blhd", x, wk, dt), ATTN_KV)
-        v = constrain(project("ble,ehd->blhd", x, wv, dt), ATTN_KV)
+        q = constrain(project("ble,ehd->blhd", x, wq, dt, quantization=qt), ATTN_Q)
+        k = constrain(project("ble,ehd->blhd", x, wk, dt, quantization=qt), ATTN_KV)
+        v = constrain(project("ble,ehd->blhd", x, wv, dt, quantization=qt), ATTN_KV)
         q = apply_rope(q, positions, cfg.rope_theta, cfg.rope_scaling) * jnp.asarray(d ** -0.5, dt)
         k = apply_rope(k, positions, cfg.rope_theta, cfg.rope_scaling)
 
         if self.is_mutable_collection(CACHE) and not self.is_initializing():
             out = constrain(self._attend_cached(q, k, v, positions), ATTN_Q)
-            return constrain(project("blhd,hde->ble", out, wo, dt), RESIDUAL)
+            return constrain(project("blhd,hde->ble", out, wo, dt, quantization=qt), RESIDUAL)
         # Init only needs shapes: the portable core keeps it (and the planner's abstract init) off the GPU.
         choice = "dot_product" if self.is_initializing() else cfg.attention
         context = self.layout.context if self.layout else None
         out = constrain(attend(q, k, v, segment_ids, choice, cfg.sliding_window, cfg, context), ATTN_Q)
-        return constrain(project("blhd,hde->ble", out, wo, dt), RESIDUAL)
+        return constrain(project("blhd,hde->ble", out, wo, dt, quantization=qt), RESIDUAL)
 
 
     def _attend_cached(self, q: Array, k: Array, v: Array, positions: Array) -> Array:
@@ -143,7 +143,7 @@ class Mlp(ModelModule):
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        cfg, dt = self.config, self.dtype
+        cfg, dt, qt = self.config, self.dtype, self.config.quantization
         e, m = cfg.emb_dim, cfg.mlp_dim
         # `mlp_embed`: the feed-forward weights' embed dim has its own name, so that a preset can shard it
         # apart from the other weights' (TP-transpose, configs/tp_transpose.yml); by default it follows `embed`.
@@ -151,6 +151,7 @@ class Mlp(ModelModule):
         w_up = kernel(self, "wi_up", (e, m), (Logical.MLP_EMBED, Logical.MLP), (0,))
         w_down = kernel(self, "wo", (m, e), (Logical.MLP, Logical.MLP_EMBED), (0,))
         x = constrain(x, MLP_IO)
-        gate = constrain(project("ble,em->blm", x, w_gate, dt), MLP_HIDDEN)
-        up = constrain(project("ble,em->blm", x, w_up, dt), MLP_HIDDEN)
-        return constrain(constrain(project("blm,me->ble", swiglu(gate, up), w_down, dt), MLP_IO), RESIDUAL)
+        gate = constrain(project("ble,em->blm", x, w_gate, dt, quantization=qt), MLP_HIDDEN)
+        up = constrain(project("ble,em->blm", x, w_up, dt, quantization=qt), MLP_HIDDEN)
+        down = project("blm,me->ble", swiglu(gate, up), w_down, dt, quantization=qt)
+        return constrain(constrain(down, MLP_IO), RESIDUAL)

@@ -8,9 +8,13 @@ float32, and the weight gradient comes out in the weight's own dtype without pas
 
 Why not plain `jnp.einsum`: autodiff of a float32-output einsum makes mixed float32 x bfloat16 matmuls in the
 backward pass (XLA:CPU then runs them in float32, at half the speed), and a bfloat16-output einsum rounds each
-weight gradient to bfloat16 before it is reduced. On the 2-core CPU the benchmark model's one-device step went
-from 0.91-0.95 s to 0.48-0.55 s (README "Performance"); on accelerators the arithmetic is the same as theirs.
+weight gradient to bfloat16 before it is reduced. On XLA:CPU this made the one-device step much faster
+(docs/performance.md, "Levers"); on accelerators the arithmetic is the same as theirs.
 The logits use `matmul` (float32 out); the attention core has its own VJP (maxpar.model.attention).
+
+`quantization="fp8"` (config `quantization`) swaps in the fp8 matmul: both operands quantized to e4m3 with
+per-tensor current scales, the backward's cotangent to e5m2 with its own, each dot fed by a dequantize that the
+GPU compiler folds into an fp8 GEMM (maxpar.model.fp8); accumulation and output dtypes as above.
 
 `project` is the same for a weight projection (q, k, v, attention output, the MLP's gate/up/down, the MoE
 router), whose output it names `PROJECTION` for `remat_policy=minimal` to save.
@@ -23,6 +27,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+
+from maxpar.model import fp8
 
 Array = jax.Array
 PROJECTION = "projection"  # the name remat_policy=minimal saves (maxpar.model.transformer.REMAT_POLICIES)
@@ -56,8 +62,8 @@ def _weight_gradient(lhs: str, rhs: str, out: str, x: Array, g: Array) -> Array:
     """einsum(lhs,out->rhs) of x and g: a matmul contracting both operands' leading (token) dims.
 
     XLA:CPU makes a transposed copy of such a matmul's first operand, so the smaller of x and g goes first
-    (the down projection's [tokens, mlp] input is 4x its [tokens, emb] gradient: 9.7 -> 4 ms per layer on the
-    benchmark model) and the result, the weight's size, is transposed. The barrier keeps the matmul's output in
+    (the down projection's [tokens, mlp] input is 4x its [tokens, emb] gradient) and the result, the weight's
+    size, is transposed. The barrier keeps the matmul's output in
     its natural layout: folding the transpose into it would take the matmul out of XLA:CPU's YNNPACK fusion,
     whose fallback has no bfloat16 x bfloat16 -> float32 kernel.
     """
@@ -68,24 +74,56 @@ def _weight_gradient(lhs: str, rhs: str, out: str, x: Array, g: Array) -> Array:
     return jnp.einsum(f"{swapped}->{rhs}", jax.lax.optimization_barrier(_accumulate(f"{out},{lhs}->{swapped}", g, x)))
 
 
+def _gradients(spec: str, x: Array, w: Array, g: Array, w_dtype: jnp.dtype) -> tuple[Array, Array]:
+    """(dx, dw) of einsum(spec, x, w) from operands and cotangent already in the compute dtype: dx in x's
+    dtype, dw in `w_dtype` (float32 accumulation throughout)."""
+    lhs, rhs, out = _operands(spec)
+    dx = _accumulate(f"{out},{rhs}->{lhs}", g, w).astype(x.dtype)
+    return dx, _weight_gradient(lhs, rhs, out, x, g).astype(w_dtype)
+
+
 def _matmul_bwd(spec, dtype, out_dtype, residuals, g):
     x, w_compute, w_like = residuals
-    lhs, rhs, out = _operands(spec)
-    g = g.astype(dtype)
-    dx = _accumulate(f"{out},{rhs}->{lhs}", g, w_compute).astype(x.dtype)
-    return dx, _weight_gradient(lhs, rhs, out, x, g).astype(w_like.dtype)
+    return _gradients(spec, x, w_compute, g.astype(dtype), w_like.dtype)
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-def matmul(spec: str, x: Array, w: Array, dtype: jnp.dtype, out_dtype: jnp.dtype | None = None) -> Array:
-    """einsum(spec, x, w) with `dtype` operands and float32 accumulation, in `out_dtype` (default `dtype`)."""
+def _fp8_matmul_fwd(spec, dtype, out_dtype, x, w):
+    (xq, x_scale), (wq, w_scale) = fp8.quantize_current(x, fp8.E4M3), fp8.quantize_current(w, fp8.E4M3)
+    y = _accumulate(spec, fp8.dequantize(xq, x_scale, dtype), fp8.dequantize(wq, w_scale, dtype))
+    # The residuals are the fp8 operands and their scales: a quarter of float32 x and w, half of bfloat16.
+    return y.astype(out_dtype), (xq, x_scale, wq, w_scale, jnp.zeros((0,), w.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _fp8_matmul(spec: str, dtype: jnp.dtype, out_dtype: jnp.dtype, x: Array, w: Array) -> Array:
+    return _fp8_matmul_fwd(spec, dtype, out_dtype, x, w)[0]
+
+
+def _fp8_matmul_bwd(spec, dtype, out_dtype, residuals, g):
+    """Both gradient matmuls take the cotangent in e5m2 with its own current scale and the saved e4m3 operands."""
+    xq, x_scale, wq, w_scale, w_like = residuals
+    gq, g_scale = fp8.quantize_current(g, fp8.E5M2)
+    return _gradients(spec, fp8.dequantize(xq, x_scale, dtype), fp8.dequantize(wq, w_scale, dtype),
+                      fp8.dequantize(gq, g_scale, dtype), w_like.dtype)
+
+
+_fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
+QUANTIZED = {"": _matmul, "fp8": _fp8_matmul}  # config key `quantization` -> the matmul it selects
+
+
+def matmul(spec: str, x: Array, w: Array, dtype: jnp.dtype, out_dtype: jnp.dtype | None = None,
+           quantization: str = "") -> Array:
+    """einsum(spec, x, w) with `dtype` operands and float32 accumulation, in `out_dtype` (default `dtype`);
+    `quantization="fp8"`: the operands in fp8 with per-tensor scales (maxpar.model.fp8) instead."""
     _operands(spec)
     dtype = jnp.dtype(dtype)
-    return _matmul(spec, dtype, jnp.dtype(out_dtype or dtype), x.astype(dtype), w)
+    return QUANTIZED[quantization](spec, dtype, jnp.dtype(out_dtype or dtype), x.astype(dtype), w)
 
 
-def project(spec: str, x: Array, w: Array, dtype: jnp.dtype, out_dtype: jnp.dtype | None = None) -> Array:
+def project(spec: str, x: Array, w: Array, dtype: jnp.dtype, out_dtype: jnp.dtype | None = None,
+            quantization: str = "") -> Array:
     """A weight projection: `matmul`, its output named for remat_policy=minimal to save."""
-    return checkpoint_name(matmul(spec, x, w, dtype, out_dtype), PROJECTION)
+    return checkpoint_name(matmul(spec, x, w, dtype, out_dtype, quantization), PROJECTION)

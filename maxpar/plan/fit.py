@@ -20,7 +20,7 @@ from maxpar.plan.hardware import load_hardware
 from maxpar.plan.layout import build_layout
 from maxpar.plan.model_math import memory_per_device
 from maxpar.plan.predict import plan_batch
-from maxpar.train_step import trace_state
+from maxpar.train_step import layout_check, trace_state
 
 GB = 1e9
 PARTS = (("params", "parameters"), ("optimizer", "optimizer state"), ("gradients", "gradients"),
@@ -90,7 +90,8 @@ def check_local_fit(config: Config, devices: Sequence[Any], local_devices: Seque
         return
     capacity, sharing, where = local_capacity(local_devices)
     if capacity != float("inf"):
-        check_fits(config, memory_estimate(config, local_mesh_shape(config, devices)), capacity, sharing, where)
+        mesh = local_mesh_shape(config, devices, layout_check(config))
+        check_fits(config, memory_estimate(config, mesh), capacity, sharing, where)
 
 
 def check_target_fit(config: Config, hardware_name: str, num_devices: int, num_slices: int) -> None:

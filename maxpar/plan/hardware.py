@@ -29,6 +29,7 @@ class Hardware:
     platform: str                     # tpu | gpu
     device_kind: str                  # jax's device_kind, to match local devices
     peak_flops: float                 # dense bf16 FLOP/s
+    peak_fp8_flops: float             # dense FLOP/s of fp8 matmuls (quantization=fp8)
     hbm_bytes: float
     hbm_bandwidth: float              # bytes/s
     ici_bandwidth: float              # bytes/s one device moves along one torus axis (or into NVSwitch)
@@ -59,7 +60,7 @@ class Hardware:
         return self.peak_flops / self.hbm_bandwidth
 
 
-_NUMBERS = ("peak_flops", "hbm_bytes", "hbm_bandwidth", "ici_bandwidth", "dcn_bandwidth_per_host")
+_NUMBERS = ("peak_flops", "peak_fp8_flops", "hbm_bytes", "hbm_bandwidth", "ici_bandwidth", "dcn_bandwidth_per_host")
 _INTS = ("max_devices_per_slice", "devices_per_host")
 
 

@@ -33,6 +33,16 @@ def attention_flops_per_token(config: Config) -> float:
     return training_flops_per_token(config) - 6 * matmul_params(config)
 
 
+def fp8_matmul_params(config: Config) -> int:
+    """Weights per token that quantization=fp8 runs in fp8 matmuls: every matmul weight but the output projection
+    and the MoE layers' router and experts (maxpar.model.layers: q, k, v, out and the dense MLP); 0 without fp8."""
+    if config.quantization != "fp8":
+        return 0
+    moe = config.num_moe_layers * (3 * config.num_experts_per_tok * config.emb_dim * config.mlp_dim
+                                   + config.emb_dim * config.num_experts)
+    return matmul_params(config) - config.emb_dim * config.vocab_size - moe
+
+
 def dtype_bytes(name: str) -> int:
     return np.dtype(name).itemsize
 

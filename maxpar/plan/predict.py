@@ -28,8 +28,8 @@ from maxpar.plan.moe_comms import predict_moe_comms
 from maxpar.plan.hardware import Hardware, ici_axis_shares, slice_shape_exists, torus_shape
 from maxpar.layout import TracedState, batch_shape
 from maxpar.plan.layout import Layout, build_layout
-from maxpar.plan.model_math import (attention_flops_per_token, context_degree, dtype_bytes, memory_per_device,
-                                    param_breakdown, state_bytes, tp_degrees)
+from maxpar.plan.model_math import (attention_flops_per_token, context_degree, dtype_bytes, fp8_matmul_params,
+                                    memory_per_device, param_breakdown, state_bytes, tp_degrees)
 from maxpar.train_step import trace_state
 
 PHASES = (FORWARD, BACKWARD)
@@ -114,9 +114,15 @@ def attention_overwork(config: Config) -> float:
     return min(min(config.attention_block_size, length) / span, 1.0)
 
 
+FP8 = ("quantization=fp8: the layer stack's projection and dense-MLP matmuls (forward, both gradients, and a "
+       "remat=full recompute) run at the profile's peak fp8 FLOP/s, every other matmul at the bf16 peak; MFU stays "
+       "model FLOPs over the bf16 peak; weights are gathered in dtype as without fp8 (XLA gathers the dequantized "
+       "weight, not its fp8 form), and the per-tensor amax all-reduces (one scalar each) are not counted")
+
+
 def assumptions(config: Config) -> list[str]:
     scores = BLOCKWISE_SCORES if config.attention == "blockwise" else FULL_SCORES.format(attention=config.attention)
-    return [*ASSUMPTIONS, scores]
+    return [*ASSUMPTIONS, scores, *([FP8] if config.quantization == "fp8" else [])]
 
 
 def compute_flops(config: Config, tokens_per_device: float) -> dict[str, float]:
@@ -132,6 +138,19 @@ def compute_flops(config: Config, tokens_per_device: float) -> dict[str, float]:
     elif config.remat_policy == "minimal":  # attention einsums are not projections: recomputed
         hardware[BACKWARD] += 2 * attention / 3 * tokens_per_device
     return {"model": model, **hardware}
+
+
+def fp8_flops(config: Config, tokens_per_device: float) -> dict[str, float]:
+    """The part of each phase's hardware FLOPs that runs as fp8 matmuls (quantization=fp8; 0 otherwise): the layer
+    stack's projections and dense MLPs, 2 FLOPs per weight per token forward, 4 backward (dx and dw), and their
+    forward again under remat_policy=full (minimal saves their outputs)."""
+    forward = 2 * fp8_matmul_params(config) * tokens_per_device
+    return {FORWARD: forward, BACKWARD: 2 * forward + (forward if config.remat_policy == "full" else 0.0)}
+
+
+def compute_seconds(flops: dict[str, float], fp8: dict[str, float], hardware: Hardware) -> dict[str, float]:
+    """Matmul time per phase: fp8 FLOPs at the profile's fp8 peak, the rest at its bf16 peak."""
+    return {p: (flops[p] - fp8[p]) / hardware.peak_flops + fp8[p] / hardware.peak_fp8_flops for p in PHASES}
 
 
 def hbm_seconds(layout: Layout, microbatches: int, hardware: Hardware) -> dict[str, float]:
@@ -169,8 +188,8 @@ def comm_rows(comms: list[Comm], times: list[float]) -> list[dict[str, Any]]:
     return sorted(rows.values(), key=lambda r: -r["time_s"])
 
 
-def _axis_table(comms: list[Comm], times: list[float], flops: dict[str, float], tokens_per_device: float,
-                hardware: Hardware, shares: dict[str, float]) -> list[dict[str, Any]]:
+def _axis_table(comms: list[Comm], times: list[float], flops: dict[str, float], compute: dict[str, float],
+                tokens_per_device: float, hardware: Hardware, shares: dict[str, float]) -> list[dict[str, Any]]:
     """Per mesh-axis group and network: bytes, time, intensity vs hardware, critical batch."""
     groups: dict[tuple[str, str], list[tuple[Comm, float]]] = defaultdict(list)
     for comm, seconds in zip(comms, times):
@@ -188,7 +207,7 @@ def _axis_table(comms: list[Comm], times: list[float], flops: dict[str, float], 
             intensity = min(intensity, flops[phase] / phase_bytes)
             fixed = sum(s for c, s in in_phase if not c.scales_with_batch)
             per_token = sum(s for c, s in in_phase if c.scales_with_batch) / tokens_per_device
-            compute_per_token = flops[phase] / hardware.peak_flops / tokens_per_device
+            compute_per_token = compute[phase] / tokens_per_device
             critical = max(critical, fixed / (compute_per_token - per_token)
                            if compute_per_token > per_token else math.inf)
         rows.append({
@@ -216,7 +235,7 @@ def evaluate(config: Config, target: Target, state: TracedState) -> dict[str, An
                              target.num_devices // target.num_slices)
     times = [c.bytes_per_device / comm_bandwidth(c, hardware, shares) for c in comms]
     flops = compute_flops(config, tokens_per_device)
-    compute = {p: flops[p] / hardware.peak_flops for p in PHASES}
+    compute = compute_seconds(flops, fp8_flops(config, tokens_per_device), hardware)
     hbm = hbm_seconds(layout, batch.microbatches, hardware)
     network = {(p, n): sum(t for c, t in zip(comms, times) if c.phase == p and c.network == n)
                for p in PHASES for n in ("ici", "dcn")}
@@ -228,7 +247,7 @@ def evaluate(config: Config, target: Target, state: TracedState) -> dict[str, An
     memory = memory_per_device(config, layout, batch.tokens_per_shard)
     memory["hbm_bytes"] = hardware.hbm_bytes
     memory["fits"] = memory["total"] <= hardware.hbm_bytes
-    axes = _axis_table(comms, times, flops, tokens_per_device, hardware, shares)
+    axes = _axis_table(comms, times, flops, compute, tokens_per_device, hardware, shares)
     totals = {"compute": sum(compute.values()), "memory": sum(hbm[p] for p in PHASES) + hbm["optimizer"],
               "communication": sum(max(network[(p, "ici")], network[(p, "dcn")]) for p in PHASES)}
     # The bound is what sets the step time: in each phase the slowest of the three, summed over phases.

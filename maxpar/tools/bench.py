@@ -10,9 +10,10 @@ Each row runs in a fresh subprocess (`--worker NAME`) because XLA_FLAGS (the
 simulated device count, the XLA flag levers) are read once when JAX starts,
 and so that every row starts with empty device memory; the worker prints one
 JSON line and the parent prints the table and writes bench.md, bench.json and
-bench.png into --out. The worker uses the real trainer pieces (config, mesh,
-sharded state, jitted step, the data pipeline and global-batch assembly of
-`maxpar.train`), never a copy of them. Numbers are printed, never asserted.
+bench.png into --out (and, with --record DIR, a `maxpar.tools.records` record).
+The worker uses the real trainer pieces (config, mesh, sharded state, jitted
+step, the data pipeline and global-batch assembly of `maxpar.train`), never a
+copy of them. Numbers are printed, never asserted.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from maxpar.tools import bench_gpu
+from maxpar.tools import bench_gpu, records
 from maxpar.tools.bench_report import CPU_COLUMNS, GPU_COLUMNS, markdown_table, not_measured, write_chart
 from maxpar.tools.host_devices import with_device_count
 
@@ -283,19 +284,26 @@ def build_cases(args: argparse.Namespace, parser: argparse.ArgumentParser) -> li
 
 
 def write_outputs(out: Path, table: str, run: str, results: Sequence[dict[str, Any]]) -> list[str]:
-    """bench.md, bench.json and (with matplotlib, the `plot` extra) bench.png; returns the names written."""
+    """bench.md, bench.json and bench.png; returns the names written."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.md").write_text(table, encoding="utf-8")
     (out / "bench.json").write_text(json.dumps({"run": run, "results": results}, indent=2), encoding="utf-8")
-    try:
-        write_chart(results, out / "bench.png", run)
-    except ImportError:
-        print("maxpar bench: bench.png skipped: matplotlib is missing (pip install -e '.[plot]')", file=sys.stderr)
-        return ["bench.md", "bench.json"]
+    write_chart(results, out / "bench.png", run)
     return ["bench.md", "bench.json", "bench.png"]
 
 
+def write_bench_record(directory: Path, argv: Sequence[str], run: str, results: Sequence[dict[str, Any]], gpu: bool,
+                       load_start: Sequence[float]) -> Path:
+    """The run as a record (`bench_gpu` or `bench_cpu`); a GPU record names the device its rows ran on."""
+    accelerator = next((r["device_kind"] for r in results if "device_kind" in r), None) if gpu else None
+    return records.write_record(directory, "bench_gpu" if gpu else "bench_cpu",
+                                ["python", "-m", "maxpar.tools.bench", *argv], {"run": run, "rows": list(results)},
+                                load_start, accelerator)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    load_start = records.load_average()
     parser = argparse.ArgumentParser(prog="python -m maxpar.tools.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
                         help="CPU mode, comma-separated: one, or _-joined degrees such as fsdp8, dp2_fsdp2_tp2, dp8, "
@@ -314,6 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write bench.md, bench.json and bench.png here "
                                                  "(default outputs/bench, or outputs/bench_gpu with --gpu)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds allowed per row")
+    records.add_record_option(parser)
     parser.add_argument("--worker", metavar="NAME", help=argparse.SUPPRESS)
     parser.add_argument("--devices", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -321,6 +330,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--steps must be >= 1 and --warmup >= 0")
     if (args.setting or args.smoke) and not args.gpu:
         parser.error("--setting and --smoke go with --gpu")
+    if args.smoke and args.record:
+        parser.error("--smoke measures nothing: it writes no --record")
 
     if args.worker:
         result = run_worker(args.worker, args.set, args.devices, args.steps, args.warmup)
@@ -341,6 +352,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = args.out or REPO / "outputs" / ("bench_gpu" if args.gpu else "bench")
     written = write_outputs(out, table, run, results)
     print(f"maxpar bench: wrote {', '.join(str(out / name) for name in written)}")
+    if args.record:
+        print(f"maxpar bench: record {write_bench_record(args.record, argv, run, results, args.gpu, load_start)}")
     # Refused and out-of-memory rows are findings; a crash or a timeout is a failure.
     return 1 if any("error" in r for r in results) or all(not_measured(r) for r in results) else 0
 

@@ -6,7 +6,8 @@ later steps run. This times, for the default tiny model (configs/models/tiny.yml
 and the devices JAX sees, plain steps, steps that end in a save (the step plus that call), and the
 steps right after a save (which share the machine with the background write), for async saving and,
 for contrast, synchronous saving. It uses the real trainer pieces (`setup_run`, the compiled step,
-`checkpoint.make_manager` / `checkpoint.save`). Numbers are printed, never asserted.
+`checkpoint.make_manager` / `checkpoint.save`). Numbers are printed (and, with --record DIR, written as a
+`maxpar.tools.records` record), never asserted.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from maxpar.tools import records
 
 REPO = Path(__file__).resolve().parents[2]
 BASE_CONFIG = REPO / "configs" / "base.yml"
@@ -90,12 +93,15 @@ def table(r: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    load_start = records.load_average()
     parser = argparse.ArgumentParser(prog="python -m maxpar.tools.bench_checkpoint", description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", action="store_true", help="time checkpoint saves (the only mode)")
     parser.add_argument("--steps", type=int, default=48, help="timed steps")
     parser.add_argument("--period", type=int, default=4, help="save every N steps, alternately async and sync")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra config override")
+    records.add_record_option(parser)
     args = parser.parse_args(argv)
     if args.period < 3 or args.steps < 2 * args.period:
         parser.error("need --period >= 3 and --steps >= 2 x --period")
@@ -103,6 +109,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"maxpar checkpoint bench: tiny model, {result['tokens_per_step']:,} tokens/step on {result['devices']} "
           f"device(s); medians of {args.steps} steps, a save every {args.period} (async and sync alternately)")
     print(table(result))
+    if args.record:
+        path = records.write_record(args.record, "bench_checkpoint",
+                                    ["python", "-m", "maxpar.tools.bench_checkpoint", *argv],
+                                    {**result, "steps": args.steps, "period": args.period}, load_start)
+        print(f"maxpar checkpoint bench: record {path}")
     return 0
 
 

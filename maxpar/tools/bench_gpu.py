@@ -52,6 +52,9 @@ DEFAULT_SETTINGS = (
     "per_device_batch_size=8,attention=cudnn_flash_causal",
     "per_device_batch_size=8,attention=cudnn_flash_causal,remat_policy=minimal,xla=cublas",
     "per_device_batch_size=16,attention=cudnn_flash_causal,remat_policy=full",
+    # fp8 projections and MLP (maxpar/model/fp8.py): against `base`, and with the best-guess levers above.
+    "quantization=fp8",
+    "quantization=fp8,per_device_batch_size=8,attention=cudnn_flash_causal,remat_policy=minimal,xla=cublas",
 )
 
 # Let XLA take most of the GPU's memory (JAX preallocates 75% by default); a user's value wins.

@@ -82,7 +82,7 @@ def markdown_table(rows: Sequence[Row], header: str, columns: Sequence[Column]) 
 def write_chart(rows: Sequence[Row], path: Path, title: str) -> None:
     """Tokens/s per row (MFU written on the bar where known) beside compile seconds, as a PNG.
 
-    matplotlib is imported here (the `plot` extra), so the benchmark itself never needs it.
+    matplotlib is imported here, so a worker process never loads it.
     """
     import matplotlib
     matplotlib.use("Agg")

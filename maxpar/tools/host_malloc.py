@@ -1,9 +1,9 @@
 """glibc malloc settings for a training process on XLA:CPU: keep each step's freed buffers mapped.
 
 XLA:CPU allocates a step's buffers afresh every step. On a multi-device CPU mesh those come from glibc's
-malloc, which with its defaults unmaps or trims the freed memory and faults it in again the next step
-(13,000-14,000 page faults per FSDP(8) step of the benchmark model). A 32 MiB mmap threshold, a 1 GiB trim
-threshold and a 64 MiB top pad keep it mapped (about 4,600) and the step 2-5% faster (README "Performance").
+malloc, which with its defaults unmaps or trims the freed memory and faults it in again the next step. A
+32 MiB mmap threshold, a 1 GiB trim threshold and a 64 MiB top pad keep it mapped: about a third of the page
+faults, and a faster step (docs/performance.md, "Levers").
 
 Process-wide, so only processes maxpar owns apply it (`python -m maxpar.train` and the benchmark's workers;
 `cpu_malloc_tuning`), on the CPU backend, with glibc, and never over the user's own malloc settings.
@@ -53,4 +53,5 @@ def tune(enabled: bool, platform: str, env: Mapping[str, str] | None = None, lib
     if theirs:
         return f"glibc malloc left to your {', '.join(theirs)}; cpu_malloc_tuning not applied"
     apply(ctypes.CDLL(None) if libc is None else libc)
-    return "glibc malloc keeps each step's freed buffers mapped (cpu_malloc_tuning=false: glibc's defaults)"
+    return ("glibc malloc keeps each step's freed buffers mapped (cpu_malloc_tuning, on by default; "
+            "set cpu_malloc_tuning=false for glibc's defaults)")

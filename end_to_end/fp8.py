@@ -1,0 +1,115 @@
+"""Regression: quantization=fp8 trains the default model to the held-out loss of the same run in bfloat16.
+
+    python end_to_end/fp8.py [--steps 300] [--tolerance 0.02] [key=value ...]
+    python end_to_end/fp8.py --gemm-check     # on a GPU: do the fp8 matmuls compile to cuBLASLt fp8 GEMMs?
+
+The first form runs `python -m maxpar.train configs/base.yml` twice (dtype=bfloat16, then the same with
+quantization=fp8; same seed, data and steps), prints both final held-out losses, their ratio and the load
+average, and PASSes when the ratio is within --tolerance of 1.
+
+`--gemm-check` compiles the fp8 forward and backward of each projection shape of the benchmark model on the
+first device and counts the compiled program's cuBLASLt fp8 GEMM calls (`__cublas$lt$matmul$f8`): 3 per
+projection (y, dx, dw) is a PASS. XLA rewrites fp8 GEMMs before its Triton GEMM fusion, which would otherwise
+take the fp8 operands and multiply in bfloat16; so fewer means that matmul runs at the bfloat16 rate. Without a
+GPU it prints SKIP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from preamble import prepare  # end_to_end/preamble.py: this script's folder is sys.path[0]
+from verdict import exit_with  # end_to_end/verdict.py: this script's folder is sys.path[0]
+
+REPO = prepare(devices=None, tests=False)
+FP8_GEMM = "__cublas$lt$matmul$f8"
+
+
+def final_eval_loss(out: Path, name: str, overrides: list[str]) -> float:
+    """Train one run of the default config with `overrides` and return its last held-out loss."""
+    command = [sys.executable, "-m", "maxpar.train", "configs/base.yml", f"base_output_directory={out}",
+               f"run_name={name}", "enable_checkpointing=false", *overrides]
+    subprocess.run(command, cwd=REPO, check=True)
+    rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+    return next(r["eval_loss"] for r in reversed(rows) if r["eval_loss"] is not None)
+
+
+def compare_training(args: argparse.Namespace) -> int:
+    common = [f"steps={args.steps}", "dtype=bfloat16", *args.overrides]
+    with tempfile.TemporaryDirectory() as out:
+        bf16 = final_eval_loss(Path(out), "bf16", common)
+        fp8 = final_eval_loss(Path(out), "fp8", [*common, "quantization=fp8"])
+    ratio = fp8 / bf16
+    load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
+    print(f"held-out loss after {args.steps} steps: bfloat16 {bf16:.4f}, fp8 {fp8:.4f}, fp8/bf16 {ratio:.4f} "
+          f"(load average {load})")
+    if abs(ratio - 1) > args.tolerance:
+        print(f"FAIL: fp8/bf16 held-out loss ratio {ratio:.4f} is not within {args.tolerance:.0%} of 1")
+        return 1
+    print(f"PASS: fp8 held-out loss within {args.tolerance:.0%} of bfloat16's ({ratio:.4f})")
+    return 0
+
+
+# The model's four projection shapes at the benchmark model's sizes (4 rows x 2048 tokens, emb 2048, 16 heads
+# x 128, MLP 5632): spec, x's shape, w's shape.
+PROJECTIONS = (("ble,ehd->blhd", (4, 2048, 2048), (2048, 16, 128)),   # q, k, v
+               ("blhd,hde->ble", (4, 2048, 16, 128), (16, 128, 2048)),  # attention output
+               ("ble,em->blm", (4, 2048, 2048), (2048, 5632)),         # MLP gate, up
+               ("blm,me->ble", (4, 2048, 5632), (5632, 2048)))         # MLP down
+
+
+def fp8_gemm_count(spec: str, x_shape: tuple[int, ...], w_shape: tuple[int, ...]) -> int:
+    """cuBLASLt fp8 GEMM calls in the compiled forward and backward of one fp8 projection (bf16 x, f32 w)."""
+    import jax
+    import jax.numpy as jnp
+
+    from maxpar.model.matmul import matmul
+
+    def project(x, w):
+        return matmul(spec, x, w, jnp.bfloat16, quantization="fp8")
+
+    def forward_and_backward(x, w, g):  # the cotangent is an argument: a constant one could fold away
+        y, pullback = jax.vjp(project, x, w)
+        return y, *pullback(g)
+
+    x, w = jax.ShapeDtypeStruct(x_shape, jnp.bfloat16), jax.ShapeDtypeStruct(w_shape, jnp.float32)
+    compiled = jax.jit(forward_and_backward).lower(x, w, jax.eval_shape(project, x, w)).compile()
+    return compiled.as_text().count(FP8_GEMM)
+
+
+def gemm_check() -> int:
+    import jax
+
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        print(f"SKIP: --gemm-check needs a GPU (the first device is {device.platform})")
+        return 0
+    missing = 0
+    for spec, x_shape, w_shape in PROJECTIONS:
+        count = fp8_gemm_count(spec, x_shape, w_shape)
+        print(f"{device.device_kind} {spec}: {count} of 3 matmuls (y, dx, dw) are fp8 GEMMs ({FP8_GEMM})")
+        missing += max(3 - count, 0)
+    if missing:
+        print(f"FAIL: {missing} of {3 * len(PROJECTIONS)} matmuls were not rewritten to fp8 GEMMs (they run in bf16)")
+        return 1
+    print("PASS: every projection's forward and both gradient matmuls are fp8 GEMMs")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=300, help="training steps of each run")
+    parser.add_argument("--tolerance", type=float, default=0.02, help="allowed |fp8/bf16 - 1| of the held-out loss")
+    parser.add_argument("--gemm-check", action="store_true", help="only check the GPU's fp8 GEMM rewrite")
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides for both runs")
+    args = parser.parse_args()
+    return gemm_check() if args.gemm_check else compare_training(args)
+
+
+if __name__ == "__main__":
+    exit_with(main)
