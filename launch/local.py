@@ -33,7 +33,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import IO
 
 from maxpar.config import ConfigError, load_config
-from maxpar.tools.host_devices import with_device_count
+from maxpar.host_devices import with_device_count
 
 LOCALHOST = "127.0.0.1"
 _PR_SET_PDEATHSIG = 1

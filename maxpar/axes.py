@@ -9,10 +9,23 @@ from __future__ import annotations
 
 import enum
 
-PHYSICAL_AXES = ("data", "fsdp", "tensor", "expert", "stage", "context")
-STAGE_AXIS = "stage"    # the mesh axis whose degree is the number of pipeline stages
-CONTEXT_AXIS = "context"  # the mesh axis context parallelism splits the sequence over
-ZERO_AXIS = "data"      # the mesh axis shard_optimizer_over_data (ZeRO-1) also splits the optimizer state over
+
+class Physical(enum.StrEnum):
+    """The physical mesh axes (the values are what configs spell: `mesh_axes`, `ici_<axis>_parallelism`). Only
+    config, mesh and layout name them; everything else asks the run layout."""
+
+    DATA = "data"
+    FSDP = "fsdp"
+    TENSOR = "tensor"
+    EXPERT = "expert"
+    STAGE = "stage"
+    CONTEXT = "context"
+
+
+PHYSICAL_AXES = tuple(axis.value for axis in Physical)  # plain strings: configs, YAML and JSON hold them
+STAGE_AXIS = Physical.STAGE      # the mesh axis whose degree is the number of pipeline stages
+CONTEXT_AXIS = Physical.CONTEXT  # the mesh axis context parallelism splits the sequence over
+ZERO_AXIS = Physical.DATA        # the mesh axis shard_optimizer_over_data (ZeRO-1) also splits the optimizer state over
 
 
 class Logical(enum.StrEnum):

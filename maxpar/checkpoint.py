@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import grain.checkpoint
@@ -36,9 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+from etils import epath
 from jax.sharding import Mesh
 
-from maxpar import distributed
+from maxpar import distributed, storage
 from maxpar.config import Config, ConfigError
 from maxpar.data.pipeline import POSITION_KEYS
 from maxpar.layout import RunLayout
@@ -69,7 +69,7 @@ def warn_stderr(message: str) -> None:
 
 # ---------------------------------------------------------------- manager and save
 
-def make_manager(run_dir: Path, config: Config) -> ocp.CheckpointManager:
+def make_manager(run_dir: epath.PathLike, config: Config) -> ocp.CheckpointManager:
     """The run's own manager: async per config, keeps `max_checkpoints_to_keep`, deletes in the background.
 
     Leftover temporary directories of saves that were killed are removed on start; they never
@@ -82,13 +82,14 @@ def make_manager(run_dir: Path, config: Config) -> ocp.CheckpointManager:
         cleanup_tmp_directories=True,
         create=True,
     )
-    return ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options, item_handlers=_handlers())
+    return ocp.CheckpointManager(storage.absolute(storage.path(run_dir) / "checkpoints"), options=options,
+                                 item_handlers=_handlers())
 
 
-def _source_manager(directory: Path) -> ocp.CheckpointManager:
+def _source_manager(directory: epath.Path) -> ocp.CheckpointManager:
     """A read-only manager over another run's checkpoints (load_*_path): never writes or deletes there."""
     options = ocp.CheckpointManagerOptions(read_only=True, create=False, enable_async_checkpointing=False)
-    return ocp.CheckpointManager(directory.absolute(), options=options, item_handlers=_handlers())
+    return ocp.CheckpointManager(storage.absolute(directory), options=options, item_handlers=_handlers())
 
 
 def _handlers() -> dict[str, Any]:
@@ -222,8 +223,8 @@ def structure_differences(saved: Any, target: Any, limit: int = 8, cast_floats: 
 
 # ---------------------------------------------------------------- reading one step
 
-def _step_dir(manager: ocp.CheckpointManager, step: int) -> Path:
-    return Path(manager.directory) / str(step)
+def _step_dir(manager: ocp.CheckpointManager, step: int) -> epath.Path:
+    return epath.Path(manager.directory) / str(step)
 
 
 def _read_json_items(manager: ocp.CheckpointManager, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -242,12 +243,12 @@ def _read_json_items(manager: ocp.CheckpointManager, step: int) -> tuple[dict[st
     return meta, config
 
 
-def _is_parameters_only(step_dir: Path) -> bool:
+def _is_parameters_only(step_dir: epath.Path) -> bool:
     """Whether a step holds parameters but no training state by design (maxpar.convert writes such steps)."""
     return (step_dir / "params").is_dir() and not (step_dir / "opt_state").exists() and not (step_dir / "data").exists()
 
 
-def _saved_arrays(metadata: Any, step_dir: Path, item: str, where: str) -> Any:
+def _saved_arrays(metadata: Any, step_dir: epath.Path, item: str, where: str) -> Any:
     """The Orbax metadata tree of `item`; a missing directory or missing/empty metadata is damage (ValueError),
     not an incompatibility: only an intact item says anything about the config that wrote it."""
     if item not in metadata.keys():
@@ -398,7 +399,7 @@ def first_usable(steps: Sequence[int], load: Callable[[int], Any], where: str, w
     return None
 
 
-def set_aside(directory: Path, step: int) -> Path:
+def set_aside(directory: epath.Path, step: int) -> epath.Path:
     """Rename an unusable step directory to STEP.unusable[.N] (kept for inspection, out of Orbax's listing)."""
     source = directory / str(step)
     for n in range(1000):
@@ -423,7 +424,7 @@ def resume(manager: ocp.CheckpointManager, target: Target, data_iterator: Any, w
     if unusable:
         if jax.process_index() == 0:
             for bad in unusable:
-                warn(f"moved unusable checkpoint step {bad} aside to {set_aside(Path(manager.directory), bad)}")
+                warn(f"moved unusable checkpoint step {bad} aside to {set_aside(epath.Path(manager.directory), bad)}")
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices("maxpar: unusable checkpoints set aside")
@@ -433,9 +434,9 @@ def resume(manager: ocp.CheckpointManager, target: Target, data_iterator: Any, w
 
 # ---------------------------------------------------------------- starting a new run from another run
 
-def resolve_source(key: str, value: str) -> tuple[Path, int | None]:
+def resolve_source(key: str, value: str) -> tuple[epath.Path, int | None]:
     """(checkpoints directory, step or None for the newest) of a load_*_path value."""
-    path = Path(value).expanduser()
+    path = storage.path(value)
     if path.name.isdigit() and path.parent.is_dir():
         return path.parent, int(path.name)
     for candidate in (path / "checkpoints", path):
@@ -483,7 +484,7 @@ def load_parameters(value: str, target: Target, warn: Warn = warn_stderr) -> Any
 
 # ---------------------------------------------------------------- parameters-only checkpoints (maxpar.convert)
 
-def save_parameters(run_dir: Path, params: Any, config: Config, step: int = 0) -> Path:
+def save_parameters(run_dir: epath.PathLike, params: Any, config: Config, step: int = 0) -> epath.Path:
     """Write `params` (canonical layout) as RUN_DIR/checkpoints/STEP: the params, meta and config items that
     load_parameters_path= reads, and no optimizer or data state (so it starts runs, never resumes them)."""
     manager = make_manager(run_dir, config)

@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import omegaconf
+from etils import epath
 from omegaconf import OmegaConf
 
+from maxpar import storage
 from maxpar.axes import PHYSICAL_AXES, Logical, unknown_logical
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -287,7 +289,7 @@ def load_config(argv: Sequence[str]) -> Config:
     """
     if not argv or "=" in argv[0]:
         raise ConfigError("usage: python -m maxpar.train CONFIG.yml [key=value ...] (first argument must be a YAML file)")
-    chain = _yaml_chain(Path(argv[0]))
+    chain = _yaml_chain(storage.path(argv[0]))
     overrides = ("command line", parse_overrides(argv[1:]))
     layers = chain + [overrides]
     for source, layer in layers:
@@ -295,7 +297,7 @@ def load_config(argv: Sequence[str]) -> Config:
     model_name = _merge([layer for _, layer in layers]).get("model_name", "")
     model_layers = []
     if model_name:
-        model_file = Path(chain[0][0]).parent / "models" / f"{model_name}.yml"
+        model_file = storage.path(chain[0][0]).parent / "models" / f"{model_name}.yml"
         if not model_file.is_file():
             available = sorted(p.stem for p in model_file.parent.glob("*.yml"))
             raise ConfigError(f"model_name={model_name!r}: no file {model_file}; available: {', '.join(available)}")
@@ -357,12 +359,12 @@ def config_from_dict(values: Mapping[str, Any]) -> Config:
     return config
 
 
-def _yaml_chain(path: Path) -> list[tuple[str, dict[str, Any]]]:
-    """[(source, layer)] from the root (no base_config) down to `path`."""
+def _yaml_chain(path: epath.Path) -> list[tuple[str, dict[str, Any]]]:
+    """[(source, layer)] from the root (no base_config) down to `path` (local or gs://)."""
     chain: list[tuple[str, dict[str, Any]]] = []
-    seen: set[Path] = set()
+    seen: set[epath.Path] = set()
     while True:
-        path = path.resolve()
+        path = path if storage.is_remote(path) else path.resolve()
         if path in seen:
             raise ConfigError(f"base_config cycle at {path}")
         seen.add(path)
@@ -374,11 +376,12 @@ def _yaml_chain(path: Path) -> list[tuple[str, dict[str, Any]]]:
         path = path.parent / str(parent)
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def _read_yaml(path: epath.Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = OmegaConf.to_container(OmegaConf.load(path))
+        with path.open() as f:  # OmegaConf opens only local names
+            data = OmegaConf.to_container(OmegaConf.load(f))
     except Exception as e:  # yaml and OmegaConf raise many kinds
         raise ConfigError(f"cannot parse {path}: {e}") from None
     if data is None:

@@ -30,11 +30,11 @@ import os
 import re
 import sys
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
+from etils import epath
 
 from maxpar.config import Config, ConfigError
 
@@ -226,7 +226,7 @@ def resplit_iterator_states(saved: Sequence[Mapping[str, Any]], current: Mapping
 _STATE_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
 
 
-def read_data_state(directory: Path, current: Mapping[str, Any], process_index: int,
+def read_data_state(directory: epath.Path, current: Mapping[str, Any], process_index: int,
                     process_count: int) -> dict[str, Any]:
     """This process's iterator state from a checkpoint's `data` item (Grain's `process_I-of-N.json` files),
     re-split with `resplit_iterator_states` when another number of processes saved it."""

@@ -17,7 +17,6 @@ import dataclasses
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
@@ -26,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from maxpar import checkpoint, logs, preflight
+from maxpar import checkpoint, logs, preflight, storage
 from maxpar.config import Config, ConfigError, load_config
 from maxpar.data.tokenizer import Tokenizer, load_tokenizer
 from maxpar.guards import INTERRUPTED_EXIT_STATUS
@@ -57,9 +56,6 @@ def check_request(config: Config, prompts: Sequence[Sequence[int]]) -> None:
             raise ConfigError(f"prompt {i} has {len(prompt)} tokens + max_new_tokens={config.max_new_tokens} > "
                               f"max_target_length={config.max_target_length}: the KV cache holds max_target_length "
                               f"positions; lower max_new_tokens or raise max_target_length")
-    if (config.ici_stage_parallelism, config.dcn_stage_parallelism) != (1, 1):
-        raise ConfigError("maxpar.generate does not run pipelined (stage parallelism != 1): set "
-                          "ici_stage_parallelism=1 and dcn_stage_parallelism=1; the checkpoint loads on any other mesh")
     if not config.load_parameters_path:
         raise ConfigError("load_parameters_path is empty: name the run, step directory or maxpar.convert output "
                           "whose parameters to sample from")
@@ -164,10 +160,13 @@ def load_model(config: Config, devices: Sequence[Any] | None = None) -> tuple[Ca
     devices = list(jax.devices() if devices is None else devices)
     runs = layout_check(config, optax.identity(), check_batch=False)
     layout = run_layout(config, local_mesh_shape(config, devices, runs), optax.identity(), check_batch=False)
+    if layout.pipelined:
+        raise ConfigError("maxpar.generate does not run pipelined (stage parallelism != 1): set "
+                          "ici_stage_parallelism=1 and dcn_stage_parallelism=1; the checkpoint loads on any other mesh")
     mesh = build_mesh(layout.mesh, devices)
     target = checkpoint.Target.of(layout, mesh)
     params = checkpoint.load_parameters(config.load_parameters_path, target)
-    return model_apply(Transformer(config, layout.model), mesh, config.axis_rules, layout.rows_degree), params
+    return model_apply(Transformer(config, layout.model), mesh, layout.rules, layout.rows_degree), params
 
 
 def generate(config: Config, prompts: Sequence[str], tokenizer: Tokenizer | None = None,
@@ -193,7 +192,7 @@ def generate(config: Config, prompts: Sequence[str], tokenizer: Tokenizer | None
 def read_prompts(path: str) -> list[str]:
     """--prompts_file: one prompt per line (empty lines skipped), so a batch needs no shell quoting."""
     try:
-        lines = Path(path).expanduser().read_text(encoding="utf-8").splitlines()
+        lines = storage.path(path).read_text(encoding="utf-8").splitlines()  # local or gs://
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"--prompts_file {path!r}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
     prompts = [line for line in lines if line]

@@ -11,6 +11,7 @@ an abstract mesh; the model is handed `layout.model` instead of inspecting the m
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -22,7 +23,8 @@ from maxpar.axes import ATTN_KV, ATTN_Q, BATCH_INPUT, CONTEXT_AXIS, RESIDUAL, ST
 from maxpar.config import CUDNN_ATTENTION, AxisRule, Config, ConfigError
 from maxpar.mesh import MeshShape
 from maxpar.pipeline.schedule import Schedule
-from maxpar.sharding import check_divisible, mesh_axes, mesh_shardings, shard_optimizer_state, with_zero_axis
+from maxpar.sharding import (check_divisible, entry_axes, mesh_axes, mesh_shardings, mesh_specs, shard_optimizer_state,
+                             with_zero_axis)
 
 Axes = tuple[str, ...]
 
@@ -96,6 +98,7 @@ class ExpertAxes:
     gate: tuple[Axes, ...]      # per dim of wi_gate / wi_up [exp, embed, mlp]
     down: tuple[Axes, ...]      # per dim of wo [exp, mlp, embed]
     mesh: MeshAxes
+    pipelined: bool             # the layers run under the pipeline loop's vmap over the stages
 
     def degree(self, axes: Axes) -> int:
         sizes = self.mesh.sizes
@@ -115,23 +118,33 @@ EXPERT_GATE = (Logical.EXP, Logical.EMBED, Logical.MLP)   # wi_gate, wi_up: [exp
 EXPERT_DOWN = (Logical.EXP, Logical.MLP, Logical.EMBED)   # wo: [experts, mlp, emb]
 
 
-def expert_axes(rules: Sequence[AxisRule], mesh: MeshAxes) -> ExpertAxes:
+def expert_axes(rules: Sequence[AxisRule], mesh: MeshAxes, pipelined: bool) -> ExpertAxes:
     gate = tuple(mesh_axes(EXPERT_GATE, rules))
     down = tuple(mesh_axes(EXPERT_DOWN, rules))
     tokens = mesh_axes((Logical.BATCH,), rules)[0]
     return ExpertAxes(tokens=tokens, experts=gate[0], hidden=tuple(a for a in gate[2] if a not in tokens), gate=gate,
-                      down=down, mesh=mesh)
+                      down=down, mesh=mesh, pipelined=pipelined)
 
 
 @dataclasses.dataclass(frozen=True)
 class ContextLayout:
-    """attention=blockwise on a mesh: the context degree C (1: none) and q's and k/v's live mesh axes (axes of
-    size 1 left out: shard_map would count them as varying)."""
+    """attention=blockwise on a mesh: the context degree C (1: none), q's and k/v's live mesh axes (axes of
+    size 1 left out: shard_map would count them as varying), and how the C shards attend to each other:
+    strategy (`all_gather` or `ring`), load balance (2C chunks, shard s holding chunks s and 2C-1-s), and the
+    block size (capped at a shard's length where it runs)."""
 
     degree: int
     q_spec: PartitionSpec
     kv_spec: PartitionSpec
     mesh: MeshAxes
+    strategy: str
+    load_balance: bool
+    block_size: int
+
+    @property
+    def balanced(self) -> bool:
+        """Whether the sequence is reordered into load-balancing chunks (only across more than one shard)."""
+        return self.degree > 1 and self.load_balance
 
 
 def live_spec(axes: Sequence[Axes], sizes: dict[str, int]) -> PartitionSpec:
@@ -147,31 +160,157 @@ def live_spec(axes: Sequence[Axes], sizes: dict[str, int]) -> PartitionSpec:
 class ModelLayout:
     """What the model needs of the layout while it is traced (hashable: a Flax module attribute).
 
-    mesh: the mesh axes every shard_map of the model runs over; pipeline: the schedule (None: the layers run
-    in order); stage_axes / loop_batch_axes: the mesh axes of the stacked layers and of the batch inside the
-    pipeline loop; experts: the MoE axes (None: dense); context: how attention=blockwise splits over the mesh
-    (None: another core, or one device); gather_lookup_table: whether the token lookup gathers the table's embed
-    shards first (a vocab-sharded table: each shard looks up its own rows) or runs on them (the ids are gathered
-    and the looked-up rows moved to their batch shards by an all-to-all, as MaxText's partitioned lookup does:
-    no table gather and no reduction of its gradient over the axes that shard its embed dim).
+    mesh: the mesh axes every shard_map of the model runs over; pipeline: how the layers are pipelined over the
+    stages (None: they run in order); experts: the MoE axes (None: dense); context: how attention=blockwise
+    splits over the mesh (None: another core, or one device); gather_lookup_table: whether the token lookup
+    gathers the table's embed shards first (a vocab-sharded table: each shard looks up its own rows) or runs on
+    them (the ids are gathered and the looked-up rows moved to their batch shards by an all-to-all, as MaxText's
+    partitioned lookup does: no table gather and no reduction of its gradient over the axes that shard its embed
+    dim).
     """
 
     rules: tuple[AxisRule, ...]
     mesh: MeshAxes
-    pipeline: Schedule | None = None
-    stage_axes: Axes = ()
-    loop_batch_axes: Axes = ()
+    pipeline: PipelineLayout | None = None
     experts: ExpertAxes | None = None
     context: ContextLayout | None = None
     gather_lookup_table: bool = True
+
+    @property
+    def pipelined(self) -> bool:
+        return self.pipeline is not None
 
     def in_pipeline_loop(self, rules: Sequence[AxisRule], manual: Axes) -> ModelLayout:
         """The layout a pipeline stage's layers run under (`maxpar.pipeline.spmd`): the loop's rules, the mesh
         axes its shard_map made `manual`, the expert axes resolved from those rules, no pipeline."""
         mesh = dataclasses.replace(self.mesh, manual=tuple(manual))
-        experts = expert_axes(rules, mesh) if self.experts else None
+        experts = expert_axes(rules, mesh, pipelined=True) if self.experts else None
         context = dataclasses.replace(self.context, mesh=mesh) if self.context else None
         return ModelLayout(rules=tuple(rules), mesh=mesh, experts=experts, context=context)
+
+
+class FsdpGather(enum.StrEnum):
+    """When the pipeline loop all-gathers the FSDP-sharded stage weights (`pipeline_fsdp_ag_*`)."""
+
+    PER_ITERATION = "per_iteration"  # the partitioner gathers them in every iteration (the default)
+    PER_REPEAT = "per_repeat"        # pipeline_fsdp_ag_per_repeat: one window of M iterations per repeat
+    ONCE = "once"                    # pipeline_fsdp_ag_once: once per step, before the loop
+
+
+def fsdp_gather(config: Config) -> FsdpGather:
+    if config.pipeline_fsdp_ag_once:
+        return FsdpGather.ONCE
+    return FsdpGather.PER_REPEAT if config.pipeline_fsdp_ag_per_repeat else FsdpGather.PER_ITERATION
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineLayout:
+    """How the pipeline loop (`maxpar.pipeline.spmd`) runs over the mesh, resolved with the rest of the layout.
+
+    stage_axes: the mesh axes of the stacked layers (the stages); loop_batch_axes: the batch's mesh axes inside
+    the loop (the stages left out); manual: the leading batch axes that shard no stage weight, over which the loop
+    runs per replica in a shard_map (gradients reduced once per step); inner: the layout a stage's layers run
+    under; weight_tree with gathered_weights (ONCE: the stacked weights' specs without their batch axes) or
+    gathered_blocks (PER_REPEAT: one repeat's blocks [S, L/(S R), ...], the stages still splitting S): the
+    mesh specs the stage weights are gathered into, as tuples of leaves so that the layout stays hashable.
+    """
+
+    schedule: Schedule
+    stage_axes: Axes
+    loop_batch_axes: Axes
+    manual: Axes
+    inner: ModelLayout
+    fsdp_gather: FsdpGather
+    weight_tree: Any = None
+    gathered_weights: tuple[PartitionSpec, ...] = ()
+    gathered_blocks: tuple[PartitionSpec, ...] = ()
+
+    def gathered_weight_specs(self) -> Any:
+        """The stacked weights' mesh specs once gathered before the loop (FsdpGather.ONCE), else None."""
+        return jax.tree.unflatten(self.weight_tree, self.gathered_weights) if self.gathered_weights else None
+
+    def gathered_block_specs(self) -> Any:
+        """One repeat's blocks' mesh specs once gathered per window (FsdpGather.PER_REPEAT), else None."""
+        return jax.tree.unflatten(self.weight_tree, self.gathered_blocks) if self.gathered_blocks else None
+
+
+def is_spec(x: Any) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+def spec_axes(spec: PartitionSpec | None) -> set[str]:
+    return {a for entry in spec or () for a in entry_axes(entry)}
+
+
+def without_axes(spec: PartitionSpec, dropped: set[str]) -> PartitionSpec:
+    """`spec` with the mesh axes in `dropped` removed (those dimensions gathered over them)."""
+    def keep(entry):
+        kept = tuple(a for a in entry_axes(entry) if a not in dropped)
+        return kept or None
+    return PartitionSpec(*(keep(e) for e in spec))
+
+
+def strip_rules(rules: Sequence[AxisRule], dropped: set[str]) -> list[AxisRule]:
+    """Rules that no longer name `dropped` mesh axes (inside shard_map those axes are manual)."""
+    return [(name, tuple(a for a in axes if a not in dropped)) for name, axes in rules]
+
+
+def manual_batch_axes(batch_axes: Sequence[str], weight_axes: set[str]) -> tuple[str, ...]:
+    """The leading batch mesh axes that shard no stage weight: each replica there runs the loop on its own rows.
+
+    A prefix, so that the shard_map's row blocks are the batch's existing blocks (no resharding).
+    """
+    manual = []
+    for axis in batch_axes:
+        if axis in weight_axes:
+            break
+        manual.append(axis)
+    return tuple(manual)
+
+
+def gathered_block_spec(spec: PartitionSpec, schedule: Schedule, stage_axes: Axes, batch_axes: set[str]
+                        ) -> PartitionSpec:
+    """The mesh spec of one repeat's blocks [S, L/(S R), ...] of a stacked leaf with mesh spec `spec`, gathered
+    over the batch axes (FSDP): the stages keep splitting S, the rest of the leaf loses its batch axes."""
+    lead = 1 if schedule.num_repeats == 1 else 2
+    rest = without_axes(PartitionSpec(*tuple(spec)[lead:]), batch_axes)
+    return PartitionSpec(stage_axes or None, None, *rest)
+
+
+def loop_batch_axes(rules: Sequence[AxisRule], row_axes: Axes) -> Axes:
+    """The batch's mesh axes inside the pipeline loop: those of the rows (`row_axes`) but the stages'."""
+    stage_axes = mesh_axes((Logical.LAYERS,), rules)[0]
+    return tuple(a for a in row_axes if a not in stage_axes)
+
+
+def pipeline_layout(config: Config, schedule: Schedule, outer: ModelLayout, row_axes: Axes, stack_specs: Any
+                    ) -> PipelineLayout:
+    """The pipeline loop's axes, rules and stage-weight specs for a run whose layers run under `outer`.
+
+    stack_specs: the logical PartitionSpecs of the stacked layer unit's parameters (`TracedState.stack_specs`).
+    """
+    rules, sizes = outer.rules, outer.mesh.sizes
+    stage_axes = mesh_axes((Logical.LAYERS,), rules)[0]
+    batch_axes = loop_batch_axes(rules, row_axes)
+    gather = fsdp_gather(config)
+    weight_specs = mesh_specs(stack_specs, rules)
+    if gather == FsdpGather.ONCE:
+        weight_specs = jax.tree.map(lambda s: without_axes(s, set(batch_axes)), weight_specs, is_leaf=is_spec)
+    weight_axes = set().union(*(spec_axes(s) for s in jax.tree.leaves(weight_specs, is_leaf=is_spec)))
+    manual = manual_batch_axes(batch_axes, weight_axes)
+    if math.prod(sizes[a] for a in manual) == 1:
+        manual = ()
+    # Inside the loop the stages are the explicit leading dimension (logical `layers`): no other
+    # activation dimension may use their mesh axes (outside, the batch may be split over them too).
+    inner_rules = [(name, axes) if name == Logical.LAYERS else (name, tuple(a for a in axes if a not in stage_axes))
+                   for name, axes in strip_rules(rules, set(manual))]
+    leaves, tree = jax.tree.flatten(weight_specs, is_leaf=is_spec)
+    blocks = ()
+    if gather == FsdpGather.PER_REPEAT:
+        blocks = tuple(gathered_block_spec(s, schedule, stage_axes, set(batch_axes)) for s in leaves)
+    return PipelineLayout(schedule=schedule, stage_axes=stage_axes, loop_batch_axes=batch_axes, manual=manual,
+                          inner=outer.in_pipeline_loop(inner_rules, manual), fsdp_gather=gather, weight_tree=tree,
+                          gathered_weights=tuple(leaves) if gather == FsdpGather.ONCE else (), gathered_blocks=blocks)
 
 
 # ---------------------------------------------------------------- the run layout
@@ -180,8 +319,10 @@ class ModelLayout:
 class TracedState:
     """The abstract train state of a config (traced once, no devices): shapes and logical specs."""
 
-    abstract: Any   # ShapeDtypeStructs of the TrainState
-    specs: Any      # logical PartitionSpecs of the TrainState
+    abstract: Any     # ShapeDtypeStructs of the TrainState
+    specs: Any        # logical PartitionSpecs of the TrainState
+    stack_specs: Any  # logical PartitionSpecs of the scanned layer stack's parameters, which a pipeline splits into
+                      # stages (None: scan_layers=false)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +345,12 @@ class RunLayout:
 
     @property
     def pipeline(self) -> Schedule | None:
-        return self.model.pipeline
+        """The pipeline schedule (None: the layers run in order); the loop's axes are `model.pipeline`'s."""
+        return self.model.pipeline.schedule if self.model.pipeline else None
+
+    @property
+    def pipelined(self) -> bool:
+        return self.model.pipelined
 
     @property
     def abstract_mesh(self) -> AbstractMesh:
@@ -267,15 +413,14 @@ def resolve_layout(config: Config, mesh: MeshShape, state: TracedState, *, check
             raise
     if check_batch:
         check_batch_split(config, batch, input_axes, sizes)
-    stage_axes = mesh_axes((Logical.LAYERS,), rules)[0]
-    loop_batch_axes = tuple(a for a in input_axes[0] if a not in stage_axes)
     if schedule is not None and check_batch:
-        check_pipeline_batch(schedule, batch.microbatch_rows, math.prod(sizes[a] for a in loop_batch_axes))
+        check_pipeline_batch(schedule, batch.microbatch_rows,
+                             math.prod(sizes[a] for a in loop_batch_axes(rules, input_axes[0])))
     traced_mesh = MeshAxes(tuple(sizes.items()))
     context = context_layout(config, rules, traced_mesh)
     experts = None
     if config.num_experts > 1:
-        experts = expert_axes(rules, traced_mesh)
+        experts = expert_axes(rules, traced_mesh, pipelined=schedule is not None)
         check_expert_layout(config, experts)
     check_attention_sharding(config, rules, sizes)
     abstract_mesh = AbstractMesh(mesh.shape, mesh.axis_names)
@@ -286,9 +431,11 @@ def resolve_layout(config: Config, mesh: MeshShape, state: TracedState, *, check
         shardings = shard_optimizer_state(state.abstract, shardings)
         update_specs = jax.tree.map(lambda leaf, s: with_zero_axis(leaf.shape, s).spec, state.abstract.params,
                                     shardings.params)
-    model = ModelLayout(rules=rules, mesh=traced_mesh, pipeline=schedule, stage_axes=stage_axes,
-                        loop_batch_axes=loop_batch_axes, experts=experts, context=context,
+    model = ModelLayout(rules=rules, mesh=traced_mesh, experts=experts, context=context,
                         gather_lookup_table=gathers_lookup_table(rules, sizes, input_axes[0], schedule is not None))
+    if schedule is not None:
+        model = dataclasses.replace(model, pipeline=pipeline_layout(config, schedule, model, input_axes[0],
+                                                                    state.stack_specs))
     return RunLayout(config=config, mesh=mesh, batch=batch, input_axes=input_axes,
                      residual_axes=tuple(mesh_axes(RESIDUAL, rules)), model=model, state=state,
                      state_specs=jax.tree.map(lambda s: s.spec, shardings), update_specs=update_specs)
@@ -441,7 +588,9 @@ def context_layout(config: Config, rules: Sequence[AxisRule], mesh: MeshAxes) ->
                           f"{list(q_axes[1]) or 'nothing'} and the keys' over {list(kv_axes[1]) or 'nothing'}; "
                           f"blockwise attention splits the sequence over the `{CONTEXT_AXIS}` axis only "
                           f"(logical_axis_rules)")
-    return ContextLayout(degree=degree, q_spec=live_spec(q_axes, sizes), kv_spec=live_spec(kv_axes, sizes), mesh=mesh)
+    return ContextLayout(degree=degree, q_spec=live_spec(q_axes, sizes), kv_spec=live_spec(kv_axes, sizes), mesh=mesh,
+                         strategy=config.context_parallel_strategy, load_balance=config.context_parallel_load_balance,
+                         block_size=config.attention_block_size)
 
 
 def check_context(config: Config, degree: int, stages: int) -> None:

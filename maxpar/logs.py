@@ -19,10 +19,14 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from etils import epath
+
+from maxpar import storage
+
 FORMAT = "%(asctime)s %(levelname)s %(name)s %(filename)s:%(lineno)d] %(message)s"
 
 
-def library_log_path(run_dir: Path, process_index: int = 0, process_count: int = 1) -> Path:
+def library_log_path(run_dir: epath.Path, process_index: int = 0, process_count: int = 1) -> epath.Path:
     """The run's library log: one file per process, so that the processes of a job never interleave lines."""
     return run_dir / ("libraries.log" if process_count == 1 else f"libraries.process_{process_index}.log")
 
@@ -49,12 +53,16 @@ class _FileHandler(logging.FileHandler):
 
 
 @contextlib.contextmanager
-def library_logs(path: Path, log_level: str, mode: str = "a") -> Iterator[None]:
+def library_logs(path: Path | epath.Path, log_level: str, mode: str = "a") -> Iterator[None]:
     """Within: library records of `log_level` and above go to `path` (created at the first one), and to the
-    terminal only when `log_level` is debug. The root logger's handlers and level are restored on the way out."""
+    terminal only when `log_level` is debug. The root logger's handlers and level are restored on the way out.
+    A `path` on an object store is written locally and copied up on the way out (`storage.LocalMirror`)."""
     root = logging.getLogger()
     saved_handlers, saved_level = list(root.handlers), root.level
-    to_file = _FileHandler(path, mode=mode, encoding="utf-8", delay=True)
+    remote = storage.is_remote(path)
+    mirror = storage.LocalMirror(path.parent, names=[path.name] if mode == "a" else []) if remote else None
+    local = mirror.directory / path.name if mirror else path
+    to_file = _FileHandler(local, mode=mode, encoding="utf-8", delay=True)
     to_file.setFormatter(logging.Formatter(FORMAT))
     show = log_level == "debug"
     kept = [handler for handler in saved_handlers if show or not prints_on_terminal(handler)]
@@ -71,6 +79,8 @@ def library_logs(path: Path, log_level: str, mode: str = "a") -> Iterator[None]:
         root.handlers = saved_handlers
         root.setLevel(saved_level)
         to_file.close()
+        if mirror:
+            mirror.close()
 
 
 def log_unraisable(unraisable: "sys.UnraisableHookArgs") -> None:

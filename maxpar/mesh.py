@@ -17,6 +17,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
+from maxpar.axes import STAGE_AXIS, Physical
 from maxpar.config import Config, ConfigError
 
 
@@ -73,6 +74,29 @@ def resolve_mesh_shape(config: Config, num_devices: int, num_slices: int = 1) ->
     dcn = _fill("dcn", config.dcn_parallelism(), num_slices, "slices")
     names = config.mesh_axes
     return MeshShape(names, tuple(ici[a] for a in names), tuple(dcn[a] for a in names))
+
+
+def one_host_mesh(config: Config, mesh: MeshShape, platform: str) -> list[str]:
+    """Degrees (and on a CPU the simulated devices) that lay the run's mesh out in one process, without stages.
+
+    On a CPU one process can simulate all the run's devices, so every axis keeps its whole degree, the DCN share
+    folded into ICI; elsewhere one host holds one slice's devices, so the ICI degrees stay and the DCN ones go.
+    The stage degree moves to data, so the mesh still covers the devices. A -1 stays: it fills to the same degree.
+    """
+    on_cpu = platform == "cpu"
+    degrees = dict(zip(mesh.axis_names, mesh.shape if on_cpu else mesh.ici))
+    degrees[Physical.DATA], degrees[STAGE_AXIS] = degrees[Physical.DATA] * degrees[STAGE_AXIS], 1
+    ici = config.ici_parallelism()
+    overrides = [f"ici_{axis}_parallelism={degree}" for axis, degree in degrees.items()
+                 if ici[axis] != degree and (ici[axis] != -1 or axis == STAGE_AXIS)]
+    overrides += [f"dcn_{axis}_parallelism=1" for axis, degree in config.dcn_parallelism().items()
+                  if degree not in (1, -1)]  # a -1 fills the one slice with 1
+    if config.num_slices not in (1, -1):
+        overrides.append("num_slices=1")
+    devices = math.prod(degrees.values())
+    if on_cpu and config.num_simulated_devices != devices and (devices > 1 or config.num_simulated_devices):
+        overrides.append(f"num_simulated_devices={devices}")
+    return overrides
 
 
 def slice_granules(devices: Sequence[jax.Device]) -> tuple[int, bool]:

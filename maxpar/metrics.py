@@ -6,11 +6,12 @@ import json
 import math
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 import jax
+from etils import epath
 
+from maxpar import storage
 from maxpar.config import Config
 
 # Peak dense bf16 FLOP/s per device (no sparsity), from the vendors' spec sheets.
@@ -115,15 +116,21 @@ def throughput(config: Config, *, tokens_per_step: int, step_time_s: float, num_
 
 
 class MetricsWriter:
-    """metrics.jsonl (one object per logged step) and TensorBoard events; process 0 only."""
+    """metrics.jsonl (one object per logged step) and TensorBoard events; process 0 only.
 
-    def __init__(self, run_dir: Path, enabled: bool):
+    Both are appended to local files: in the run directory, or, for a run on an object store, in a
+    `storage.LocalMirror` copied up after every row (objects cannot be appended to).
+    """
+
+    def __init__(self, run_dir: epath.Path, enabled: bool):
         self.enabled = enabled
         if not enabled:
             return
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
-        self._tensorboard = _summary_writer_class()(str(run_dir / "tensorboard"))
+        if not storage.is_remote(run_dir):
+            run_dir.mkdir(parents=True, exist_ok=True)
+        self._mirror = storage.LocalMirror(run_dir, names=["metrics.jsonl"])
+        self._jsonl = open(self._mirror.directory / "metrics.jsonl", "a", encoding="utf-8")
+        self._tensorboard = _summary_writer_class()(str(self._mirror.directory / "tensorboard"))
 
     def write(self, row: dict[str, Any]) -> None:
         if not self.enabled:
@@ -135,11 +142,13 @@ class MetricsWriter:
             if key != "step" and value is not None:
                 self._tensorboard.add_scalar(key, value, row["step"])
         self._tensorboard.flush()
+        self._mirror.sync()
 
     def close(self) -> None:
         if self.enabled:
             self._jsonl.close()
             self._tensorboard.close()
+            self._mirror.close()
 
 
 def _summary_writer_class() -> type:
@@ -160,7 +169,7 @@ def _summary_writer_class() -> type:
     return SummaryWriter
 
 
-def rewind_metrics(path: Path, step: int) -> int:
+def rewind_metrics(path: epath.Path, step: int) -> int:
     """Drop metrics.jsonl rows after `step`, the step the run (re)starts from; returns how many.
 
     Rows logged after the restored checkpoint are logged again by the resumed run, so without
@@ -172,9 +181,13 @@ def rewind_metrics(path: Path, step: int) -> int:
     kept = [line for line in lines if _row_step(line) is not None and _row_step(line) <= step]
     if len(kept) == len(lines):
         return 0
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-    os.replace(temporary, path)
+    text = "".join(line + "\n" for line in kept)
+    if storage.is_remote(path):  # an object is replaced whole by one upload
+        path.write_text(text, encoding="utf-8")
+    else:
+        temporary = path.with_name(path.name + ".tmp")
+        temporary.write_text(text, encoding="utf-8")
+        os.replace(temporary, path)
     return len(lines) - len(kept)
 
 

@@ -9,11 +9,9 @@ import os
 import tempfile
 from pathlib import Path
 
-import jax
-
+from maxpar import storage
 from maxpar.config import Config, ConfigError
-from maxpar.plan.fit import check_local_fit
-from maxpar.tools.host_devices import simulate_cpu_devices
+from maxpar.host_devices import simulate_cpu_devices
 
 
 def check_output_directory(config: Config) -> None:
@@ -23,6 +21,9 @@ def check_output_directory(config: Config) -> None:
     system; an unwritable directory otherwise surfaces as a PermissionError deep inside the first save.
     """
     key, value = "base_output_directory", config.base_output_directory
+    if storage.is_remote(value):
+        check_remote_directory(key, value)
+        return
     base = Path(value).expanduser()
     try:
         base.mkdir(parents=True, exist_ok=True)
@@ -38,6 +39,41 @@ def check_output_directory(config: Config) -> None:
         where = "" if directory == base else f" (the run directory {directory})"
         raise ConfigError(f"{key}={value!r}{where}: cannot write there ({e.strerror or e}); choose a directory you "
                           f"can write") from None
+
+
+def check_remote_directory(key: str, value: str) -> None:
+    """A gs:// directory must be on a reachable server, in a bucket that exists, writable with this process's
+    credentials: checked by writing and deleting one object, so that a wrong bucket name or a missing login is
+    one line now rather than a traceback from the first save. The bucket is never created."""
+    url = storage.server_url()
+    problem = storage.check_reachable(url)
+    if problem is None:
+        probe = storage.path(value) / f".maxpar-write-check-{os.getpid()}"
+        try:
+            probe.write_text("")
+            probe.unlink()
+        except Exception as e:  # gcsfs and google-auth raise many kinds (OSError, HttpError, RefreshError, ...)
+            problem = remote_problem(value, e)
+    if problem is not None:
+        raise ConfigError(f"{key}={value!r}: cannot write there ({problem}; server {url}); check the bucket name "
+                          f"and your credentials (gcloud auth application-default login), or set "
+                          f"{storage.EMULATOR} for an emulator") from None
+
+
+def remote_problem(value: str, error: Exception) -> str:
+    """One phrase for a failed write to gs://BUCKET/…: missing bucket, no credentials, no permission, or the error.
+    Without credentials gcsfs goes on anonymously, which the server refuses with 401."""
+    bucket = value.removeprefix("gs://").split("/", 1)[0]
+    text = " ".join(str(error).split())[:200]
+    code = getattr(error, "code", None)
+    if isinstance(error, FileNotFoundError) or code == 404:
+        return f"no bucket {bucket!r}"
+    if (code == 401 or "anonymous caller" in text.lower() or "credentials" in text.lower()
+            or type(error).__name__ in ("DefaultCredentialsError", "RefreshError")):
+        return f"no usable credentials: {text}"
+    if isinstance(error, PermissionError) or code == 403 or text.startswith("Forbidden"):  # gcsfs: OSError on 403
+        return f"permission denied: {text}"
+    return f"{type(error).__name__}: {text}"
 
 
 def apply_simulated_devices(config: Config) -> None:
@@ -58,8 +94,3 @@ def apply_simulated_devices(config: Config) -> None:
         raise ConfigError(f"num_simulated_devices={count}: JAX has already started in this process, so its device "
                           f"count is fixed; set it before JAX starts (python -m maxpar.train ... does)")
     simulate_cpu_devices(count)
-
-
-def check_memory(config: Config) -> None:
-    """Refuse (ConfigError) a config whose planned memory per device exceeds what the devices have."""
-    check_local_fit(config, jax.devices(), jax.local_devices())

@@ -9,11 +9,12 @@ trace stops only after the last traced step's results exist, so its device work 
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jax
+from etils import epath
 
+from maxpar import storage
 from maxpar.config import Config
 
 PROFILE_SUBDIR = "profile"
@@ -32,23 +33,25 @@ class StepProfiler:
     A run resumed inside the window traces its remaining steps; one resumed after it traces none.
     """
 
-    def __init__(self, window: range, run_dir: Path, log: Callable[[str], None] = lambda _: None):
+    def __init__(self, window: range, run_dir: epath.PathLike, log: Callable[[str], None] = lambda _: None):
         self._window = window
         self._log = log
         self._first_traced: int | None = None
-        self._directory = Path(run_dir) / PROFILE_SUBDIR
+        self._directory = storage.path(run_dir) / PROFILE_SUBDIR
+        self._mirror: storage.LocalMirror | None = None  # the trace is written locally; a gs:// run's copied up at stop
         self._active = False
         self._annotation: Any = None  # the open step's StepTraceAnnotation (step markers in the trace viewer)
 
     @property
-    def directory(self) -> Path:
+    def directory(self) -> epath.Path:
         return self._directory
 
     def before_step(self, step: int) -> None:
         if step in self._window and not self._active:
-            self._directory.mkdir(parents=True, exist_ok=True)
+            self._mirror = storage.LocalMirror(self._directory)
+            self._mirror.directory.mkdir(parents=True, exist_ok=True)
             # every process writes its own <host>.xplane.pb; the Perfetto file has one name, so process 0 writes it
-            jax.profiler.start_trace(str(self._directory), create_perfetto_trace=jax.process_index() == 0)
+            jax.profiler.start_trace(str(self._mirror.directory), create_perfetto_trace=jax.process_index() == 0)
             self._active = True
             self._first_traced = step
         if self._active:
@@ -77,3 +80,4 @@ class StepProfiler:
         if self._active:
             self._active = False
             jax.profiler.stop_trace()
+            self._mirror.close()

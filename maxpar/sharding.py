@@ -50,6 +50,12 @@ def logical_specs(boxed_tree: Any) -> Any:
     return nn.get_partition_spec(boxed_tree)
 
 
+def mesh_specs(logical_spec_tree: Any, rules: Sequence[AxisRule]) -> Any:
+    """Mesh PartitionSpecs for a tree of logical PartitionSpecs."""
+    return jax.tree.map(lambda spec: nn.logical_to_mesh_axes(spec, list(rules)), logical_spec_tree,
+                        is_leaf=lambda s: isinstance(s, PartitionSpec))
+
+
 def mesh_shardings(logical_spec_tree: Any, mesh: Mesh, rules: Sequence[AxisRule]) -> Any:
     """NamedShardings for a tree of logical PartitionSpecs."""
     return nn.logical_to_mesh_sharding(logical_spec_tree, mesh, list(rules))

@@ -8,21 +8,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import shlex
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-from maxpar.axes import STAGE_AXIS
+from etils import epath
+
 from maxpar.config import Config
 from maxpar.layout import PIPELINE_ONLY_KEYS
-from maxpar.mesh import MeshShape
+from maxpar.mesh import MeshShape, one_host_mesh
 
 LOSS_CURVE = "loss_curve.png"
 
 
-def plot_losses(rows: Sequence[dict[str, Any]], path: Path, title: str, threshold: float | None = None) -> None:
+def plot_losses(rows: Sequence[dict[str, Any]], path: epath.PathLike, title: str,
+                threshold: float | None = None) -> None:
     """Train and eval loss vs step as a PNG."""
     import matplotlib
     matplotlib.use("Agg")
@@ -43,7 +43,8 @@ def plot_losses(rows: Sequence[dict[str, Any]], path: Path, title: str, threshol
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    with epath.Path(path).open("wb") as f:  # a gs:// path too (savefig writes only local files by name)
+        fig.savefig(f, format="png")
     plt.close(fig)
 
 
@@ -58,7 +59,7 @@ class RunTotals:
     tokens_per_step: int
 
 
-def read_rows(metrics_path: Path) -> list[dict[str, Any]]:
+def read_rows(metrics_path: epath.Path) -> list[dict[str, Any]]:
     """The rows of metrics.jsonl (earlier invocations of a resumed run included); a torn last line is skipped."""
     rows = []
     if metrics_path.exists():
@@ -70,13 +71,13 @@ def read_rows(metrics_path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def newest_checkpoint(run_dir: Path) -> Path | None:
+def newest_checkpoint(run_dir: epath.Path) -> epath.Path | None:
     directory = run_dir / "checkpoints"
     steps = [int(p.name) for p in directory.iterdir() if p.name.isdigit()] if directory.is_dir() else []
     return directory / str(max(steps)) if steps else None
 
 
-def summary_lines(run_dir: Path, totals: RunTotals, rows: Sequence[dict[str, Any]], curve: Path | str,
+def summary_lines(run_dir: epath.Path, totals: RunTotals, rows: Sequence[dict[str, Any]], curve: epath.Path | str,
                   sampling: Sequence[str]) -> list[str]:
     """The end-of-run report: steps, time, throughput, final losses, where the checkpoint and metrics are, and the
     command that samples from it (with the `sampling_overrides`)."""
@@ -104,7 +105,7 @@ def summary_lines(run_dir: Path, totals: RunTotals, rows: Sequence[dict[str, Any
     return lines
 
 
-def generate_command(run_dir: Path, checkpoint: Path, overrides: Sequence[str]) -> str:
+def generate_command(run_dir: epath.Path, checkpoint: epath.Path, overrides: Sequence[str]) -> str:
     """The one-line `python -m maxpar.generate` for a run, ready to paste: its saved config.yml holds every key (so
     no model preset is read again: model_name=), the checkpoint its parameters, `overrides` what sampling changes
     (`sampling_overrides`); paths shell-quoted."""
@@ -123,29 +124,6 @@ def sampling_overrides(config: Config, mesh: MeshShape, platform: str) -> list[s
     return [*one_host_mesh(config, mesh, platform), *unstaged_keys(config), *room_to_write(config)]
 
 
-def one_host_mesh(config: Config, mesh: MeshShape, platform: str) -> list[str]:
-    """Degrees (and on a CPU the simulated devices) that lay the run's mesh out in one process, without stages.
-
-    On a CPU one process can simulate all the run's devices, so every axis keeps its whole degree, the DCN share
-    folded into ICI; elsewhere one host holds one slice's devices, so the ICI degrees stay and the DCN ones go.
-    The stage degree moves to data, so the mesh still covers the devices. A -1 stays: it fills to the same degree.
-    """
-    on_cpu = platform == "cpu"
-    degrees = dict(zip(mesh.axis_names, mesh.shape if on_cpu else mesh.ici))
-    degrees["data"], degrees[STAGE_AXIS] = degrees["data"] * degrees[STAGE_AXIS], 1
-    ici = config.ici_parallelism()
-    overrides = [f"ici_{axis}_parallelism={degree}" for axis, degree in degrees.items()
-                 if ici[axis] != degree and (ici[axis] != -1 or axis == STAGE_AXIS)]
-    overrides += [f"dcn_{axis}_parallelism=1" for axis, degree in config.dcn_parallelism().items()
-                  if degree not in (1, -1)]  # a -1 fills the one slice with 1
-    if config.num_slices not in (1, -1):
-        overrides.append("num_slices=1")
-    devices = math.prod(degrees.values())
-    if on_cpu and config.num_simulated_devices != devices and (devices > 1 or config.num_simulated_devices):
-        overrides.append(f"num_simulated_devices={devices}")
-    return overrides
-
-
 def unstaged_keys(config: Config) -> list[str]:
     """The pipeline-only keys a pipelined run set, back at their values without stages (maxpar.generate refuses
     them)."""
@@ -160,11 +138,11 @@ def room_to_write(config: Config) -> list[str]:
     return [f"max_new_tokens={room}"] if 0 < room < config.max_new_tokens else []
 
 
-def finish_run(run_dir: Path, totals: RunTotals, title: str, sampling: Sequence[str]) -> list[str]:
+def finish_run(run_dir: epath.Path, totals: RunTotals, title: str, sampling: Sequence[str]) -> list[str]:
     """Draw RUN/loss_curve.png (when there are losses) and return the summary lines (`sampling`: the
     `sampling_overrides` of the command they end with)."""
     rows = read_rows(run_dir / "metrics.jsonl")
-    curve: Path | str = "none (no losses logged)"
+    curve: epath.Path | str = "none (no losses logged)"
     if rows:
         try:
             plot_losses(rows, run_dir / LOSS_CURVE, title)

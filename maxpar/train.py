@@ -12,17 +12,17 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import grain
 import jax
 import numpy as np
 import optax
+from etils import epath
 from jax.sharding import Mesh, NamedSharding
 from tqdm import tqdm
 
-from maxpar import checkpoint, distributed, logs, preflight, summary
+from maxpar import checkpoint, distributed, host_malloc, logs, preflight, storage, summary
 from maxpar.profiler import StepProfiler, profile_window
 from maxpar.cadence import StepTimer, cadence
 from maxpar.guards import (INTERRUPTED_EXIT_STATUS, PREEMPTED_EXIT_STATUS, LossCheck, Preempted, PreemptionWatch,
@@ -37,7 +37,7 @@ from maxpar.metrics import (MetricsWriter, parameter_counts, peak_flops, rewind_
 from maxpar.model import Transformer
 from maxpar.optimizer import make_optimizer
 from maxpar.pipeline.schedule import Schedule
-from maxpar.tools import host_malloc
+from maxpar.plan.fit import check_local_fit
 from maxpar.train_step import compile_train_step, create_state, jit_eval_step, layout_check, run_layout
 
 
@@ -46,9 +46,9 @@ def global_batch(local: dict[str, np.ndarray], sharding: NamedSharding) -> dict[
     return {key: jax.make_array_from_process_local_data(sharding, value) for key, value in local.items()}
 
 
-def run_directory(config: Config) -> Path:
+def run_directory(config: Config) -> epath.Path:
     name = config.run_name or distributed.same_on_all_processes(time.strftime("run_%Y%m%d_%H%M%S"))
-    return Path(config.base_output_directory) / name
+    return storage.path(config.base_output_directory) / name
 
 
 def _evaluate(eval_step, params, dataset_factory, steps: int, sharding) -> float:
@@ -124,7 +124,7 @@ def accumulation_words(steps: int, microbatch_rows: int) -> str:
     return f" in {steps} gradient-accumulation microbatches of {microbatch_rows} rows" if steps > 1 else ""
 
 
-def _print_header(run: RunSetup, run_dir: Path, peak: float | None, log: Callable[[str], None]) -> None:
+def _print_header(run: RunSetup, run_dir: epath.Path, peak: float | None, log: Callable[[str], None]) -> None:
     config, devices = run.config, run.devices
     counts = parameter_counts(run.abstract_state.params, config.num_experts_per_tok)
     mesh_desc = run.layout.mesh.describe()
@@ -172,20 +172,21 @@ def initial_state(run: RunSetup, manager: Any, iterator: Any, log: Callable[[str
     return create_state(run.model, run.tx, run.layout, run.mesh)
 
 
-def library_log(run_dir: Path) -> Path:
+def library_log(run_dir: epath.Path) -> epath.Path:
     """This process's file for the libraries' log records (absl, Orbax, JAX) while it trains."""
     return logs.library_log_path(run_dir, jax.process_index(), jax.process_count())
 
 
-def train(config: Config, devices: Sequence[jax.Device] | None = None, run_dir: Path | None = None) -> dict[str, Any]:
+def train(config: Config, devices: Sequence[jax.Device] | None = None,
+          run_dir: epath.PathLike | None = None) -> dict[str, Any]:
     """Train per `config`; returns the last logged metrics row. The libraries' logs go to `library_log`
     meanwhile, so that the terminal shows maxpar's lines (log_level=debug shows both)."""
-    run_dir = run_dir or run_directory(config)
+    run_dir = storage.path(run_dir) if run_dir else run_directory(config)
     with logs.library_logs(library_log(run_dir), config.log_level):
         return _train(config, devices, run_dir)
 
 
-def _train(config: Config, devices: Sequence[jax.Device] | None, run_dir: Path) -> dict[str, Any]:
+def _train(config: Config, devices: Sequence[jax.Device] | None, run_dir: epath.Path) -> dict[str, Any]:
     setup_start = time.perf_counter()
     run = setup_run(config, devices)
     devices = run.devices
@@ -323,7 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         preflight.apply_simulated_devices(config)  # before JAX starts
         preflight.check_output_directory(config)
         distributed.setup(config)  # before any JAX device use
-        preflight.check_memory(config)  # before anything is allocated
+        check_local_fit(config, jax.devices(), jax.local_devices())  # before anything is allocated
         malloc_note = host_malloc.tune(config.cpu_malloc_tuning, jax.default_backend())  # process-wide: the CLI's own
         if malloc_note and jax.process_index() == 0:
             print(f"maxpar: {malloc_note}", flush=True)

@@ -19,6 +19,7 @@ from maxpar.config import AxisRule, Config
 from maxpar.layout import RunLayout, TracedState, resolve_layout, split_microbatches
 from maxpar.mesh import MeshShape
 from maxpar.model import Transformer
+from maxpar.model.transformer import stacked_layers
 from maxpar.model.context_parallel import reorder_batch
 from maxpar.model.moe import MOE_STATS, moe_totals
 from maxpar.optimizer import learning_rate_schedule, make_optimizer
@@ -68,7 +69,8 @@ def trace_state(config: Config, tx: optax.GradientTransformation | None = None) 
     """
     tx = make_optimizer(config) if tx is None else tx
     boxed = jax.eval_shape(partial(init_state, Transformer(config), tx, config), jax.random.key(0))
-    return TracedState(abstract=nn.unbox(boxed), specs=logical_specs(boxed))
+    specs = logical_specs(boxed)
+    return TracedState(abstract=nn.unbox(boxed), specs=specs, stack_specs=stacked_layers(specs.params))
 
 
 def run_layout(config: Config, mesh: MeshShape, tx: optax.GradientTransformation | None = None, *,
@@ -128,7 +130,7 @@ def objective(params: Any, batch: Batch, *, model: nn.Module, config: Config) ->
 
 def _grads(params: Any, model: nn.Module, batch: Batch, config: Config) -> tuple[Any, dict[str, jax.Array]]:
     """Gradient of the summed objective and the metric sums, accumulated over microbatches with a scan."""
-    batch = reorder_batch(batch, config, model.layout)
+    batch = reorder_batch(batch, model.layout)
     grad_fn = jax.value_and_grad(partial(objective, model=model, config=config), has_aux=True)
     if config.gradient_accumulation_steps == 1:
         (_, sums), grads = grad_fn(params, batch)
@@ -189,7 +191,7 @@ def train_step(state: TrainState, batch: Batch, *, model: nn.Module, tx: optax.G
 
 
 def eval_step(params: Any, batch: Batch, *, model: nn.Module) -> dict[str, jax.Array]:
-    batch = reorder_batch(batch, model.config, model.layout)
+    batch = reorder_batch(batch, model.layout)
     loss_sum, count = loss_sum_and_count(params, model, batch)
     return {"loss_sum": loss_sum, "tokens": count}
 

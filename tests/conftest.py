@@ -15,7 +15,9 @@ import os
 import shutil
 import tempfile
 
-from maxpar.tools.host_devices import simulate_cpu_devices
+import pytest
+
+from maxpar.host_devices import simulate_cpu_devices
 
 simulate_cpu_devices(8)
 
@@ -25,3 +27,18 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # set: a worker of this sessi
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+# The fast tier, `python -m pytest -q -m fast` (docs/architecture.md, "Tests"): the modules whose every test is a
+# pure unit test, run in this process: no training run, no compiled train step, no subprocess. A module joins by
+# name here; a test that breaks the rule goes into a module that is not listed.
+FAST = {
+    "test_activations", "test_architecture", "test_attention", "test_blockwise", "test_cadence", "test_data",
+    "test_logs", "test_mesh", "test_moe", "test_optimizer", "test_pipeline_schedule", "test_plan", "test_plan_hlo",
+    "test_results_page",
+}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.path.stem in FAST:
+            item.add_marker(pytest.mark.fast)

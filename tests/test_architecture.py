@@ -1,67 +1,143 @@
-"""Imports point one way: each spine module imports only the modules before it (docs/architecture.md, "The import rule")."""
+"""Imports point one way, down an explicit list of layers (docs/architecture.md, "The import rule")."""
 
 from __future__ import annotations
 
 import ast
+import graphlib
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "maxpar"
-# The spine in order; a module may import only modules of earlier (or its own) layers.
-SPINE = [
-    ["maxpar.axes"], ["maxpar.config"], ["maxpar.mesh"], ["maxpar.sharding"], ["maxpar.pipeline.schedule"],
-    ["maxpar.layout"], ["maxpar.pipeline.spmd"], ["maxpar.model"], ["maxpar.optimizer"], ["maxpar.train_step"],
-    ["maxpar.cadence", "maxpar.guards", "maxpar.profiler"], ["maxpar.train", "maxpar.preflight", "maxpar.summary"],
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "maxpar"
+# Every module of maxpar/ and launch/ belongs to the most specific unit (a module or package) named here. A module
+# imports only units of its own or an earlier layer, and no units import each other in a cycle.
+LAYERS = [
+    ["maxpar.storage"],  # user paths, local or gs://: below everything that names a file
+    # the spine, bottom up (maxpar.pipeline: its empty __init__; the schedule sits below the layout, the loop above)
+    ["maxpar.axes"], ["maxpar.config"], ["maxpar.mesh"], ["maxpar.sharding"],
+    ["maxpar.pipeline", "maxpar.pipeline.schedule"], ["maxpar.layout"], ["maxpar.pipeline.spmd"], ["maxpar.model"],
+    ["maxpar.optimizer"], ["maxpar.train_step"], ["maxpar.cadence", "maxpar.guards", "maxpar.profiler"],
+    # beside the spine: data, checkpoints, the process and its host
+    ["maxpar.data", "maxpar.metrics", "maxpar.distributed", "maxpar.checkpoint", "maxpar.logs", "maxpar.preflight",
+     "maxpar.host_devices", "maxpar.host_malloc"],
+    ["maxpar.plan"],  # the planner
+    ["maxpar.train", "maxpar.summary"],  # the loop: checks the planner's memory fit before it runs
+    ["maxpar.convert", "maxpar.generate", "maxpar.tools"],  # above the loop
+    ["launch"],
 ]
-LOOP = SPINE[-1]  # the entry point: may use the planner (fit before you run) and the tools (simulated devices)
-# Import the spine's lower part.
-BESIDE = ["maxpar.data", "maxpar.metrics", "maxpar.distributed", "maxpar.checkpoint", "maxpar.logs"]
-ABOVE = ["maxpar.plan", "maxpar.convert", "maxpar.tools", "maxpar.generate"]
+UNITS = {unit: layer for layer, units in enumerate(LAYERS) for unit in units}
 
 
 def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+# Every module but the empty package root maxpar/__init__.py.
+MODULES = {module_name(p): p for top in ("maxpar", "launch") for p in sorted((ROOT / top).rglob("*.py"))
+           if p != PACKAGE / "__init__.py"}
+
+
 def imports(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
-    found = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and n.level == 0}
-    found |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    for node in ast.walk(tree):  # `from maxpar import checkpoint` names a module too
-        if isinstance(node, ast.ImportFrom) and node.module == "maxpar":
-            found |= {f"maxpar.{a.name}" for a in node.names}
-    return {name for name in found if name.startswith("maxpar.")}
+    """The maxpar and launch modules `path` imports, function-local and relative imports included."""
+    module = module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            source = ".".join(filter(None, [base, node.module]))
+            found |= {f"{source}.{a.name}" if f"{source}.{a.name}" in MODULES else source for a in node.names}
+    return found & MODULES.keys()
 
 
-def layer_of(module: str) -> int | None:
-    for index, layer in enumerate(SPINE):
-        if any(module == m or module.startswith(m + ".") for m in layer):
-            return index
-    return None
+def unit_of(module: str) -> str | None:
+    return max((u for u in UNITS if module == u or module.startswith(u + ".")), key=len, default=None)
 
 
 def within(module: str, groups: list[str]) -> bool:
     return any(module == g or module.startswith(g + ".") for g in groups)
 
 
-def test_spine_modules_import_only_earlier_layers():
+def test_every_module_is_in_a_layer():
+    assert len(UNITS) == sum(map(len, LAYERS)), "a unit named twice in LAYERS"
+    missing = [module for module in MODULES if unit_of(module) is None]
+    assert not missing, (f"{missing}: add each to LAYERS in tests/test_architecture.py and to the module map in "
+                         f"docs/architecture.md")
+
+
+def edges() -> list[tuple[str, str, str, str]]:
+    """(module, its unit, imported module, its unit) for every import between classified modules."""
+    return [(module, unit_of(module), imported, unit_of(imported)) for module, path in MODULES.items()
+            for imported in imports(path) if unit_of(module) and unit_of(imported)]
+
+
+def test_imports_point_down_the_layers():
+    wrong = [f"{module} imports {imported}, a later layer" for module, unit, imported, other in edges()
+             if UNITS[other] > UNITS[unit]]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_units_import_each_other_without_a_cycle():
+    graph = {unit: set() for unit in UNITS}
+    for _, unit, _, other in edges():
+        graph[unit] |= {other} - {unit}
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as e:
+        raise AssertionError(f"an import cycle: {' -> '.join(e.args[1])}") from None
+
+
+# ---------------------------------------------------------------- one reader of parallelism
+
+# The modules that read the ici_/dcn_*_parallelism degrees and name the physical mesh axes; every other module
+# asks the run layout (maxpar/layout.py: `RunLayout`, `ModelLayout`), so that no module re-derives what it holds.
+PARALLELISM_READERS = ["maxpar.axes", "maxpar.config", "maxpar.mesh", "maxpar.layout"]
+PHYSICAL = frozenset({"data", "fsdp", "tensor", "expert", "stage", "context"})  # maxpar.axes.Physical
+# (module, literal): strings that spell an axis name but name something else.
+NOT_AN_AXIS = {
+    ("maxpar.checkpoint", "data"): "the Orbax item holding the data iterator's state",
+    ("maxpar.convert.architectures", "expert"): "the expert index in a Hugging Face tensor name",
+    ("maxpar.tools.bench", "fsdp"): "a strategy-name prefix (dp, fsdp, tp, ep) mapped to its config key",
+}
+
+
+def parallelism_reads(tree: ast.Module) -> list[tuple[int, str, str | None]]:
+    """(line, what, the literal or None) for every `*_parallelism` attribute, getattr of a `*_parallelism` name,
+    and physical axis named by a string literal (docstrings aside)."""
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.endswith("_parallelism"):
+            found.append((node.lineno, f".{node.attr}", None))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+              and len(node.args) > 1 and "_parallelism" in ast.unparse(node.args[1])):
+            found.append((node.lineno, f"getattr(..., {ast.unparse(node.args[1])})", None))
+        elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in PHYSICAL
+              and id(node) not in docstrings):
+            found.append((node.lineno, repr(node.value), node.value))
+    return found
+
+
+def test_only_config_mesh_and_layout_read_parallelism():
     wrong = []
     for path in sorted(PACKAGE.rglob("*.py")):
         module = module_name(path)
-        own = layer_of(module)
-        if own is None:
+        if within(module, PARALLELISM_READERS):
             continue
-        for imported in imports(path):
-            other = layer_of(imported)
-            if within(imported, BESIDE + ABOVE) and module not in LOOP:
-                wrong.append(f"{module} imports {imported}, which sits beside or above the spine")
-            elif other is not None and other > own:
-                wrong.append(f"{module} imports {imported}, a later layer")
-    assert not wrong, "\n".join(wrong)
+        for line, what, literal in parallelism_reads(ast.parse(path.read_text())):
+            if (module, literal) not in NOT_AN_AXIS:
+                wrong.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {what}")
+    assert not wrong, ("read the run layout (maxpar/layout.py) instead of the parallelism keys or a physical axis "
+                       "name:\n" + "\n".join(wrong))
 
 
-def test_modules_beside_the_spine_import_nothing_above_it():
-    wrong = [f"{module_name(p)} imports {i}" for p in sorted(PACKAGE.rglob("*.py"))
-             if within(module_name(p), BESIDE) for i in imports(p)
-             if within(i, ABOVE) or within(i, LOOP)]
-    assert not wrong, "\n".join(wrong)
+def test_the_physical_axis_names_are_the_enum():
+    """PHYSICAL is `maxpar.axes.Physical` (read without importing maxpar)."""
+    tree = ast.parse((PACKAGE / "axes.py").read_text())
+    enum = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Physical")
+    values = {s.value.value for s in enum.body if isinstance(s, ast.Assign) and isinstance(s.value, ast.Constant)}
+    assert values == PHYSICAL

@@ -1,4 +1,4 @@
-"""The trainer's glibc malloc policy on XLA:CPU (maxpar.tools.host_malloc): when it applies, and what it sets."""
+"""The trainer's glibc malloc policy on XLA:CPU (maxpar.host_malloc): when it applies, and what it sets."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from maxpar.tools import host_malloc
+from maxpar import host_malloc
 
 
 class FakeLibc:
@@ -60,7 +60,7 @@ def test_a_refused_setting_is_an_error_that_names_it():
 @pytest.mark.skipif(not host_malloc.on_glibc(), reason="glibc only")
 def test_glibc_accepts_the_settings_in_a_fresh_process():
     # A fresh interpreter: the settings are process-wide, and this test process should keep glibc's defaults.
-    script = "from maxpar.tools import host_malloc; print(host_malloc.tune(True, 'cpu', {}))"
+    script = "from maxpar import host_malloc; print(host_malloc.tune(True, 'cpu', {}))"
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "keeps each step's freed buffers mapped" in done.stdout

@@ -335,3 +335,20 @@ def test_blockwise_attention_is_planned_without_the_masked_half_of_the_scores():
     extra = compute_flops(dense, 1.0)[FORWARD] - compute_flops(blockwise, 1.0)[FORWARD]
     assert extra == pytest.approx(attention * (1 - 512 / 4096) / 3)
     assert any("blockwise attention skips" in a for a in plan("attention=blockwise", devices=4)["assumptions"])
+
+
+def test_the_planner_reads_parameters_by_the_roles_the_model_declares():
+    from maxpar.model.roles import Block, ParamRole, param_role
+    from maxpar.plan.predict import plan_layout
+    assert param_role(("decoder", "layers", "sublayer_1", "moe", "wi_gate")) == ParamRole.EXPERT_GATE
+    assert param_role(("decoder", "layers", "attention", "out")) == ParamRole.ATTENTION_OUT
+    assert param_role(("output",)) == ParamRole.OUTPUT and param_role(("decoder", "mlp", "bias")) is None
+    small = ("emb_dim=64", "num_query_heads=4", "num_kv_heads=2", "head_dim=16", "mlp_dim=128", "vocab_size=264",
+             "max_target_length=32", "num_experts=4", "num_experts_per_tok=2", "moe_layer_interval=2",
+             "num_decoder_layers=4")
+    for extra in ((), ("scan_layers=false", "logits_via_embedding=true")):
+        cfg = config(*small, *extra)
+        layout = plan_layout(cfg, Target(V5P, 8, 1))  # refuses a parameter whose role or axes are undeclared
+        roles = {t.role for t in layout.params()}
+        assert roles == set(ParamRole) - ({ParamRole.OUTPUT} if cfg.logits_via_embedding else set())
+        assert {t.block for t in layout.params()} >= {Block.ATTENTION, Block.MLP, Block.EXPERTS, Block.NORM}

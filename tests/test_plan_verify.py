@@ -18,7 +18,7 @@ from maxpar.plan import verify
 from maxpar.plan.comms import Comm
 from maxpar.plan.__main__ import main, run
 from maxpar.plan.hardware import load_hardware
-from maxpar.plan.predict import Target, make_plan
+from maxpar.plan.predict import Target, make_plan, plan_layout
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = str(REPO / "configs" / "base.yml")
@@ -120,8 +120,9 @@ def fsdp8():
 
 def test_verify_passes_for_fsdp8_and_names_the_cpu_lowering(fsdp8):
     config, compiled = fsdp8
-    plan = make_plan(config, Target(load_hardware("tpu-v5p"), 8, 1))
-    result = verify.compare(plan, compiled, config)
+    target = Target(load_hardware("tpu-v5p"), 8, 1)
+    layout = plan_layout(config, target)
+    result = verify.compare(make_plan(config, target, layout=layout), layout, compiled, config)
     assert result["passed"], result["failures"]
     assert {("fsdp", "all-gather"), ("fsdp", "all-reduce")} <= checked(result)
     # The target reduce-scatters the gradients; XLA:CPU all-reduces them (and says so).
@@ -134,9 +135,11 @@ def test_verify_passes_for_fsdp8_and_names_the_cpu_lowering(fsdp8):
 
 def test_verify_fails_when_the_prediction_is_wrong(fsdp8):
     config, compiled = fsdp8
-    wrong = make_plan(load_config([BASE, *SMALL, "ici_data_parallelism=-1", "ici_fsdp_parallelism=1"]),
-                      Target(load_hardware("tpu-v5p"), 8, 1))
-    result = verify.compare(wrong, compiled, config)
+    wrong_config = load_config([BASE, *SMALL, "ici_data_parallelism=-1", "ici_fsdp_parallelism=1"])
+    target = Target(load_hardware("tpu-v5p"), 8, 1)
+    wrong_layout = plan_layout(wrong_config, target)
+    wrong = make_plan(wrong_config, target, layout=wrong_layout)
+    result = verify.compare(wrong, wrong_layout, compiled, config)
     assert not result["passed"]
     assert any(b["status"] == "MISMATCH" for b in result["buckets"])
 
@@ -172,7 +175,8 @@ def test_cpu_conversions_are_explicit():
 
 def test_known_mispredictions_are_named():
     unscanned_full = load_config([BASE, *SMALL, "remat_policy=full", "scan_layers=false"])
-    assert any("unscanned layers with remat_policy=full" in n for n in verify.known_mispredictions(unscanned_full, False))
+    assert any("unscanned layers with remat_policy=full" in n
+               for n in verify.known_mispredictions(unscanned_full, False, False))
     assert any("TP-sequence" in n for n in verify.known_mispredictions(load_config([BASE, *SMALL, "remat_policy=full"]),
-                                                                       True))
-    assert verify.known_mispredictions(load_config([BASE, *SMALL]), True) == []
+                                                                       True, False))
+    assert verify.known_mispredictions(load_config([BASE, *SMALL]), True, False) == []

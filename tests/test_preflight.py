@@ -44,7 +44,7 @@ def test_a_model_too_large_for_this_host_is_refused_before_it_allocates():
 
 
 def test_a_tiny_model_fits_and_skip_memory_check_skips_the_check():
-    preflight.check_memory(tiny_config())
+    check_local_fit(tiny_config(), jax.devices(), jax.local_devices())
     huge = load_config(["configs/base.yml", "model_name=llama3-70b"])
     with pytest.raises(ConfigError, match=r"llama3-70b needs ~\d+ GB .* GB per device x 8 devices"):
         check_local_fit(huge, jax.devices(), jax.devices())

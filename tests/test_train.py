@@ -13,7 +13,7 @@ import pytest
 
 from helpers import read_metrics, tiny_config, write_corpus
 from maxpar.metrics import METRIC_KEYS, matmul_params, peak_flops, training_flops_per_token
-from maxpar.tools import host_malloc
+from maxpar import host_malloc
 from maxpar.train import train
 
 

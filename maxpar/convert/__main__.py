@@ -11,12 +11,21 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from maxpar import logs
+from maxpar import logs, storage
 from maxpar.config import DTYPES, ConfigError
 from maxpar.convert.architectures import ARCHITECTURES
 from maxpar.convert.from_hf import convert_from_hf
 from maxpar.convert.hf_config import training_overrides
 from maxpar.convert.to_hf import DEFAULT_MAX_SHARD_BYTES, convert_to_hf
+
+def local_path(value: str) -> Path:
+    """An argument the converter reads or writes with local file APIs: a gs:// URL is refused here, never turned
+    into a local folder named `gs:`."""
+    if storage.is_remote(value):
+        raise argparse.ArgumentTypeError(f"{value!r}: maxpar.convert reads and writes local paths only (gs:// works "
+                                         f"for runs, checkpoints and text data)")
+    return Path(value)
+
 
 BASE_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "base.yml"
 OVERRIDES_FILE = "overrides.txt"
@@ -32,25 +41,30 @@ def _parser() -> argparse.ArgumentParser:
                              f"debug = DEBUG records too, also printed here")
     from_hf = commands.add_parser("from_hf", parents=[common],
                                   help="Hugging Face directory -> maxpar checkpoint (load_parameters_path=)")
-    from_hf.add_argument("--hf_path", type=Path, required=True, help="local directory: config.json + *.safetensors")
-    from_hf.add_argument("--out", type=Path, required=True, help="new directory; the checkpoint is OUT/checkpoints/0")
-    from_hf.add_argument("--config", type=Path, default=BASE_CONFIG, help="maxpar base config (configs/base.yml)")
+    from_hf.add_argument("--hf_path", type=local_path, required=True,
+                         help="local directory: config.json + *.safetensors")
+    from_hf.add_argument("--out", type=local_path, required=True,
+                         help="new directory; the checkpoint is OUT/checkpoints/0")
+    from_hf.add_argument("--config", type=local_path, default=BASE_CONFIG,
+                         help="maxpar base config (configs/base.yml)")
     from_hf.add_argument("overrides", nargs="*", metavar="key=value",
                          help="maxpar config overrides: model_name= (checked against config.json), weight_dtype=, "
                               "mesh degrees for the conversion's sharding")
     to_hf = commands.add_parser("to_hf", parents=[common],
                                 help="maxpar checkpoint -> Hugging Face directory (from_pretrained)")
     to_hf.add_argument("--checkpoint", required=True, help="RUN/checkpoints/STEP, or a run directory (newest step)")
-    to_hf.add_argument("--out", type=Path, required=True, help="directory for config.json and *.safetensors")
+    to_hf.add_argument("--out", type=local_path, required=True,
+                       help="directory for config.json and *.safetensors")
     to_hf.add_argument("--architecture", choices=sorted(ARCHITECTURES),
                        help="default: MistralForCausalLM if the model has a sliding window, else LlamaForCausalLM")
     to_hf.add_argument("--dtype", choices=DTYPES, help="tensor dtype (default: the checkpoint's weight_dtype)")
     to_hf.add_argument("--max_shard_size_mb", type=float, default=DEFAULT_MAX_SHARD_BYTES / 2**20,
                        help="largest safetensors file before a new shard starts (MiB)")
-    to_hf.add_argument("--hf_template", type=Path,
+    to_hf.add_argument("--hf_template", type=local_path,
                        help="config.json (or its directory) of the original model: its token ids, "
                             "max_position_embeddings and architecture are kept; its model keys must match")
-    to_hf.add_argument("--config", type=Path, default=BASE_CONFIG, help="maxpar base config (configs/base.yml)")
+    to_hf.add_argument("--config", type=local_path, default=BASE_CONFIG,
+                       help="maxpar base config (configs/base.yml)")
     return parser
 
 

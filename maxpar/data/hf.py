@@ -14,6 +14,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from maxpar import storage
 from maxpar.config import Config, ConfigError
 from maxpar.data.errors import reading
 from maxpar.data.text import resolve_files
@@ -97,6 +98,9 @@ def _load(config: Config) -> Any:
                           f"hub is reachable and set hf_path=DIR")
     if not config.hf_data_files:
         raise ConfigError(f"hf_path={config.hf_path!r} (a builder) needs hf_data_files: a glob of local files")
+    if storage.is_remote(config.hf_data_files):
+        raise ConfigError(f"hf_data_files={config.hf_data_files!r}: dataset_type=hf reads local files only; copy them "
+                          f"to a local disk (dataset_type=text reads gs://)")
     try:
         files = resolve_files(config.hf_data_files)
     except ValueError as e:

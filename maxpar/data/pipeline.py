@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 
 import grain
 
+from maxpar import storage
 from maxpar.config import Config, ConfigError
 from maxpar.data.hf import open_hf
 from maxpar.data.records import open_records
@@ -36,6 +37,9 @@ def corpus(config: Config) -> tuple[Sequence[str], Sequence[str]]:
         if named_eval is not None:
             return documents, named_eval
     else:
+        if config.dataset_type != "text" and storage.is_remote(config.dataset_path):
+            raise ConfigError(f"dataset_path={config.dataset_path!r}: dataset_type={config.dataset_type} reads local "
+                              f"record shards only; copy them to a local disk (dataset_type=text reads gs://)")
         try:
             files = resolve_files(config.dataset_path)
         except ValueError as e:

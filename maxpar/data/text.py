@@ -9,7 +9,6 @@ and each process reads only the files its lanes need.
 from __future__ import annotations
 
 import functools
-import glob
 import os
 import sysconfig
 from collections.abc import Sequence
@@ -18,6 +17,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from maxpar import storage
 from maxpar.data.errors import reading
 from maxpar.data.tokenizer import Tokenizer
 
@@ -42,7 +42,7 @@ def resolve_files(pattern: str) -> list[str]:
     expanded = os.path.expanduser(
         pattern.replace(STDLIB_PLACEHOLDER, sysconfig.get_paths()["stdlib"])
     )
-    files = sorted(p for p in glob.glob(expanded, recursive=True) if os.path.isfile(p))
+    files = storage.glob_files(expanded)
     if not files:
         raise ValueError(
             f"data file pattern {pattern!r} (expanded to {expanded!r}) matches no files"
@@ -91,9 +91,8 @@ def _entropy(seed: int) -> int:
 
 
 def read_text(path: str) -> str:
-    """Reads a whole document; undecodable bytes become U+FFFD rather than errors."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        return f.read()
+    """Reads a whole document (local or gs://); undecodable bytes become U+FFFD rather than errors."""
+    return storage.read_text(path)
 
 
 def document_features(text: str, tokenizer: Tokenizer) -> dict[str, np.ndarray]:

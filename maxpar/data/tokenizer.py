@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import types
 from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
+
+from maxpar import storage
 
 _ACCEPTED = (
     "accepted: '' (the built-in byte tokenizer), a SentencePiece '*.model' "
@@ -112,7 +113,7 @@ def load_sentencepiece(path: str) -> SentencePieceTokenizer:
     """Loads a SentencePiece model; the import is lazy (optional dependency)."""
     import sentencepiece  # pylint: disable=import-outside-toplevel
 
-    sp = sentencepiece.SentencePieceProcessor(model_file=path)
+    sp = sentencepiece.SentencePieceProcessor(model_proto=storage.path(path).read_bytes())  # local or gs://
 
     def known(i: int) -> int | None:
         return i if i >= 0 else None
@@ -135,11 +136,10 @@ def _hf_config_tokens(path: str) -> dict[str, str]:
 
     tokenizer.json itself does not say which token is eos; the config does.
     """
-    config_path = os.path.join(os.path.dirname(path), "tokenizer_config.json")
-    if not os.path.isfile(config_path):
+    config_path = storage.path(path).parent / "tokenizer_config.json"
+    if not config_path.is_file():
         return {}
-    with open(config_path, encoding="utf-8") as f:
-        config = json.load(f)
+    config = json.loads(config_path.read_text(encoding="utf-8"))
     found = {}
     for role in ("eos", "bos", "pad"):
         value = config.get(f"{role}_token")
@@ -154,7 +154,7 @@ def load_hf(path: str) -> HFTokenizer:
     """Loads a Hugging Face tokenizer.json; the import is lazy."""
     import tokenizers  # pylint: disable=import-outside-toplevel
 
-    tok = tokenizers.Tokenizer.from_file(path)
+    tok = tokenizers.Tokenizer.from_str(storage.path(path).read_text(encoding="utf-8"))  # local or gs://
     configured = _hf_config_tokens(path)
 
     def find(role: str) -> int | None:
@@ -178,10 +178,10 @@ def load_tokenizer(path: str) -> Tokenizer:
     """
     if path == "":
         return ByteTokenizer()
-    full = os.path.expanduser(path)
+    full = str(storage.path(path))
     if not full.endswith((".model", ".json")):
         raise ValueError(f"unsupported tokenizer file {path!r}; {_ACCEPTED}")
-    if not os.path.isfile(full):
+    if not storage.path(full).is_file():
         raise ValueError(f"tokenizer file {path!r} does not exist; {_ACCEPTED}")
     loader = load_sentencepiece if full.endswith(".model") else load_hf
     try:

@@ -47,16 +47,16 @@ def sequence_layout(length: int, degree: int, balance: bool) -> np.ndarray:
     return np.concatenate([np.concatenate([chunks[s], chunks[2 * degree - 1 - s]]) for s in range(degree)])
 
 
-def reorder_batch(batch: dict[str, Array], config: Config, layout: ModelLayout | None) -> dict[str, Array]:
+def reorder_batch(batch: dict[str, Array], layout: ModelLayout | None) -> dict[str, Array]:
     """Apply the load-balancing order to every [B, L] input (tokens, targets, positions, segment ids).
 
     Done once per step at the input; the loss, a sum over tokens, is unchanged.
     """
-    degree = layout.context.degree if layout and layout.context else 1
-    if degree == 1 or not config.context_parallel_load_balance:
+    context = layout.context if layout else None
+    if context is None or not context.balanced:
         return batch
     length = next(iter(batch.values())).shape[1]
-    order = jnp.asarray(sequence_layout(length, degree, True), jnp.int32)
+    order = jnp.asarray(sequence_layout(length, context.degree, True), jnp.int32)
     return {key: jnp.take(value, order, axis=1) for key, value in batch.items()}
 
 
@@ -72,8 +72,7 @@ def context_attention(q: Array, k: Array, v: Array, segment_ids: Array, config: 
     if context is None:
         return blockwise_attention(q, k, v, segment_ids, block=min(config.attention_block_size, q.shape[1]),
                                    window=window)
-    degree, strategy = context.degree, config.context_parallel_strategy
-    balance, block_size = config.context_parallel_load_balance, config.attention_block_size
+    degree, strategy, balance, block_size = context.degree, context.strategy, context.load_balance, context.block_size
 
     def body(q, k, v, seg):
         local = q.shape[1]

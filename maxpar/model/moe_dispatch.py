@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from maxpar.axes import STAGE_AXIS
 from maxpar.layout import EXPERT_DOWN, EXPERT_GATE, ExpertAxes
 from maxpar.model.activations import swiglu
 
@@ -182,8 +181,7 @@ def expert_parallel(local: Callable[..., Array], axes: ExpertAxes | None, x: Arr
     # Inside a pipeline stage (maxpar.pipeline.spmd) this runs under jax.vmap(spmd_axis_name=stage), whose
     # batching makes every output vary over the stages too, which the varying-axes check does not know of:
     # there (and only there) the check is off; the specs themselves stay right.
-    in_pipeline = axes.mesh.sizes.get(STAGE_AXIS, 1) > 1
     sharded = jax.shard_map(body, mesh=axes.mesh.abstract(), in_specs=(token_spec, tuple(token_spec for _ in per_token),
                                                                        gate_spec, gate_spec, down_spec),
-                            out_specs=token_spec, check_vma=not in_pipeline)
+                            out_specs=token_spec, check_vma=not axes.pipelined)
     return sharded(x, per_token, w_gate, w_up, w_down)

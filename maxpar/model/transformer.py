@@ -6,6 +6,8 @@ mesh axes, the run layout says (`ModelLayout`, handed in: the model never inspec
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -90,11 +92,10 @@ class Decoder(ModelModule):
                 x, _ = layer(cfg, layout, name=unrolled_name(i), **kwargs)(x, positions, segment_ids)
             return x
         stack = layer_stack(layer, num_units(cfg), cfg.num_pipeline_repeats, collections=(MOE_STATS, CACHE))
-        schedule = layout.pipeline if layout else None
-        if schedule is None or self.is_initializing():  # one stage, or creating the parameters: in order
+        if layout is None or not layout.pipelined or self.is_initializing():  # creating the parameters: in order
             x, _ = stack(cfg, layout, name=STACKED, **kwargs)(x, positions, segment_ids)
             return x
-        block = layer_stack(_rematerialized(cfg, unit), schedule.layers_per_block,
+        block = layer_stack(_rematerialized(cfg, unit), layout.pipeline.schedule.layers_per_block,
                             collections=(MOE_STATS,))
 
         def run_block(params, x, positions, segment_ids, layout):  # (x, the block's MoE sums: {} when dense)
@@ -102,13 +103,20 @@ class Decoder(ModelModule):
                 {"params": params}, x, positions, segment_ids, mutable=[MOE_STATS])
             return x, stats.get(MOE_STATS, {})
 
-        abstract = jax.eval_shape(stack(cfg, layout, **kwargs).init, jax.random.key(0), x, positions, segment_ids)
-        x, stats = pipeline(run_block, self.variables["params"][STACKED], nn.get_partition_spec(abstract)["params"],
-                            x, (positions, segment_ids), layout=layout, x_axes=RESIDUAL, side_axes=RESIDUAL[:2],
-                            gather_once=cfg.pipeline_fsdp_ag_once, gather_per_repeat=cfg.pipeline_fsdp_ag_per_repeat)
+        x, stats = pipeline(run_block, self.variables["params"][STACKED], x, (positions, segment_ids), layout=layout,
+                            x_axes=RESIDUAL, side_axes=RESIDUAL[:2])
         if stats:  # blocks [R, S, units per block, ...] -> the stack's units in layer order, as the scan sows them
             self.sow(MOE_STATS, STACKED, jax.tree.map(lambda a: a.reshape(-1, *a.shape[3:]), stats))
         return x
+
+
+DECODER = "decoder"  # the layer stack's module in the parameter tree
+
+
+def stacked_layers(params: dict) -> Any:
+    """The scanned layer stack's subtree of the model's parameters (what a pipeline splits into stages), or None
+    (scan_layers=false)."""
+    return params[DECODER].get(STACKED)
 
 
 class Transformer(ModelModule):
@@ -122,7 +130,7 @@ class Transformer(ModelModule):
         gather_table = layout is None or layout.gather_lookup_table  # maxpar.layout.ModelLayout says why
         lookup_table = constrain(table, (Logical.VOCAB, None)) if gather_table else table
         x = constrain(jnp.take(lookup_table, tokens, axis=0).astype(dt), RESIDUAL)
-        x = Decoder(cfg, layout, name="decoder")(x, positions, segment_ids)
+        x = Decoder(cfg, layout, name=DECODER)(x, positions, segment_ids)
         x = RMSNorm(cfg, layout, name="final_norm")(x)
         if cfg.logits_via_embedding:
             logits = matmul("ble,ve->blv", x, table, dt, jnp.float32)

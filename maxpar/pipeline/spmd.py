@@ -26,11 +26,12 @@ iterations of the backward loop. To reduce it across data-parallel replicas once
 step rather than once per iteration, the loop runs inside `jax.shard_map` manual
 over the batch mesh axes that shard no stage weight: each replica accumulates its
 own gradient, and the transpose of the shard_map's replicated weight input sums them
-once, after the loop. FSDP-sharded weights are gathered inside the loop by the
+once, after the loop (which axes, the stage weights' specs and the gather mode are resolved with the run
+layout: `maxpar.layout.PipelineLayout`). FSDP-sharded weights are gathered inside the loop by the
 partitioner (per iteration, gradients reduce-scattered per iteration), or, with
-`gather_once`, all-gathered before the loop so their batch axes become manual too
+`FsdpGather.ONCE`, all-gathered before the loop so their batch axes become manual too
 (one gather and one reduction per step; the gathered stage weights stay in memory
-for the whole loop). Between the two, `gather_per_repeat` (the MaxText guide's mode 2)
+for the whole loop). Between the two, `FsdpGather.PER_REPEAT` (the MaxText guide's mode 2)
 runs the loop as windows of M iterations, one per repeat, and gathers at the start
 of each window the blocks its stages run in it: a stage s switches repeat s
 iterations into a window, so every window but the first and the last holds two
@@ -40,7 +41,6 @@ backward pass gathers again rather than keeping the gathered blocks alive.
 
 from __future__ import annotations
 
-import math
 from functools import partial
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -51,10 +51,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from maxpar.axes import Logical
-from maxpar.config import AxisRule
 from maxpar.layout import ModelLayout, merge_microbatches, split_microbatches
 from maxpar.pipeline.schedule import Schedule, stage_task
-from maxpar.sharding import constrain, entry_axes
+from maxpar.sharding import constrain
 
 STAGED = Logical.LAYERS  # the stages are the stacked layers' axis, and the loop's activations follow it
 
@@ -62,76 +61,28 @@ Array = jax.Array
 StageFn = Callable[..., Array]
 
 
-def _spec_axes(spec: PartitionSpec | None) -> set[str]:
-    return {a for entry in spec or () for a in entry_axes(entry)}
-
-
-def _without(spec: PartitionSpec, dropped: set[str]) -> PartitionSpec:
-    """`spec` with the mesh axes in `dropped` removed (those dimensions gathered over them)."""
-    def keep(entry):
-        kept = tuple(a for a in entry_axes(entry) if a not in dropped)
-        return kept or None
-    return PartitionSpec(*(keep(e) for e in spec))
-
-
-def strip_rules(rules: Sequence[AxisRule], dropped: set[str]) -> list[AxisRule]:
-    """Rules that no longer name `dropped` mesh axes (inside shard_map those axes are manual)."""
-    return [(name, tuple(a for a in axes if a not in dropped)) for name, axes in rules]
-
-
-def manual_batch_axes(batch_axes: Sequence[str], weight_axes: set[str]) -> tuple[str, ...]:
-    """The leading batch mesh axes that shard no stage weight: each replica there runs the loop on its own rows.
-
-    A prefix, so that the shard_map's row blocks are the batch's existing blocks (no resharding).
-    """
-    manual = []
-    for axis in batch_axes:
-        if axis in weight_axes:
-            break
-        manual.append(axis)
-    return tuple(manual)
-
-
-def pipeline(stage_fn: StageFn, params: Any, param_specs: Any, x: Array, side: Sequence[Array], *,
-             layout: ModelLayout, x_axes: Sequence[str], side_axes: Sequence[str], gather_once: bool,
-             gather_per_repeat: bool = False) -> tuple[Array, Any]:
+def pipeline(stage_fn: StageFn, params: Any, x: Array, side: Sequence[Array], *, layout: ModelLayout,
+             x_axes: Sequence[str], side_axes: Sequence[str]) -> tuple[Array, Any]:
     """Run `stage_fn` over every layer block, pipelined per `layout.pipeline`; same result as applying the
     blocks in order. `stage_fn(params, x, *side, layout)` gets the model layout the loop runs under
-    (`ModelLayout.in_pipeline_loop`: its rules, and the mesh axes its shard_map made manual).
+    (`PipelineLayout.inner`: its rules, and the mesh axes its shard_map made manual).
 
     Returns (x, stats): stats' leaves [R, S, ...], block (r, s)'s sums over every microbatch (and data replica).
 
-    params / param_specs: the stacked unit's parameters and their logical PartitionSpecs.
+    params: the stacked unit's parameters (their specs, manual axes and gather mode are the layout's).
     x: [B, ...] activations with logical axes `x_axes`; side: per-row inputs every block reads
     (e.g. positions), [B, ...] with logical axes `side_axes`. Traced under the mesh of `layout.mesh`.
     """
-    sizes = layout.mesh.sizes
-    schedule, rules = layout.pipeline, layout.rules
-    stage_axes, batch_axes = layout.stage_axes, layout.loop_batch_axes
-    weight_specs = jax.tree.map(lambda spec: nn.logical_to_mesh_axes(spec, list(rules)), param_specs,
-                                is_leaf=lambda s: isinstance(s, PartitionSpec))
-    is_spec = lambda s: isinstance(s, PartitionSpec)  # noqa: E731
-    if gather_once:
-        gathered = jax.tree.map(lambda s: _without(s, set(batch_axes)), weight_specs, is_leaf=is_spec)
+    pipe = layout.pipeline
+    manual, inner = pipe.manual, pipe.inner
+    gathered = pipe.gathered_weight_specs()
+    if gathered is not None:
         params = jax.lax.with_sharding_constraint(params, gathered)
-        weight_specs = gathered
-    weight_axes = set().union(*(_spec_axes(s) for s in jax.tree.leaves(weight_specs, is_leaf=is_spec)))
-    manual = manual_batch_axes(batch_axes, weight_axes)
-    if math.prod(sizes[a] for a in manual) == 1:
-        manual = ()
-
-    # Inside the loop the stages are the explicit leading dimension (logical `layers`): no other
-    # activation dimension may use their mesh axes (outside, the batch may be split over them too).
-    inner_rules = [(name, axes) if name == STAGED else (name, tuple(a for a in axes if a not in stage_axes))
-                   for name, axes in strip_rules(rules, set(manual))]
-    inner_layout = layout.in_pipeline_loop(inner_rules, manual)
-    block_specs = (jax.tree.map(lambda s: _gathered_block_spec(s, schedule, stage_axes, set(batch_axes)),
-                                weight_specs, is_leaf=is_spec) if gather_per_repeat else None)
 
     def loop(params: Any, x: Array, *side: Array) -> tuple[Array, Any]:
-        with nn.logical_axis_rules(inner_rules):
-            x, stats = _loop(partial(stage_fn, layout=inner_layout), params, x, side, schedule, stage_axes,
-                             x_axes, side_axes, block_specs)
+        with nn.logical_axis_rules(inner.rules):
+            x, stats = _loop(partial(stage_fn, layout=inner), params, x, side, pipe.schedule, pipe.stage_axes,
+                             x_axes, side_axes, pipe.gathered_block_specs())
         return x, (jax.lax.psum(stats, manual) if manual else stats)  # each replica summed its own rows
 
     if not manual:
@@ -141,15 +92,6 @@ def pipeline(stage_fn: StageFn, params: Any, param_specs: Any, x: Array, side: S
                             in_specs=(PartitionSpec(), rows, *(rows for _ in side)),
                             out_specs=(rows, PartitionSpec()), axis_names=set(manual), check_vma=False)
     return sharded(params, x, *side)
-
-
-def _gathered_block_spec(spec: PartitionSpec, schedule: Schedule, stage_axes: tuple[str, ...],
-                         batch_axes: set[str]) -> PartitionSpec:
-    """The mesh spec of one repeat's blocks [S, L/(S R), ...] of a stacked leaf with mesh spec `spec`, gathered
-    over the batch axes (FSDP): the stages keep splitting S, the rest of the leaf loses its batch axes."""
-    lead = 1 if schedule.num_repeats == 1 else 2
-    rest = _without(PartitionSpec(*tuple(spec)[lead:]), batch_axes)
-    return PartitionSpec(stage_axes or None, None, *rest)
 
 
 def _blocks(params: Any, schedule: Schedule) -> Any:
@@ -164,7 +106,7 @@ def _loop(stage_fn: StageFn, params: Any, x: Array, side: Sequence[Array], sched
           block_specs: Any = None) -> Array:
     """The M x R + S - 1 iterations, under rules that name no manual axis.
 
-    block_specs: gather each repeat's blocks once per window (`gather_per_repeat`) into these mesh specs.
+    block_specs: gather each repeat's blocks once per window (`FsdpGather.PER_REPEAT`) into these mesh specs.
     """
     s_count, m_count, r_count = schedule.num_stages, schedule.num_microbatches, schedule.num_repeats
     blocks = _blocks(params, schedule)
@@ -222,7 +164,7 @@ def _loop(stage_fn: StageFn, params: Any, x: Array, side: Sequence[Array], sched
                                              jnp.arange(schedule.num_iterations))
         return constrain(merge_microbatches(buffer[0]), tuple(x_axes)), stats
 
-    # gather_per_repeat: window w runs iterations [w M, (w + 1) M) (the last one the S - 1 after them), in which
+    # FsdpGather.PER_REPEAT: window w runs iterations [w M, (w + 1) M) (the last one the S - 1 after them), in which
     # stage s runs repeat w - 1 for its first s iterations and repeat w after (repeats past R - 1: idle). Each
     # window is rematerialized: the backward pass gathers its blocks and re-runs its forward again, so only one
     # window's gathered blocks (and activations) are alive at a time.

@@ -19,7 +19,7 @@ from maxpar.mesh import num_slices_for, resolve_mesh_shape
 from maxpar.preflight import apply_simulated_devices
 from maxpar.plan import report, verify
 from maxpar.plan.hardware import available, default_num_slices, hardware_for_device_kind, load_hardware
-from maxpar.plan.predict import Target, make_plan
+from maxpar.plan.predict import Target, make_plan, plan_layout
 from maxpar.plan.recommend import recommend
 from maxpar.train_step import trace_state
 
@@ -107,7 +107,8 @@ def run(argv: Sequence[str]) -> tuple[dict[str, object], str, int]:
     target = resolve_target(config, *local)
     state = trace_state(config)
     try:
-        result = make_plan(config, target, state)
+        layout = plan_layout(config, target, state)
+        result = make_plan(config, target, state, layout)
         text = [report.render_plan(result)]
     except ConfigError as e:
         if not flags["recommend"] or flags["verify"]:
@@ -127,7 +128,7 @@ def run(argv: Sequence[str]) -> tuple[dict[str, object], str, int]:
         if flags["dump_hlo"]:
             path = verify.dump_hlo(compiled.text, str(flags["dump_hlo"]))
             text.append(f"\ncompiled HLO written to {path}")
-        result["verify"] = verify.compare(result, compiled, config)
+        result["verify"] = verify.compare(result, layout, compiled, config)
         text.append("\n" + report.render_verify(result["verify"]))
         status = 0 if result["verify"]["passed"] else 1
     return report.public(result), "\n".join(text), status

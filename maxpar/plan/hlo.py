@@ -140,33 +140,30 @@ def _iota(text: str) -> np.ndarray:
     return array.reshape(-1)
 
 
-def _mesh_groups(text: str) -> list[list[int]]:
-    """XLA's mesh-axes replica groups: `mesh['a'=4,'b'=2], device_ids=(...) {'a'}`."""
-    m = re.match(r"mesh\[(?P<axes>[^\]]*)\]\s*(?:,\s*device_ids=\((?P<ids>[^)]*\)?)\))?\s*\{(?P<group>[^}]*)\}", text)
-    if not m:
-        raise ValueError(f"cannot parse mesh replica groups {text!r}")
-    names, sizes = [], []
-    for part in m.group("axes").split(","):
-        key, _, size = part.partition("=")
-        names.append(key.strip().strip("'"))
-        sizes.append(int(size))
-    total = math.prod(sizes)
-    ids_text = (m.group("ids") or "").strip()
+def _mesh_device_ids(ids_text: str, total: int) -> np.ndarray:
+    """The device ids of a mesh replica-group spec in mesh order: listed, an iota, or 0..total-1."""
     if not ids_text:
-        ids = np.arange(total)
-    elif ids_text.startswith("["):
-        ids = _iota(ids_text)
-    else:
-        ids = np.array([int(x) for x in ids_text.split(",")])
-    # Reshape every mesh axis (splitting those referenced by sub-axes) and collect the grouped dims.
-    reshape, grouped = [], []
+        return np.arange(total)
+    if ids_text.startswith("["):
+        return _iota(ids_text)
+    return np.array([int(x) for x in ids_text.split(",")])
+
+
+def _axis_refs(group: str, names: list[str]) -> dict[int, list[tuple[int, int] | None]]:
+    """Per mesh axis index, the grouped references to it: the whole axis (None) or sub-axes `'a':(pre)size`."""
     refs: dict[int, list[tuple[int, int] | None]] = {}
-    for ref in filter(None, (r.strip() for r in m.group("group").split(","))):
+    for ref in filter(None, (r.strip() for r in group.split(","))):
         sub = re.fullmatch(r"'([^']+)'(?::\((\d+)\)(\d+))?", ref)
         if not sub:
             raise ValueError(f"cannot parse mesh axis reference {ref!r}")
-        index = names.index(sub.group(1))
-        refs.setdefault(index, []).append((int(sub.group(2)), int(sub.group(3))) if sub.group(2) else None)
+        refs.setdefault(names.index(sub.group(1)), []).append(
+            (int(sub.group(2)), int(sub.group(3))) if sub.group(2) else None)
+    return refs
+
+
+def _grouped_reshape(sizes: list[int], refs: dict[int, list[tuple[int, int] | None]]) -> tuple[list[int], list[int]]:
+    """(every mesh axis as reshaped dims, those referenced by sub-axes split, the indices of the grouped dims)."""
+    reshape, grouped = [], []
     for index, size in enumerate(sizes):
         if index not in refs:
             reshape.append(size)
@@ -185,6 +182,21 @@ def _mesh_groups(text: str) -> list[list[int]]:
             prefix *= sub_size
         if prefix != size:
             reshape.append(size // prefix)
+    return reshape, grouped
+
+
+def _mesh_groups(text: str) -> list[list[int]]:
+    """XLA's mesh-axes replica groups: `mesh['a'=4,'b'=2], device_ids=(...) {'a'}`."""
+    m = re.match(r"mesh\[(?P<axes>[^\]]*)\]\s*(?:,\s*device_ids=\((?P<ids>[^)]*\)?)\))?\s*\{(?P<group>[^}]*)\}", text)
+    if not m:
+        raise ValueError(f"cannot parse mesh replica groups {text!r}")
+    names, sizes = [], []
+    for part in m.group("axes").split(","):
+        key, _, size = part.partition("=")
+        names.append(key.strip().strip("'"))
+        sizes.append(int(size))
+    ids = _mesh_device_ids((m.group("ids") or "").strip(), math.prod(sizes))
+    reshape, grouped = _grouped_reshape(sizes, _axis_refs(m.group("group"), names))
     order = [d for d in range(len(reshape)) if d not in grouped] + grouped
     group_size = math.prod(reshape[d] for d in grouped)
     return ids.reshape(reshape).transpose(order).reshape(-1, group_size).tolist()
@@ -210,9 +222,8 @@ def _replica_text(line: str) -> str | None:
     return m.group(1) if m else None
 
 
-def collectives(hlo_text: str, num_partitions: int) -> list[Collective]:
-    """All collectives of a compiled module with their per-step execution counts."""
-    comps = _split_computations(hlo_text)
+def _symbols(comps) -> tuple[dict[str, str], dict[str, str]]:
+    """(instruction name -> its result type, instruction name -> its op_name metadata) over every computation."""
     symbols: dict[str, str] = {}
     provenance: dict[str, str] = {}
     for _, _, lines in comps:
@@ -223,7 +234,12 @@ def collectives(hlo_text: str, num_partitions: int) -> list[Collective]:
                 op_name = re.search(r'op_name="([^"]*)"', line)
                 if op_name:
                     provenance[m.group("name")] = op_name.group(1)
-    # Multiplier per computation: walk callers (printed after callees) before callees.
+    return symbols, provenance
+
+
+def _multipliers(comps) -> tuple[dict[str, int], set[str]]:
+    """(executions per step of each computation, the computations inside a loop of unknown trip count). Callers
+    are printed after their callees: walked in reverse, every caller is counted before its callees."""
     multiplier: dict[str, int] = {name: 1 for name, entry, _ in comps if entry}
     unknown: set[str] = set()
     for name, _, lines in reversed(comps):
@@ -244,6 +260,24 @@ def collectives(hlo_text: str, num_partitions: int) -> list[Collective]:
             branches = _attr(line, "branch_computations")
             for callee in _OPERAND.findall(branches or ""):
                 multiplier[callee] = multiplier.get(callee, 0) + mult
+    return multiplier, unknown
+
+
+def _groups_and_moving(kind: str, line: str, num_partitions: int) -> tuple[tuple, float]:
+    """A collective's replica groups (source-target pairs for a permute), and the fraction of devices whose
+    data it moves (a transposed roll is split into permutes that each move some devices' data only)."""
+    if kind != "collective-permute":
+        return tuple(tuple(g) for g in parse_replica_groups(_replica_text(line), num_partitions)), 1.0
+    pairs = re.findall(r"\{(\d+),(\d+)\}", _attr(line, "source_target_pairs") or "")
+    groups = tuple((int(a), int(b)) for a, b in pairs)
+    return groups, len({s for s, t in groups if s != t}) / max(num_partitions, len(groups), 1)
+
+
+def collectives(hlo_text: str, num_partitions: int) -> list[Collective]:
+    """All collectives of a compiled module with their per-step execution counts."""
+    comps = _split_computations(hlo_text)
+    symbols, provenance = _symbols(comps)
+    multiplier, unknown = _multipliers(comps)
     found = []
     for name, _, lines in comps:
         for line in lines:
@@ -254,28 +288,16 @@ def collectives(hlo_text: str, num_partitions: int) -> list[Collective]:
             kind = op[:-6] if op.endswith("-start") else op
             if kind not in COLLECTIVE_KINDS or op.endswith("-done"):
                 continue
-            args = m.group("args")
-            operand_names = _OPERAND.findall(args.split(")")[0])
             op_name = re.search(r'op_name="([^"]*)"', line)
             op_name = op_name.group(1) if op_name else ""
-            operands = []
-            for operand in operand_names:
-                size, dtype = shape_bytes(symbols.get(operand, ""))
-                operands.append(Operand(size, dtype, provenance.get(operand, op_name)))
-            operand_bytes = sum(o.nbytes for o in operands)
+            operands = tuple(Operand(*shape_bytes(symbols.get(operand, "")), provenance.get(operand, op_name))
+                             for operand in _OPERAND.findall(m.group("args").split(")")[0]))
             dtypes = {o.dtype for o in operands}
-            moving = 1.0
-            if kind == "collective-permute":
-                pairs = re.findall(r"\{(\d+),(\d+)\}", _attr(line, "source_target_pairs") or "")
-                groups = tuple((int(a), int(b)) for a, b in pairs)
-                # A transposed roll is split into permutes that each move some devices' data only.
-                moving = len({s for s, t in groups if s != t}) / max(num_partitions, len(groups), 1)
-            else:
-                groups = tuple(tuple(g) for g in parse_replica_groups(_replica_text(line), num_partitions))
+            groups, moving = _groups_and_moving(kind, line, num_partitions)
             found.append(Collective(
                 name=m.group("name"), kind=kind, dtype=dtypes.pop() if len(dtypes) == 1 else "mixed",
-                operand_bytes=operand_bytes, groups=groups, count=multiplier.get(name, 0), computation=name,
-                op_name=op_name, operands=tuple(operands), unknown_trip_count=name in unknown,
+                operand_bytes=sum(o.nbytes for o in operands), groups=groups, count=multiplier.get(name, 0),
+                computation=name, op_name=op_name, operands=operands, unknown_trip_count=name in unknown,
                 moving_fraction=moving))
     return found
 

@@ -16,16 +16,14 @@ from collections.abc import Iterable
 import jax
 import numpy as np
 
-from maxpar.axes import CONTEXT_AXIS, STAGE_AXIS, Logical
+from maxpar.axes import Logical
 from maxpar.config import Config
 from maxpar.layout import RunLayout, TracedState, resolve_layout
 from maxpar.mesh import MeshShape
 from maxpar.model import stack
+from maxpar.model.roles import Block, ParamRole, param_role
 from maxpar.pipeline.schedule import Schedule
 from maxpar.sharding import entry_axes
-
-ROLES = ("attention", "mlp", "experts", "norm", "embedding", "output")
-EXPERT_WEIGHTS = ("['wi_gate']", "['wi_up']", "['wo']")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +32,7 @@ class Tensor:
 
     path: str
     group: str                          # params | optimizer | step
-    role: str                           # attention | mlp | norm | embedding | output | other
+    role: ParamRole | None              # what a parameter is for (maxpar.model.roles); None for other leaves
     shape: tuple[int, ...]
     dtype: str
     logical: tuple[str | None, ...]
@@ -48,6 +46,15 @@ class Tensor:
     @property
     def nbytes(self) -> int:
         return self.size * np.dtype(self.dtype).itemsize
+
+    @property
+    def block(self) -> Block | None:
+        return self.role.block if self.role else None
+
+    @property
+    def name(self) -> str:
+        """The parameter's path as reports print it, e.g. decoder/layers/attention/query."""
+        return self.path.replace(".params", "").replace("['", "").replace("']", "/").rstrip("/")
 
     @property
     def axes(self) -> frozenset[str]:
@@ -134,37 +141,52 @@ class Layout:
     def weight_batch_axes(self, tensor: Tensor) -> tuple[str, ...]:
         """The batch axes whose shards use `tensor` on different rows (its gradient sums over them, FSDP
         gathers over those that shard it): all of them, but a pipeline's stages for its stacked layers,
-        which every stage runs on all rows of its data-parallel shard. The `context` axis counts too: its
+        which every stage runs on all rows of its data-parallel shard. The context axes count too: their
         shards see other tokens of the same rows (context parallelism acts like FSDP on the weights)."""
-        axes = self.batch_axes + tuple(a for a in (CONTEXT_AXIS,) if a in self.mesh.axis_names and a not in self.batch_axes)
-        if tensor.layered and self.mesh.degree(STAGE_AXIS) > 1:
-            return tuple(a for a in axes if a != STAGE_AXIS)
+        axes = self.batch_axes + tuple(a for a in self.context_axes if a not in self.batch_axes)
+        if tensor.layered and self.run.pipelined:
+            return tuple(a for a in axes if a not in self.stage_axes)
         return axes
 
-    def params(self, role: str | None = None) -> list[Tensor]:
-        return [t for t in self.tensors if t.group == "params" and (role is None or t.role == role)]
+    @property
+    def context_axes(self) -> tuple[str, ...]:
+        """The mesh axes context parallelism splits the sequence over (none without it): the length axes of
+        blockwise attention's q."""
+        context = self.run.model.context
+        return entry_axes(context.q_spec[1]) if context and context.degree > 1 else ()
 
-    def param(self, name: str) -> Tensor | None:
-        """The parameter whose path ends with `name` (e.g. "['query']"), if the model has one."""
-        found = [t for t in self.params() if t.path.endswith(name)]
-        return found[0] if found else None
+    @property
+    def context_degree(self) -> int:
+        """How many shards context parallelism splits the sequence into (1: none)."""
+        return self.run.model.context.degree if self.run.model.context else 1
+
+    @property
+    def stage_axes(self) -> tuple[str, ...]:
+        """The mesh axes of a pipeline's stages (none without a pipeline)."""
+        return tuple(self.run.model.pipeline.stage_axes) if self.run.pipelined else ()
+
+    @property
+    def pipeline_manual_axes(self) -> tuple[str, ...]:
+        """The batch axes a pipelined step runs per replica (maxpar.pipeline.spmd): reduced once per step."""
+        return tuple(self.run.model.pipeline.manual) if self.run.pipelined else ()
+
+    def params(self, block: Block | None = None) -> list[Tensor]:
+        return [t for t in self.tensors if t.group == "params" and (block is None or t.block == block)]
+
+    def param(self, role: ParamRole) -> Tensor | None:
+        """The (first) parameter with this role, if the model has one."""
+        return next((t for t in self.params() if t.role == role), None)
 
 
-def _role(path: str) -> str:
-    if "token_embedding" in path:
-        return "embedding"
-    if "['output']" in path:
-        return "output"
-    if "['scale']" in path:
-        return "norm"
-    if "['moe']" in path:  # the router is an ordinary (FSDP) weight; the experts are split over `exp`
-        return "experts" if path.endswith(EXPERT_WEIGHTS) else "mlp"
-    if "['attention']" in path:
-        return "attention"
-    if "['mlp']" in path:
-        return "mlp"
-    return "other"
-
+def _declared_role(path: tuple, logical: tuple[str | None, ...]) -> ParamRole:
+    """A parameter's role, checked against the logical axes the model declares for it (`maxpar.model.roles`)."""
+    keys = tuple(str(getattr(key, "key", key)) for key in path)
+    role = param_role(keys)
+    per_layer = tuple(n for n in logical if n not in (Logical.LAYERS, Logical.REPEATS))
+    if role is None or per_layer != role.axes:
+        raise ValueError(f"parameter {'/'.join(keys)} with logical axes {per_layer} is not declared in "
+                         f"maxpar.model.roles (declared: {role and role.axes}); the planner reads parameters by role")
+    return role
 
 
 def build_layout(config: Config, mesh: MeshShape, state: TracedState) -> Layout:
@@ -181,7 +203,8 @@ def build_layout(config: Config, mesh: MeshShape, state: TracedState) -> Layout:
         padded = tuple(spec) + (None,) * (len(leaf.shape) - len(spec))
         mesh_axes = tuple(entry_axes(e) for e in padded)
         logical_names = tuple(logical) + (None,) * (len(leaf.shape) - len(logical))
-        tensors.append(Tensor(path=name, group=group, role=_role(name), shape=tuple(leaf.shape),
+        role = _declared_role(path[1:], logical_names) if group == "params" else None
+        tensors.append(Tensor(path=name, group=group, role=role, shape=tuple(leaf.shape),
                               dtype=str(leaf.dtype), logical=logical_names, mesh_axes=mesh_axes,
                               layered=Logical.LAYERS in logical_names or stack.in_unrolled_unit(path)))
     return Layout(run=run, tensors=tuple(tensors))

@@ -11,21 +11,22 @@ import math
 
 import numpy as np
 
-from maxpar.axes import CONTEXT_AXIS, Logical
+from maxpar.axes import Logical
 from maxpar.config import Config
 from maxpar.metrics import matmul_params, parameter_counts, training_flops_per_token
+from maxpar.model.roles import Block, ParamRole
 from maxpar.model.routing import expert_capacity
 from maxpar.layout import TracedState
-from maxpar.plan.layout import Layout
+from maxpar.plan.layout import Layout, Tensor
 
 
 def param_breakdown(state: TracedState, layout: Layout) -> dict[str, int]:
     """total, embedding (token table), attention, mlp (dense MLPs and routers), experts, output projection,
     norms, and active: what one token uses (of each MoE layer's experts, only num_experts_per_tok)."""
     counts = parameter_counts(state.abstract.params, layout.config.num_experts_per_tok)
-    by_role = {role: sum(t.size for t in layout.params(role))
-               for role in ("attention", "mlp", "experts", "output", "norm")}
-    return {"total": counts["total"], "embedding": counts["embedding"], **by_role, "active": counts["active"]}
+    by_block = {str(block): sum(t.size for t in layout.params(block))
+                for block in (Block.ATTENTION, Block.MLP, Block.EXPERTS, Block.OUTPUT, Block.NORM)}
+    return {"total": counts["total"], "embedding": counts["embedding"], **by_block, "active": counts["active"]}
 
 
 def attention_flops_per_token(config: Config) -> float:
@@ -53,22 +54,18 @@ def _degree(layout: Layout, axes) -> int:
 
 def tp_degrees(layout: Layout) -> dict[str, int]:
     """How many ways the feature dims that activations carry are split (by non-batch axes)."""
-    def of(name: str, logical: str) -> int:
-        tensor = layout.param(name)
+    def of(tensor: Tensor | None, logical: str) -> int:
         if tensor is None:
             return 1
         return _degree(layout, [a for a in tensor.dim_axes(logical) if a not in layout.batch_axes])
-    table = layout.param("['output']") or layout.param("['token_embedding']")
-    return {"heads": of("['query']", Logical.HEADS), "kv_heads": of("['key']", Logical.KV_HEADS),
-            "mlp": of("['wi_gate']", Logical.MLP),
-            "vocab": _degree(layout, [a for a in table.dim_axes(Logical.VOCAB) if a not in layout.batch_axes]),
+    # The feed-forward's hidden layer: the dense MLPs', else (every layer MoE) the experts'.
+    mlp = layout.param(ParamRole.MLP_GATE) or layout.param(ParamRole.EXPERT_GATE)
+    return {"heads": of(layout.param(ParamRole.QUERY), Logical.HEADS),
+            "kv_heads": of(layout.param(ParamRole.KEY), Logical.KV_HEADS),
+            "mlp": of(mlp, Logical.MLP),
+            "vocab": of(layout.param(ParamRole.OUTPUT) or layout.param(ParamRole.EMBEDDING), Logical.VOCAB),
             "length": _degree(layout, [a for a in layout.residual_axes[1] if a not in layout.batch_axes]),
             "embed": _degree(layout, [a for a in layout.residual_axes[2] if a not in layout.batch_axes])}
-
-
-def context_degree(layout: Layout) -> int:
-    """Degree of the `context` mesh axis (the sequence split of context parallelism)."""
-    return layout.degree(CONTEXT_AXIS) if CONTEXT_AXIS in layout.mesh.axis_names else 1
 
 
 def activation_bytes_per_token(config: Config, layout: Layout) -> dict[str, float]:
@@ -88,7 +85,7 @@ def activation_bytes_per_token(config: Config, layout: Layout) -> dict[str, floa
     the all_gather strategy keeps the gathered k, v of the whole sequence per layer.
     """
     tp = tp_degrees(layout)
-    cp = context_degree(layout)
+    cp = layout.context_degree
     a = dtype_bytes(config.dtype)
     e = config.emb_dim / (tp["length"] * tp["embed"])
     hd = config.num_query_heads * config.head_dim / tp["heads"]
@@ -114,7 +111,7 @@ def moe_rows_per_token(config: Config, layout: Layout) -> float:
     if config.capacity_factor > 0:
         capacity = expert_capacity(config.max_target_length, k, n, config.capacity_factor)
         return n * capacity / config.max_target_length
-    experts = layout.params("experts")[0]
+    experts = layout.params(Block.EXPERTS)[0]
     ep = _degree(layout, experts.dim_axes(Logical.EXP))
     return k if ep == 1 else ep * min(k, n // ep)
 
@@ -140,7 +137,7 @@ def moe_activation_bytes_per_token(config: Config, layout: Layout, masked_ragged
     none = rows * (e + 3 * m) * a + k * e * a + 2 * n * 4
     masked = 0.0
     if masked_ragged_dot and config.capacity_factor == 0:
-        experts = layout.params("experts")[0]
+        experts = layout.params(Block.EXPERTS)[0]
         masked = n / _degree(layout, experts.dim_axes(Logical.EXP)) * rows * (2 * e + m) * a
     return {"none": none + masked - 4 * m * a, "minimal": n * 4 - 2 * m * a, "full": 0.0, "working": masked}
 
@@ -164,7 +161,7 @@ def regathers_in_backward(config: Config) -> bool:
 
 def sequence_parallel(layout: Layout) -> bool:
     """TP-sequence: the residual stream is split on its length by a non-batch axis (not `context`)."""
-    return bool(layout.live(a for a in layout.residual_axes[1] if a not in layout.batch_axes + (CONTEXT_AXIS,)))
+    return bool(layout.live(a for a in layout.residual_axes[1] if a not in layout.batch_axes + layout.context_axes))
 
 
 def gathered_weight_bytes(config: Config, layout: Layout) -> float:
@@ -182,12 +179,12 @@ def gathered_weight_bytes(config: Config, layout: Layout) -> float:
         # An axis splitting a weight and the batch is gathered, except the experts' own (EP keeps them split).
         gathered_axes = [a for dim, axes in zip(t.logical, t.mesh_axes) if dim not in (Logical.LAYERS, Logical.EXP)
                          for a in axes if a in batch and layout.degree(a) > 1]
-        if not gathered_axes or (t.role == "embedding" and not layout.table_gathered):
+        if not gathered_axes or (t.block == Block.EMBEDDING and not layout.table_gathered):
             continue  # nothing to gather
         kept = _degree(layout, [a for dim, axes in zip(t.logical, t.mesh_axes) if dim != Logical.LAYERS
                                 for a in axes if a not in batch or dim == Logical.EXP])
         # The table is gathered in its own dtype, and so are the stage weights gathered before the pipeline loop.
-        size = t.dtype if t.role == "embedding" or ((whole_stage or per_repeat) and t.layered) else config.dtype
+        size = t.dtype if t.block == Block.EMBEDDING or ((whole_stage or per_repeat) and t.layered) else config.dtype
         gathered = t.size / kept * dtype_bytes(size)
         # Unscanned layers without remat keep every layer's gathered weights for the backward pass.
         kept = not regathers_in_backward(config) and not sequence_parallel(layout)
@@ -210,6 +207,50 @@ def state_bytes(layout: Layout) -> dict[str, float]:
             "optimizer_per_parameter": optimizer / count}
 
 
+def _pipelined_activation_bytes(config: Config, layout: Layout, tokens_per_microbatch: float,
+                                masked_ragged_dot: bool) -> tuple[float, float]:
+    """(saved, working) activation bytes of a pipelined step: every iteration keeps its block's activations of one
+    pipeline microbatch, bubble included, and stage 0 holds the microbatch buffer and its gradient."""
+    pipe = layout.pipeline
+    per_token = activation_bytes_per_token(config, layout)
+    loop_tokens = tokens_per_microbatch * pipe.num_stages  # in the loop every stage sees its shard's rows
+    run_tokens = loop_tokens / pipe.num_microbatches
+    saved = run_tokens * per_token[config.remat_policy] * pipe.layers_per_block * pipe.num_iterations
+    tp = tp_degrees(layout)
+    residual = loop_tokens * config.emb_dim / (tp["length"] * tp["embed"]) * dtype_bytes(config.dtype)
+    saved += 2 * residual  # stage 0's microbatch buffer and its gradient
+    working = run_tokens * _rerun_layer_bytes(config, per_token)
+    if config.num_moe_layers:  # a block's MoE layers, on the same tokens
+        moe = moe_activation_bytes_per_token(config, layout, masked_ragged_dot)
+        moe_per_block = pipe.layers_per_block * config.num_moe_layers / config.num_decoder_layers
+        saved += run_tokens * moe[config.remat_policy] * moe_per_block * pipe.num_iterations
+        rerun = moe["working"] if config.remat_policy != "none" else 0.0
+        working += run_tokens * (moe["none"] + rerun)
+    return saved, working
+
+
+def _rerun_layer_bytes(config: Config, per_token: dict[str, float]) -> float:
+    """Per token: one layer re-run (or kept) in the backward pass; under `minimal` its projections are already saved."""
+    return per_token["none"] - (per_token["projections"] if config.remat_policy == "minimal" else 0.0)
+
+
+def layer_activation_bytes(config: Config, layout: Layout, tokens_per_microbatch: float,
+                           masked_ragged_dot: bool) -> tuple[float, float]:
+    """(saved, working): the activations the layers keep for the backward pass, and the one layer's re-run (or
+    kept) at a time, dense and MoE."""
+    if layout.pipeline:
+        return _pipelined_activation_bytes(config, layout, tokens_per_microbatch, masked_ragged_dot)
+    per_token = activation_bytes_per_token(config, layout)
+    moe = moe_activation_bytes_per_token(config, layout, masked_ragged_dot)
+    layers = config.num_decoder_layers / layer_split(layout)
+    moe_layers = config.num_moe_layers / layer_split(layout)
+    saved = tokens_per_microbatch * (per_token[config.remat_policy] * layers + moe[config.remat_policy] * moe_layers)
+    rerun = moe["working"] if config.remat_policy != "none" else 0.0
+    working = tokens_per_microbatch * (_rerun_layer_bytes(config, per_token)
+                                       + (moe["none"] + rerun if moe_layers else 0.0))
+    return saved, working
+
+
 def memory_per_device(config: Config, layout: Layout, tokens_per_microbatch: float,
                       masked_ragged_dot: bool = False) -> dict[str, float]:
     """Peak bytes per device: state, gradients, saved activations and transient buffers.
@@ -223,32 +264,8 @@ def memory_per_device(config: Config, layout: Layout, tokens_per_microbatch: flo
     gradients = params
     if config.gradient_accumulation_steps > 1:  # float32 accumulators, sharded like the parameters
         gradients += sum(layout.local_bytes(t) / dtype_bytes(t.dtype) * 4 for t in layout.params())
-    per_token = activation_bytes_per_token(config, layout)
-    # One layer re-run (or kept) in the backward pass; under `minimal` its projections are already saved.
-    rerun_layer = per_token["none"] - (per_token["projections"] if config.remat_policy == "minimal" else 0.0)
-    pipe = layout.pipeline
-    if pipe:  # every iteration keeps its block's activations of one pipeline microbatch, bubble included
-        loop_tokens = tokens_per_microbatch * pipe.num_stages  # in the loop every stage sees its shard's rows
-        run_tokens = loop_tokens / pipe.num_microbatches
-        saved = run_tokens * per_token[config.remat_policy] * pipe.layers_per_block * pipe.num_iterations
-        tp = tp_degrees(layout)
-        residual = loop_tokens * config.emb_dim / (tp["length"] * tp["embed"]) * dtype_bytes(config.dtype)
-        saved += 2 * residual  # stage 0's microbatch buffer and its gradient
-        working = run_tokens * rerun_layer
-        if config.num_moe_layers:  # a block's MoE layers, on the same tokens
-            moe = moe_activation_bytes_per_token(config, layout, masked_ragged_dot)
-            moe_per_block = pipe.layers_per_block * config.num_moe_layers / config.num_decoder_layers
-            saved += run_tokens * moe[config.remat_policy] * moe_per_block * pipe.num_iterations
-            rerun = moe["working"] if config.remat_policy != "none" else 0.0
-            working += run_tokens * (moe["none"] + rerun)
-    else:
-        moe = moe_activation_bytes_per_token(config, layout, masked_ragged_dot)
-        layers = config.num_decoder_layers / layer_split(layout)
-        moe_layers = config.num_moe_layers / layer_split(layout)
-        saved = tokens_per_microbatch * (per_token[config.remat_policy] * layers + moe[config.remat_policy] * moe_layers)
-        rerun = moe["working"] if config.remat_policy != "none" else 0.0
-        working = tokens_per_microbatch * (rerun_layer + (moe["none"] + rerun if moe_layers else 0.0))
-    logits = (tokens_per_microbatch * config.vocab_size / tp_degrees(layout)["vocab"] / context_degree(layout)
+    saved, working = layer_activation_bytes(config, layout, tokens_per_microbatch, masked_ragged_dot)
+    logits = (tokens_per_microbatch * config.vocab_size / tp_degrees(layout)["vocab"] / layout.context_degree
               * 4 * 2)  # f32 logits and their gradient, split over the sequence too under context parallelism
     activations = saved + working + logits
     gathered = gathered_weight_bytes(config, layout)

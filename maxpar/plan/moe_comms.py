@@ -28,15 +28,11 @@ import math
 
 from maxpar.axes import Logical
 from maxpar.config import Config
+from maxpar.model.roles import Block
 from maxpar.model.routing import expert_capacity
-from maxpar.plan.comms import (BACKWARD, FORWARD, Comm, expert_all_to_all_bytes, hierarchical,
-                               pipeline_manual_axes)
+from maxpar.plan.comms import BACKWARD, FORWARD, Comm, expert_all_to_all_bytes, hierarchical, stage_loop
 from maxpar.plan.layout import Layout, Tensor
 from maxpar.plan.model_math import dtype_bytes, layer_split
-
-
-def _name(t: Tensor) -> str:
-    return t.path.replace(".params", "").replace("['", "").replace("']", "/").rstrip("/")
 
 
 def gathered_axes(layout: Layout, t: Tensor) -> tuple[str, ...]:
@@ -49,19 +45,17 @@ def expert_weight_comms(layout: Layout, microbatches: int) -> list[Comm]:
     """FSDP gathers, reduce-scatters and DP all-reduces of the expert weights (written in the shard_map)."""
     config = layout.config
     gathers = 1 if config.remat_policy == "none" else 2
-    pipe = layout.pipeline
     # In a pipeline every iteration runs one block (1/R of a stage's layers) on a pipeline microbatch: the
     # dispatch gathers that block's experts then and reduces their gradient then; the batch axes the loop
     # runs per replica reduce once per step after it.
-    per_iteration = pipe.num_iterations / pipe.num_repeats if pipe else 1.0
-    manual = pipeline_manual_axes(layout) if pipe else ()
+    loop = stage_loop(layout)
     comms: list[Comm] = []
-    for t in layout.params("experts"):
+    for t in layout.params(Block.EXPERTS):
         size = layout.local_bytes(t) / dtype_bytes(t.dtype) * dtype_bytes(config.dtype)
         gather = gathered_axes(layout, t)
         full = size * _degree(layout, gather)
-        common = dict(dtype=config.dtype, scales=False, tensor=_name(t))
-        looped = microbatches * per_iteration
+        common = dict(dtype=config.dtype, scales=False, tensor=t.name)
+        looped = microbatches * loop.per_iteration
         comms += hierarchical(layout, "MoE expert-weight all-gather (forward)", gather, "all-gather", size,
                               count=looped, phase=FORWARD, **common)
         comms += hierarchical(layout, "MoE expert-weight all-gather recomputed by remat (backward)", gather,
@@ -70,11 +64,11 @@ def expert_weight_comms(layout: Layout, microbatches: int) -> list[Comm]:
                                                      "reduce-scatter", full, count=looped, phase=BACKWARD,
                                                      **common)]
         reduce = layout.live(a for a in layout.weight_batch_axes(t) if a not in t.axes)
-        inner = tuple(a for a in reduce if a not in manual)
-        if pipe and inner:
+        inner = tuple(a for a in reduce if a not in loop.manual)
+        if loop.pipelined and inner:
             comms += hierarchical(layout, "MoE expert-weight gradient all-reduce (DP, per pipeline iteration)", inner,
                                   "all-reduce", size, count=looped, phase=BACKWARD, **common)
-            reduce = tuple(a for a in reduce if a in manual)
+            reduce = tuple(a for a in reduce if a in loop.manual)
         comms += hierarchical(layout, "MoE expert-weight gradient all-reduce (DP)", reduce, "all-reduce", size,
                               count=microbatches, phase=BACKWARD, **common)
     return comms
@@ -110,7 +104,7 @@ def expert_activation_comms(layout: Layout, tokens: float, microbatches: int) ->
     config = layout.config
     if config.num_moe_layers == 0:
         return []
-    experts = next(iter(layout.params("experts")))
+    experts = next(iter(layout.params(Block.EXPERTS)))
     ep_axes = layout.live(experts.dim_axes(Logical.EXP))
     hidden = layout.live(a for a in experts.dim_axes(Logical.MLP) if a not in layout.batch_axes)
     pipe = layout.pipeline

@@ -18,9 +18,11 @@ import math
 from collections import defaultdict
 from typing import Any
 
+from maxpar.axes import Physical
 from maxpar.config import Config, ConfigError
 from maxpar.mesh import MeshShape, resolve_mesh_shape
 from maxpar.metrics import matmul_params, training_flops_per_token
+from maxpar.model.roles import Block
 from maxpar.plan import rooflines
 from maxpar.plan.comms import BACKWARD, FORWARD, Comm, predict_comms
 from maxpar.plan.context_comms import cp_intensity, predict_context_comms
@@ -28,7 +30,7 @@ from maxpar.plan.moe_comms import predict_moe_comms
 from maxpar.plan.hardware import Hardware, ici_axis_shares, slice_shape_exists, torus_shape
 from maxpar.layout import TracedState, batch_shape
 from maxpar.plan.layout import Layout, build_layout
-from maxpar.plan.model_math import (attention_flops_per_token, context_degree, dtype_bytes, fp8_matmul_params,
+from maxpar.plan.model_math import (attention_flops_per_token, dtype_bytes, fp8_matmul_params,
                                     memory_per_device, param_breakdown, state_bytes, tp_degrees)
 from maxpar.train_step import trace_state
 
@@ -159,7 +161,7 @@ def hbm_seconds(layout: Layout, microbatches: int, hardware: Hardware) -> dict[s
     weights = 0.0
     pipe = layout.pipeline
     for t in layout.params():
-        if t.role in ("norm", "embedding"):
+        if t.block in (Block.NORM, Block.EMBEDDING):
             continue
         batch = layout.weight_batch_axes(t)
         kept = math.prod(layout.degree(a) for a in t.axes if a not in batch)   # TP / stage shards stay sharded
@@ -221,45 +223,59 @@ def _axis_table(comms: list[Comm], times: list[float], flops: dict[str, float], 
     return rows
 
 
-def evaluate(config: Config, target: Target, state: TracedState) -> dict[str, Any]:
-    """Everything but the searches (TP limit, recommendations): one config on one target."""
-    hardware = target.hardware
+def plan_layout(config: Config, target: Target, state: TracedState | None = None) -> Layout:
+    """The run layout `config` would train with on the target's devices (ConfigError if it cannot run)."""
     mesh = resolve_mesh_shape(config, target.num_devices, target.num_slices)
-    layout = build_layout(config, mesh, state)
-    batch = plan_batch(config, layout)
-    tokens_per_device = batch.tokens / target.num_devices
-    comms = (predict_comms(layout, batch.tokens_per_shard, batch.microbatches)
-             + predict_moe_comms(layout, batch.tokens_per_shard, batch.microbatches)
-             + predict_context_comms(layout, batch.tokens_per_shard, batch.microbatches))
-    shares = ici_axis_shares(hardware, mesh.axis_names, dict(zip(mesh.axis_names, mesh.ici)),
-                             target.num_devices // target.num_slices)
-    times = [c.bytes_per_device / comm_bandwidth(c, hardware, shares) for c in comms]
-    flops = compute_flops(config, tokens_per_device)
-    compute = compute_seconds(flops, fp8_flops(config, tokens_per_device), hardware)
-    hbm = hbm_seconds(layout, batch.microbatches, hardware)
-    network = {(p, n): sum(t for c, t in zip(comms, times) if c.phase == p and c.network == n)
-               for p in PHASES for n in ("ici", "dcn")}
+    return build_layout(config, mesh, state or trace_state(config))
+
+
+def step_comms(layout: Layout, batch: Batch) -> list[Comm]:
+    """Every predicted collective of one step: the partitioner's, the MoE dispatch's and context attention's."""
+    args = (layout, batch.tokens_per_shard, batch.microbatches)
+    return predict_comms(*args) + predict_moe_comms(*args) + predict_context_comms(*args)
+
+
+def network_seconds(comms: list[Comm], times: list[float]) -> dict[tuple[str, str], float]:
+    """Collective seconds per (phase, network)."""
+    return {(p, n): sum(t for c, t in zip(comms, times) if c.phase == p and c.network == n)
+            for p in PHASES for n in ("ici", "dcn")}
+
+
+def comm_seconds(network: dict[tuple[str, str], float], phase: str) -> float:
+    """A phase's communication time: ICI and DCN transfer concurrently."""
+    return max(network[(phase, "ici")], network[(phase, "dcn")])
+
+
+def step_seconds(compute: dict[str, float], hbm: dict[str, float], network: dict[tuple[str, str], float],
+                 bubble: float) -> float:
+    """Each phase lasts as long as its slowest resource, stretched by the pipeline bubble; then the optimizer."""
     phase_time = {p: max(compute[p], hbm[p], network[(p, "ici")], network[(p, "dcn")]) for p in PHASES}
-    pipe = layout.pipeline
-    bubble = pipe.bubble if pipe else 0.0
-    step = sum(phase_time.values()) / (1 - bubble) + hbm["optimizer"]
-    mfu = flops["model"] / (step * hardware.peak_flops)
-    memory = memory_per_device(config, layout, batch.tokens_per_shard)
+    return sum(phase_time.values()) / (1 - bubble) + hbm["optimizer"]
+
+
+def memory_fit(layout: Layout, batch: Batch, hardware: Hardware) -> dict[str, Any]:
+    """`memory_per_device` with the HBM it must fit in."""
+    memory = memory_per_device(layout.config, layout, batch.tokens_per_shard)
     memory["hbm_bytes"] = hardware.hbm_bytes
     memory["fits"] = memory["total"] <= hardware.hbm_bytes
-    axes = _axis_table(comms, times, flops, compute, tokens_per_device, hardware, shares)
-    totals = {"compute": sum(compute.values()), "memory": sum(hbm[p] for p in PHASES) + hbm["optimizer"],
-              "communication": sum(max(network[(p, "ici")], network[(p, "dcn")]) for p in PHASES)}
-    # The bound is what sets the step time: in each phase the slowest of the three, summed over phases.
+    return memory
+
+
+def limiting_resource(compute: dict[str, float], hbm: dict[str, float],
+                      network: dict[tuple[str, str], float]) -> str:
+    """What sets the step time: in each phase the slowest of matmuls, HBM and the busier network, summed."""
     limiting = {"compute": 0.0, "memory": hbm["optimizer"], "communication": 0.0}
     for p in PHASES:
-        candidates = {"compute": compute[p], "memory": hbm[p],
-                      "communication": max(network[(p, "ici")], network[(p, "dcn")])}
+        candidates = {"compute": compute[p], "memory": hbm[p], "communication": comm_seconds(network, p)}
         slowest = max(candidates, key=candidates.get)
         limiting[slowest] += candidates[slowest]
-    bound = max(limiting, key=limiting.get)
-    params = param_breakdown(state, layout)
-    per_token = training_flops_per_token(config)
+    return max(limiting, key=limiting.get)
+
+
+def target_warnings(config: Config, target: Target, batch: Batch) -> list[str]:
+    """What makes the numbers less trustworthy: an unshardable batch, a slice shape the hardware has not, a dtype
+    accelerators do not train in."""
+    hardware = target.hardware
     warnings = list(batch.warnings)
     per_slice = target.num_devices // target.num_slices
     if not slice_shape_exists(hardware, per_slice):
@@ -269,6 +285,36 @@ def evaluate(config: Config, target: Target, state: TracedState) -> dict[str, An
     if config.dtype != "bfloat16":
         warnings.append(f"dtype={config.dtype}: timings use the bf16 peak and {config.dtype} byte counts; "
                         "accelerators train in dtype=bfloat16")
+    return warnings
+
+
+def evaluate(config: Config, target: Target, state: TracedState) -> dict[str, Any]:
+    """Everything but the searches (TP limit, recommendations): one config on one target."""
+    return evaluate_layout(plan_layout(config, target, state), target, state)
+
+
+def evaluate_layout(layout: Layout, target: Target, state: TracedState) -> dict[str, Any]:
+    """`evaluate` on a run layout already built for the target."""
+    config, hardware, mesh = layout.config, target.hardware, layout.mesh
+    batch = plan_batch(config, layout)
+    tokens_per_device = batch.tokens / target.num_devices
+    comms = step_comms(layout, batch)
+    shares = ici_axis_shares(hardware, mesh.axis_names, dict(zip(mesh.axis_names, mesh.ici)),
+                             target.num_devices // target.num_slices)
+    times = [c.bytes_per_device / comm_bandwidth(c, hardware, shares) for c in comms]
+    flops = compute_flops(config, tokens_per_device)
+    compute = compute_seconds(flops, fp8_flops(config, tokens_per_device), hardware)
+    hbm = hbm_seconds(layout, batch.microbatches, hardware)
+    network = network_seconds(comms, times)
+    pipe = layout.pipeline
+    bubble = pipe.bubble if pipe else 0.0
+    step = step_seconds(compute, hbm, network, bubble)
+    memory = memory_fit(layout, batch, hardware)
+    axes = _axis_table(comms, times, flops, compute, tokens_per_device, hardware, shares)
+    totals = {"compute": sum(compute.values()), "memory": sum(hbm[p] for p in PHASES) + hbm["optimizer"],
+              "communication": sum(comm_seconds(network, p) for p in PHASES)}
+    bound = limiting_resource(compute, hbm, network)
+    per_token = training_flops_per_token(config)
     return {
         "model_name": config.model_name or "custom",
         "hardware": hardware.name, "hardware_note": target.note, "num_devices": target.num_devices,
@@ -276,7 +322,7 @@ def evaluate(config: Config, target: Target, state: TracedState) -> dict[str, An
         "mesh": {a: {"ici": i, "dcn": d} for a, i, d in zip(mesh.axis_names, mesh.ici, mesh.dcn)},
         "mesh_description": mesh.describe(),
         "torus_axes_per_mesh_axis": {a: s for a, s in shares.items() if s > 0},
-        "params": params,
+        "params": param_breakdown(state, layout),
         "flops_per_token": per_token,
         "flops_per_step": per_token * batch.tokens,
         "global_batch_tokens": batch.tokens,
@@ -295,14 +341,13 @@ def evaluate(config: Config, target: Target, state: TracedState) -> dict[str, An
         "pipeline_bubble": bubble,
         "pipeline": pipe.describe() if pipe else None,
         "step_time_s": step,
-        "mfu": mfu,
+        "mfu": flops["model"] / (step * hardware.peak_flops),
         "bound": bound,
         "bound_reason": _reason(bound, totals, axes, tokens_per_device, hardware, memory, batch,
-                                [p for p in PHASES if max(network[(p, "ici")], network[(p, "dcn")]) > compute[p]]),
-        "warnings": warnings,
+                                [p for p in PHASES if comm_seconds(network, p) > compute[p]]),
+        "warnings": target_warnings(config, target, batch),
         "assumptions": assumptions(config),
         "_comms": comms,
-        "_layout": layout,
         "_batch": batch,
     }
 
@@ -337,18 +382,18 @@ def _reason(bound: str, totals: dict[str, float], axes: list[dict[str, Any]], to
 def tensor_parallelism_limit(config: Config, target: Target, state: TracedState, mesh: MeshShape) -> int | None:
     """Largest ICI tensor degree whose collectives stay hidden behind compute (other degrees fixed, FSDP absorbs)."""
     ici = dict(zip(mesh.axis_names, mesh.ici))
-    product = ici["fsdp"] * ici["tensor"]
+    product = ici[Physical.FSDP] * ici[Physical.TENSOR]
     best = None
     for degree in sorted(d for d in range(1, product + 1) if product % d == 0):
         if degree > 1024:
             break
         candidate = dataclasses.replace(config, ici_tensor_parallelism=degree, ici_fsdp_parallelism=product // degree,
-                                        **{f"ici_{a}_parallelism": ici[a] for a in ("data", "expert", "stage")})
+                                        **{f"ici_{a}_parallelism": ici[a] for a in (Physical.DATA, Physical.EXPERT, Physical.STAGE)})
         try:
             result = evaluate(candidate, target, state)
         except ConfigError:
             continue
-        row = next((r for r in result["axes"] if r["axis"] == "tensor" and r["network"] == "ici"), None)
+        row = next((r for r in result["axes"] if r["axis"] == Physical.TENSOR and r["network"] == "ici"), None)
         if row is None or row["compute_bound"]:
             best = degree
         else:
@@ -356,7 +401,7 @@ def tensor_parallelism_limit(config: Config, target: Target, state: TracedState,
     return best
 
 
-def rules_of_thumb(config: Config, hardware: Hardware, result: dict[str, Any]) -> dict[str, float]:
+def rules_of_thumb(config: Config, hardware: Hardware, result: dict[str, Any], layout: Layout) -> dict[str, float]:
     """The seeds' closed forms at this hardware, model width and batch (see rooflines.py).
 
     FSDP takes all torus axes but one and TP one (the seed's M_X M_Y = 2 on a 3D torus).
@@ -365,7 +410,7 @@ def rules_of_thumb(config: Config, hardware: Hardware, result: dict[str, Any]) -
     n = result["num_devices"] // result["num_slices"]
     torus_axes = sum(1 for d in torus_shape(hardware, n) if d > 1) if hardware.ici_topology == "torus" else 1
     fsdp_axes, tensor_axes = max(torus_axes - 1, 1), 1
-    context = context_degree(result["_layout"])
+    context = layout.context_degree
     return {
         "ici_intensity_flops_per_byte": alpha,
         # context parallelism's k/v all-gather: seq x H / (KV x |CP|) FLOPs per byte (None without a context axis)
@@ -385,12 +430,14 @@ def rules_of_thumb(config: Config, hardware: Hardware, result: dict[str, Any]) -
     }
 
 
-def make_plan(config: Config, target: Target, state: TracedState | None = None) -> dict[str, Any]:
-    """The full plan of one config on one target, as a JSON-ready dict (private `_` keys excepted)."""
+def make_plan(config: Config, target: Target, state: TracedState | None = None,
+              layout: Layout | None = None) -> dict[str, Any]:
+    """The full plan of one config on one target, as a JSON-ready dict (private `_` keys excepted); `layout`:
+    the `plan_layout` of the config on the target, if the caller already has it (verify needs it too)."""
     state = state or trace_state(config)
-    result = evaluate(config, target, state)
-    mesh = resolve_mesh_shape(config, target.num_devices, target.num_slices)
-    result["tensor_parallelism_limit"] = tensor_parallelism_limit(config, target, state, mesh)
-    result["rules_of_thumb"] = rules_of_thumb(config, target.hardware, result)
-    result["tp_degrees"] = tp_degrees(result["_layout"])
+    layout = layout or plan_layout(config, target, state)
+    result = evaluate_layout(layout, target, state)
+    result["tensor_parallelism_limit"] = tensor_parallelism_limit(config, target, state, layout.mesh)
+    result["rules_of_thumb"] = rules_of_thumb(config, target.hardware, result, layout)
+    result["tp_degrees"] = tp_degrees(layout)
     return result

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from maxpar.axes import Physical
 from maxpar.config import Config, ConfigError
 from maxpar.mesh import resolve_mesh_shape
 from maxpar.layout import TracedState
@@ -36,11 +37,11 @@ def candidate_overrides(config: Config, target: Target) -> list[dict[str, Any]]:
     """
     mesh = resolve_mesh_shape(config, target.num_devices, target.num_slices)
     ici = dict(zip(mesh.axis_names, mesh.ici))
-    free = ici["data"] * ici["fsdp"] * ici["tensor"] * ici.get("context", 1)
+    free = ici[Physical.DATA] * ici[Physical.FSDP] * ici[Physical.TENSOR] * ici.get(Physical.CONTEXT, 1)
     long = config.max_target_length >= LONG_SEQUENCE
     attentions = [config.attention] + (["blockwise"] if long and config.attention != "blockwise" else [])
     found = []
-    configured = ici.get("context", 1)
+    configured = ici.get(Physical.CONTEXT, 1)
     # Shards of at least MIN_CONTEXT_SHARD tokens: below that the per-layer k/v traffic outweighs the split.
     contexts = [c for c in divisors(free) if c == configured or c <= config.max_target_length // MIN_CONTEXT_SHARD]
     for context in contexts if long else [configured]:
@@ -64,7 +65,7 @@ def candidate_overrides(config: Config, target: Target) -> list[dict[str, Any]]:
 def recommend(config: Config, target: Target, state: TracedState, top: int = 5) -> dict[str, Any]:
     """The `top` fastest feasible candidates, with ready-to-paste overrides."""
     mesh = resolve_mesh_shape(config, target.num_devices, target.num_slices)
-    fixed = {f"ici_{a}_parallelism": d for a, d in zip(mesh.axis_names, mesh.ici) if a in ("expert", "stage")}
+    fixed = {f"ici_{a}_parallelism": d for a, d in zip(mesh.axis_names, mesh.ici) if a in (Physical.EXPERT, Physical.STAGE)}
     fixed.update({f"dcn_{a}_parallelism": d for a, d in zip(mesh.axis_names, mesh.dcn)})
     feasible, rejected, smallest = [], 0, None
     candidates = candidate_overrides(config, target)

@@ -49,23 +49,28 @@ def table(headers: list[str], rows: list[list[str]], indent: str = "  ") -> str:
     return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
-def render_plan(plan: dict[str, Any]) -> str:
+def _summary(plan: dict[str, Any]) -> list[str]:
+    """The title, parameters, batch and FLOPs."""
     p = plan["params"]
-    mem = plan["memory_per_device_bytes"]
-    whole = plan["state_bytes"]
     out = [f"maxpar plan: {plan['model_name']} on {plan['num_devices']:,} x {plan['hardware']} "
            f"({plan['num_slices']} slice{'s' if plan['num_slices'] > 1 else ''}), mesh {plan['mesh_description']}"]
     if plan["hardware_note"]:
         out.append(f"  note: {plan['hardware_note']}")
     experts = f"experts {si(p['experts'])}, " if p.get("experts") else ""
-    out += [
+    return out + [
         f"  params     total {si(p['total'])} (token embedding {si(p['embedding'])}, attention {si(p['attention'])}, "
         f"mlp {si(p['mlp'])}, {experts}output {si(p['output'])}, norms {si(p['norm'])}; active {si(p['active'])})",
         f"  batch      {plan['global_batch_rows']:,.6g} rows = {plan['global_batch_tokens']:,.0f} tokens per step "
         f"({plan['tokens_per_device']:,.1f} per device, {plan['microbatches']} microbatch(es))",
         f"  flops      {plan['flops_per_token']:.4g} per token (training: 6 x matmul params + causal attention "
         f"counted once), {plan['flops_per_step']:.4g} per step",
-        "",
+    ]
+
+
+def _memory(plan: dict[str, Any]) -> list[str]:
+    mem = plan["memory_per_device_bytes"]
+    whole = plan["state_bytes"]
+    return [
         "memory per device",
         table(["", "bytes"], [[k, human_bytes(mem[k])] for k in ("params", "gradients", "optimizer", "activations",
                                                                  "gathered_weights", "total")]),
@@ -73,9 +78,12 @@ def render_plan(plan: dict[str, Any]) -> str:
         f"  one copy of the state, summed over its shards: params {human_bytes(whole['params'])} "
         f"({whole['params_per_parameter']:.3g} bytes per parameter), optimizer {human_bytes(whole['optimizer'])} "
         f"({whole['optimizer_per_parameter']:.3g} bytes per parameter)",
-        "",
-        "communication per step, per device (summed over weights and layers)",
     ]
+
+
+def _communication(plan: dict[str, Any]) -> list[str]:
+    """The collectives by pattern, then per mesh axis."""
+    out = ["communication per step, per device (summed over weights and layers)"]
     rows = [[c["pattern"], c["axis"], c["network"], c["collective"], c["dtype"], human_bytes(c["bytes_per_device"]),
              seconds(c["time_s"])] for c in plan["comms"]]
     out.append(table(["pattern", "axis", "net", "collective", "dtype", "bytes", "time"], rows) if rows
@@ -91,11 +99,14 @@ def render_plan(plan: dict[str, Any]) -> str:
     if rows:
         out.append(table(["axis", "net", "torus axes", "bytes", "time", "intensity", "hw intensity",
                           "critical batch/device"], rows))
+    return out
+
+
+def _time(plan: dict[str, Any]) -> list[str]:
     compute = plan["compute_time_by_phase_s"]
     hbm = plan["hbm_time_by_phase_s"]
     comm = plan["comm_time_by_phase_s"]
-    out += [
-        "",
+    return [
         "time per step",
         table(["phase", "matmuls", "HBM", "ICI comms", "DCN comms"],
               [[ph, seconds(compute[ph]), seconds(hbm[ph]), seconds(comm[f"{ph}/ici"]), seconds(comm[f"{ph}/dcn"])]
@@ -106,11 +117,12 @@ def render_plan(plan: dict[str, Any]) -> str:
         f"  bound: {plan['bound']} -- {plan['bound_reason']}",
         f"  tensor_parallelism_limit: {plan['tensor_parallelism_limit']} (largest ICI tensor degree the model's dims "
         "allow whose collectives stay hidden behind compute)",
-        "",
-        "the seeds' rules of thumb for this hardware and model",
     ]
+
+
+def _rules_of_thumb(plan: dict[str, Any]) -> list[str]:
     r = plan["rules_of_thumb"]
-    out.append(table(["", "value"], [
+    return ["the seeds' rules of thumb for this hardware and model", table(["", "value"], [
         ["ICI intensity C/W (FLOPs per byte)", f"{r['ici_intensity_flops_per_byte']:,.0f}"],
         [f"FSDP/DP critical batch per device ({r['torus_axes']} torus axes)",
          f"{r['fsdp_critical_batch_per_device']:,.0f}"],
@@ -122,7 +134,12 @@ def render_plan(plan: dict[str, Any]) -> str:
         ["HBM critical batch per device (C / HBM bandwidth)", f"{r['hbm_critical_batch_per_device']:,.0f}"],
         ["largest model for pure DP (HBM / 10 bytes)", si(r["max_params_pure_dp"])],
     ] + ([["CP k/v all-gather intensity seq x H / (KV x |CP|) (hidden while above ICI C/W)",
-           f"{r['cp_intensity']:,.0f}"]] if r["cp_intensity"] is not None else [])))
+           f"{r['cp_intensity']:,.0f}"]] if r["cp_intensity"] is not None else []))]
+
+
+def render_plan(plan: dict[str, Any]) -> str:
+    out = [*_summary(plan), "", *_memory(plan), "", *_communication(plan), "", *_time(plan), "",
+           *_rules_of_thumb(plan)]
     if plan["warnings"]:
         out += ["", "warnings"] + [f"  - {w}" for w in plan["warnings"]]
     out += ["", "assumptions"] + [f"  - {a}" for a in plan["assumptions"]]

@@ -38,6 +38,7 @@ from maxpar.model import Transformer
 from maxpar.optimizer import make_optimizer
 from maxpar.plan import hlo
 from maxpar.plan.comms import Comm, sequence_parallel
+from maxpar.plan.layout import Layout
 from maxpar.plan.model_math import dtype_bytes, memory_per_device
 from maxpar.train_step import run_layout
 
@@ -106,7 +107,7 @@ def measure(text: str, axis_sizes: dict[str, int]) -> list[dict[str, Any]]:
     return rows
 
 
-def known_mispredictions(config: Config, tp_sequence: bool) -> list[str]:
+def known_mispredictions(config: Config, tp_sequence: bool, pipelined: bool) -> list[str]:
     """Configurations whose compiled step is known to differ from the plan, and why (not hidden: they still FAIL)."""
     known = []
     if config.remat_policy == "full" and not config.scan_layers:
@@ -117,27 +118,30 @@ def known_mispredictions(config: Config, tp_sequence: bool) -> list[str]:
         known.append("known misprediction: TP-sequence with remat_policy=full: the backward pass gathers the "
                      "attention and gate/up weights twice over the FSDP axes (the recomputation's gathers and "
                      "the gradients' are not merged); the plan counts one backward gather")
-    if config.pipeline_fsdp_ag_per_repeat and config.ici_stage_parallelism * config.dcn_stage_parallelism > 1:
+    if config.pipeline_fsdp_ag_per_repeat and pipelined:
         known.append("known misprediction: pipeline_fsdp_ag_per_repeat on XLA:CPU: the temporaries come out about "
                      "1.8x the estimate, which counts one window's gathered blocks alive at a time; XLA:CPU's "
                      "schedule keeps more of them (the collectives match)")
     return known
 
 
-def compare(plan: dict[str, Any], compiled: Compiled, config: Config) -> dict[str, Any]:
-    """Predicted vs measured collectives and memory; `passed` is False on any difference over tolerance."""
-    comms: list[Comm] = plan["_comms"]
-    axis_sizes = compiled.layout.axis_sizes
-    measured = measure(compiled.text, axis_sizes)
-    notes: list[str] = []
+def predicted_buckets(comms: list[Comm], platform: str) -> tuple[dict[tuple[str, str], dict[str, Any]], set[str]]:
+    """Per (mesh axes, collective kind on the backend): the predicted bytes on the target by kind, and on the
+    backend; and the notes on how the backend's lowering converts them."""
     predicted: dict[tuple[str, str], dict[str, Any]] = defaultdict(
         lambda: {"target": defaultdict(float), "backend": 0.0})
-    backend_notes: set[str] = set()
+    notes: set[str] = set()
     for comm in comms:  # one slice (check_verifiable): every predicted collective is on ICI
-        kind, size, why = on_backend(comm, compiled.platform)
-        backend_notes.update(why)
+        kind, size, why = on_backend(comm, platform)
+        notes.update(why)
         predicted[(comm.axis, kind)]["target"][comm.collective] += comm.bytes_per_device
         predicted[(comm.axis, kind)]["backend"] += size
+    return predicted, notes
+
+
+def bucket_rows(predicted: dict[tuple[str, str], dict[str, Any]], measured: list[dict[str, Any]]
+                ) -> tuple[list[dict[str, Any]], list[str]]:
+    """(one row per mesh axes and collective kind with its status, the failures)."""
     seen: dict[tuple[str, str], float] = defaultdict(float)
     for row in measured:
         seen[(row["axis"], row["collective"])] += row["bytes"]
@@ -156,14 +160,24 @@ def compare(plan: dict[str, Any], compiled: Compiled, config: Config) -> dict[st
         buckets.append({"axis": key[0], "collective": key[1],
                         "predicted_target": dict(predicted[key]["target"]) if key in predicted else {},
                         "predicted_bytes": p, "measured_bytes": m, "error": error, "status": status})
-    memory = memory_rows(plan, compiled)
+    return buckets, failures
+
+
+def compare(plan: dict[str, Any], layout: Layout, compiled: Compiled, config: Config) -> dict[str, Any]:
+    """Predicted vs measured collectives and memory; `passed` is False on any difference over tolerance.
+    `layout`: the one the plan was made on (`predict.plan_layout`)."""
+    measured = measure(compiled.text, compiled.layout.axis_sizes)
+    notes: list[str] = []
+    predicted, backend_notes = predicted_buckets(plan["_comms"], compiled.platform)
+    buckets, failures = bucket_rows(predicted, measured)
+    memory = memory_rows(plan, layout, compiled)
     failures += [f"memory {m['what']}: predicted {m['predicted_bytes']:,.0f}, measured {m['measured_bytes']:,.0f}"
                  for m in memory if m["status"] != "ok"]
     if compiled.platform == "cpu" and backend_notes:
         notes.append("'predicted (cpu)' is the prediction converted to what XLA:CPU emits; 'predicted on the "
                      "target' is what a TPU/GPU compile moves. Conversions:")
         notes += [f"  {n}" for n in sorted(backend_notes)]
-    notes += known_mispredictions(config, sequence_parallel(plan["_layout"]))
+    notes += known_mispredictions(config, sequence_parallel(layout), compiled.layout.pipelined)
     if any(r["unknown_trip_count"] for r in measured):
         notes.append("some collectives sit in a loop without a known trip count; they are counted once per entry")
     return {
@@ -177,10 +191,9 @@ def compare(plan: dict[str, Any], compiled: Compiled, config: Config) -> dict[st
     }
 
 
-def memory_rows(plan: dict[str, Any], compiled: Compiled) -> list[dict[str, Any]]:
+def memory_rows(plan: dict[str, Any], layout: Layout, compiled: Compiled) -> list[dict[str, Any]]:
     """Train state vs the compiled arguments, and the transient estimate vs XLA's temporaries."""
     mem = plan["memory_per_device_bytes"]
-    layout = plan["_layout"]
     if compiled.platform == "cpu" and (layout.config.dtype in ("bfloat16", "float16") or layout.config.num_moe_layers):
         # XLA:CPU keeps bf16/f16 activations in float32, and lowers ragged_dot as masked dense dots.
         config = dataclasses.replace(layout.config, dtype="float32")

@@ -1,1 +1,1 @@
-"""Developer tools beside the training spine: benchmarks, golden shardings, simulated devices."""
+"""Developer tools, built on the training loop: benchmarks, golden shardings, measurement records and their page."""

@@ -35,7 +35,7 @@ from typing import Any
 
 from maxpar.tools import bench_gpu, records
 from maxpar.tools.bench_report import CPU_COLUMNS, GPU_COLUMNS, markdown_table, not_measured, write_chart
-from maxpar.tools.host_devices import with_device_count
+from maxpar.host_devices import with_device_count
 
 REPO = Path(__file__).resolve().parents[2]
 BASE_CONFIG = REPO / "configs" / "base.yml"
@@ -182,7 +182,7 @@ def run_worker(name: str, overrides: Sequence[str], num_devices: int, steps: int
 
     from maxpar.config import ConfigError, load_config
     from maxpar.metrics import parameter_counts, peak_flops, throughput
-    from maxpar.tools import host_malloc
+    from maxpar import host_malloc
     from maxpar.train import setup_run
     from maxpar.train_step import create_state
 

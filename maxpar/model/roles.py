@@ -1,0 +1,91 @@
+"""What each parameter of the model is for: its role, the block it belongs to and its logical axes.
+
+This is the contract between the model and whoever reasons about its parameters from outside (the
+planner, `maxpar.plan`): they ask `param_role(path)` and read roles, never parameter paths. A parameter
+is named here by its module's name and its own, as `maxpar.model.layers`, `maxpar.model.moe` and
+`maxpar.model.transformer` create them; the logical axes are those of one layer's parameter (a layer
+stack adds its `layers` / `pipeline_repeats` dims in front). A new parameter is declared here, or the
+planner refuses the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+
+from maxpar.axes import Logical
+
+
+class Block(enum.StrEnum):
+    """The part of the model a parameter belongs to. The router counts with the MLPs (an ordinary weight);
+    the experts are split over their own axis and moved by the MoE dispatch."""
+
+    ATTENTION = "attention"
+    MLP = "mlp"
+    EXPERTS = "experts"
+    NORM = "norm"
+    EMBEDDING = "embedding"
+    OUTPUT = "output"
+
+
+class ParamRole(enum.StrEnum):
+    """The job of one parameter in the model."""
+
+    QUERY = "query"
+    KEY = "key"
+    VALUE = "value"
+    ATTENTION_OUT = "attention_out"
+    MLP_GATE = "mlp_gate"
+    MLP_UP = "mlp_up"
+    MLP_DOWN = "mlp_down"
+    ROUTER = "router"
+    EXPERT_GATE = "expert_gate"
+    EXPERT_UP = "expert_up"
+    EXPERT_DOWN = "expert_down"
+    EMBEDDING = "embedding"                 # the token table (also the output projection with logits_via_embedding)
+    OUTPUT = "output"                       # the output projection to the vocabulary
+    NORM = "norm"                           # an RMSNorm scale
+
+    @property
+    def block(self) -> Block:
+        return _DECLARED[self].block
+
+    @property
+    def axes(self) -> tuple[str | None, ...]:
+        """The logical axes of one layer's parameter."""
+        return _DECLARED[self].axes
+
+
+@dataclasses.dataclass(frozen=True)
+class _Declaration:
+    block: Block
+    axes: tuple[str | None, ...]
+    names: tuple[tuple[str, str], ...]      # (enclosing module's name, parameter's name); "" = the model itself
+
+
+_L = Logical
+_DECLARED = {
+    ParamRole.QUERY: _Declaration(Block.ATTENTION, (_L.EMBED, _L.HEADS, _L.HEAD_DIM), (("attention", "query"),)),
+    ParamRole.KEY: _Declaration(Block.ATTENTION, (_L.EMBED, _L.KV_HEADS, _L.HEAD_DIM), (("attention", "key"),)),
+    ParamRole.VALUE: _Declaration(Block.ATTENTION, (_L.EMBED, _L.KV_HEADS, _L.HEAD_DIM), (("attention", "value"),)),
+    ParamRole.ATTENTION_OUT: _Declaration(Block.ATTENTION, (_L.HEADS, _L.HEAD_DIM, _L.EMBED), (("attention", "out"),)),
+    ParamRole.MLP_GATE: _Declaration(Block.MLP, (_L.MLP_EMBED, _L.MLP), (("mlp", "wi_gate"),)),
+    ParamRole.MLP_UP: _Declaration(Block.MLP, (_L.MLP_EMBED, _L.MLP), (("mlp", "wi_up"),)),
+    ParamRole.MLP_DOWN: _Declaration(Block.MLP, (_L.MLP, _L.MLP_EMBED), (("mlp", "wo"),)),
+    ParamRole.ROUTER: _Declaration(Block.MLP, (_L.EMBED, None), (("moe", "router"),)),
+    ParamRole.EXPERT_GATE: _Declaration(Block.EXPERTS, (_L.EXP, _L.EMBED, _L.MLP), (("moe", "wi_gate"),)),
+    ParamRole.EXPERT_UP: _Declaration(Block.EXPERTS, (_L.EXP, _L.EMBED, _L.MLP), (("moe", "wi_up"),)),
+    ParamRole.EXPERT_DOWN: _Declaration(Block.EXPERTS, (_L.EXP, _L.MLP, _L.EMBED), (("moe", "wo"),)),
+    ParamRole.EMBEDDING: _Declaration(Block.EMBEDDING, (_L.VOCAB, _L.EMBED), (("", "token_embedding"),)),
+    ParamRole.OUTPUT: _Declaration(Block.OUTPUT, (_L.EMBED, _L.VOCAB), (("", "output"),)),
+    ParamRole.NORM: _Declaration(Block.NORM, (_L.NORM,), (("pre_attention_norm", "scale"), ("pre_mlp_norm", "scale"),
+                                                         ("final_norm", "scale"))),
+}
+_BY_NAME = {name: role for role, declared in _DECLARED.items() for name in declared.names}
+
+
+def param_role(path: Sequence[str]) -> ParamRole | None:
+    """The role of the parameter at `path` (its keys in the model's parameter tree), None if undeclared."""
+    parent = path[-2] if len(path) > 1 else ""
+    return _BY_NAME.get((parent, path[-1])) if path else None
