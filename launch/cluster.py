@@ -11,6 +11,7 @@ import re
 from collections.abc import Sequence
 
 from maxpar.config import ConfigError, load_config
+from maxpar.storage import is_remote
 from maxpar.mesh import resolve_mesh_shape
 from maxpar.plan.fit import check_target_fit
 from maxpar.train_step import run_layout
@@ -112,3 +113,13 @@ def dns_name(flag: str, name: str, max_length: int) -> str:
         raise ConfigError(f"--{flag}={name!r}: use lowercase letters, digits and '-', starting with a letter and "
                           f"not ending with '-', at most {max_length} characters")
     return name
+
+
+def local_output_warning(config_args: Sequence[str]) -> str | None:
+    """A cluster job's pods are rescheduled onto other nodes (preemption, failures, JobSet/XPK restarts): a local
+    `base_output_directory` stays behind with its checkpoints, and the restarted job trains from step 0."""
+    directory = load_config(list(config_args)).base_output_directory
+    if is_remote(directory):
+        return None
+    return (f"warning: base_output_directory={directory} is a local path: a rescheduled pod loses it and its "
+            f"checkpoints, and the job restarts from step 0; use a bucket, e.g. base_output_directory=gs://BUCKET/runs")

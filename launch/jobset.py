@@ -22,7 +22,8 @@ from typing import Any
 
 import yaml
 
-from launch.cluster import TpuSlice, dns_name, hardware_profile, parse_tpu_type, positive, trainer_command
+from launch.cluster import (TpuSlice, dns_name, hardware_profile, local_output_warning, parse_tpu_type, positive,
+                            trainer_command)
 from maxpar.config import ConfigError
 from maxpar.distributed import DEFAULT_COORDINATOR_PORT
 
@@ -150,6 +151,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"launch.jobset: {e}", file=sys.stderr)
         return 2
+    warning = local_output_warning(args.config_args)
+    if warning:
+        print(f"launch.jobset: {warning}", file=sys.stderr)
     if args.output == "-":
         sys.stdout.write(text)
     else:

@@ -18,7 +18,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from launch.cluster import dns_name, hardware_profile, parse_tpu_type, positive, trainer_command
+from launch.cluster import dns_name, hardware_profile, local_output_warning, parse_tpu_type, positive, trainer_command
 from maxpar.config import ConfigError
 
 PRIORITIES = ("very-low", "low", "medium", "high", "very-high")
@@ -75,6 +75,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"launch.xpk: {e}", file=sys.stderr)
         return 2
+    warning = local_output_warning(args.config_args)
+    if warning:
+        print(f"launch.xpk: {warning}", file=sys.stderr)
     if args.dry_run:
         print(shlex.join(command))
         return 0

@@ -11,8 +11,8 @@ from helpers import tiny_config
 from maxpar.config import ConfigError
 from maxpar.model import fp8
 from maxpar.model.matmul import matmul
+from test_matmul import SPEC, operands  # the same operands as the bfloat16 matmul's tests
 
-SPEC = "ble,ehd->blhd"
 # (format, relative rounding bound of a normal value: half an ulp, smallest subnormal)
 FORMATS = {"e4m3": (fp8.E4M3, 2.0**-4, 2.0**-9), "e5m2": (fp8.E5M2, 2.0**-3, 2.0**-16)}
 
@@ -20,14 +20,6 @@ FORMATS = {"e4m3": (fp8.E4M3, 2.0**-4, 2.0**-9), "e5m2": (fp8.E5M2, 2.0**-3, 2.0
 def qdq(x, fmt):
     q, scale = fp8.quantize_current(x, fmt)
     return fp8.dequantize(q, scale, jnp.float32)
-
-
-def operands(seed: int = 0):
-    kx, kw, kg = jax.random.split(jax.random.key(seed), 3)
-    x = jax.random.normal(kx, (2, 5, 16), jnp.float32)
-    w = jax.random.normal(kw, (16, 3, 4), jnp.float32) / 4
-    g = jax.random.normal(kg, (2, 5, 3, 4), jnp.float32)
-    return x, w, g
 
 
 @pytest.mark.parametrize("name", FORMATS)

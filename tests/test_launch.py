@@ -354,3 +354,16 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["fail_in_order"]:
         sys.exit(fail_in_order(sys.argv[2:]))
     sys.exit(collective_loop(sys.argv[1:]))
+
+
+def test_cluster_launchers_warn_about_a_local_output_directory(tmp_path, capsys):
+    """A rescheduled pod loses a local directory; a bucket needs no warning."""
+    xpk_args = ["--cluster", "c", "--workload", "w", "--tpu_type", "v5p-128", "--num_slices", "2", "--docker_image", "i",
+                "--dry-run", "--"]
+    jobset_args = ["--name", "w", "--image", "i", "--tpu_type", "v5p-128", "--num_slices", "2",
+                   "--output", str(tmp_path / "j.yaml"), "--"]
+    for main, args in ((xpk.main, xpk_args), (jobset.main, jobset_args)):
+        assert main([*args, *CONFIG_ARGS]) == 0
+        assert "base_output_directory=outputs is a local path" in capsys.readouterr().err
+        assert main([*args, *CONFIG_ARGS, "base_output_directory=gs://bucket/runs"]) == 0
+        assert "warning" not in capsys.readouterr().err
