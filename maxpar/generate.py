@@ -32,7 +32,7 @@ from maxpar.guards import INTERRUPTED_EXIT_STATUS
 from maxpar.mesh import build_mesh, local_mesh_shape
 from maxpar.model import Transformer
 from maxpar.model.layers import CACHE
-from maxpar.train_step import layout_check, run_layout, sharding_context
+from maxpar.train_step import layout_check, sharding_context
 
 Array = jax.Array
 
@@ -158,8 +158,8 @@ def model_apply(model: nn.Module, mesh: Any, rules: Any, rows_multiple: int = 1)
 def load_model(config: Config, devices: Sequence[Any] | None = None) -> tuple[Callable[..., Any], Any]:
     """(apply for `decode`, parameters of load_parameters_path) on the run's mesh over `devices`."""
     devices = list(jax.devices() if devices is None else devices)
-    runs = layout_check(config, optax.identity(), check_batch=False)
-    layout = run_layout(config, local_mesh_shape(config, devices, runs), optax.identity(), check_batch=False)
+    runs = layout_check(config, optax.identity(), check_batch=False)  # one trace for the hint and the layout
+    layout = runs(local_mesh_shape(config, devices, runs))
     if layout.pipelined:
         raise ConfigError("maxpar.generate does not run pipelined (stage parallelism != 1): set "
                           "ici_stage_parallelism=1 and dcn_stage_parallelism=1; the checkpoint loads on any other mesh")

@@ -38,7 +38,7 @@ from maxpar.model import Transformer
 from maxpar.optimizer import make_optimizer
 from maxpar.pipeline.schedule import Schedule
 from maxpar.plan.fit import check_local_fit
-from maxpar.train_step import compile_train_step, create_state, jit_eval_step, layout_check, run_layout
+from maxpar.train_step import compile_train_step, create_state, jit_eval_step, layout_check
 
 
 def global_batch(local: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
@@ -108,7 +108,8 @@ class RunSetup:
 def setup_run(config: Config, devices: Sequence[jax.Device] | None = None) -> RunSetup:
     """The run layout of `config` on `devices` (every setup check), bound to them, with data, model and optimizer."""
     devices = list(jax.devices() if devices is None else devices)
-    layout = run_layout(config, local_mesh_shape(config, devices, layout_check(config)))
+    runs = layout_check(config)  # one trace for the device-count hint and the layout
+    layout = runs(local_mesh_shape(config, devices, runs))
     check_devices(config, devices)
     mesh = build_mesh(layout.mesh, devices)
     block_index, block_count = layout.process_block(mesh)

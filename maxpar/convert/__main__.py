@@ -18,6 +18,7 @@ from maxpar.convert.from_hf import convert_from_hf
 from maxpar.convert.hf_config import training_overrides
 from maxpar.convert.to_hf import DEFAULT_MAX_SHARD_BYTES, convert_to_hf
 
+
 def local_path(value: str) -> Path:
     """An argument the converter reads or writes with local file APIs: a gs:// URL is refused here, never turned
     into a local folder named `gs:`."""
