@@ -28,14 +28,14 @@ import time
 import jax
 import numpy as np
 
-from maxpar.config import load_config
-from maxpar.metrics import parameter_counts
+from maxpar.core.config import load_config
+from maxpar.io.metrics import parameter_counts
 from maxpar.plan import verify
 from maxpar.plan.hardware import load_hardware
 from maxpar.plan.predict import Target, make_plan
-from maxpar.train import global_batch, setup_run
-from maxpar.train_step import create_state
 from maxpar.tools import records
+from maxpar.train import global_batch, setup_run
+from maxpar.training.train_step import create_state
 
 RUN = ["model_name=tiny-moe", "dataset_type=synthetic", "max_target_length=256", "per_device_batch_size=1",
        "dtype=float32", "enable_checkpointing=false", "eval_interval=-1"]

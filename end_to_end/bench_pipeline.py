@@ -57,12 +57,12 @@ def measure(overrides: list[str], steps: int) -> dict:
     import jax
 
     from maxpar.tools.bench import collective_counts, time_steps
-    from maxpar.config import load_config
+    from maxpar.core.config import load_config
     from maxpar.plan import hlo
     from maxpar.plan.hardware import load_hardware
     from maxpar.plan.predict import Target, make_plan
     from maxpar.train import setup_run
-    from maxpar.train_step import create_state
+    from maxpar.training.train_step import create_state
 
     config = load_config([str(REPO / "configs" / "base.yml"), *overrides])
     run = setup_run(config, jax.devices())

@@ -38,8 +38,8 @@ from helpers import (compilation_cache_env, logged_steps, read_metrics, start_tr
                      train_command, wait_for_step, wait_until, write_corpus)
 from maxpar import checkpoint  # noqa: E402
 from maxpar.model import stack  # noqa: E402
-from maxpar.guards import PREEMPTED_EXIT_STATUS
 from maxpar.train import setup_run, train  # noqa: E402
+from maxpar.training.guards import PREEMPTED_EXIT_STATUS
 
 MESHES = {  # name -> (overrides, devices); the global batch stays 8 rows
     "fsdp4_tp2": (("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"), 8),

@@ -22,8 +22,8 @@ from preamble import prepare  # end_to_end/preamble.py: this script's folder is 
 from verdict import exit_with  # end_to_end/verdict.py: this script's folder is sys.path[0]
 
 REPO = prepare(devices=None, tests=False)
-from maxpar.summary import plot_losses  # noqa: E402 - the shared loss-curve drawing (the trainer draws one too)
 from maxpar.tools import records  # noqa: E402
+from maxpar.training.summary import plot_losses  # noqa: E402 - the trainer's loss-curve drawing
 
 
 def convergence_figures(rows: list[dict], threshold: float, wall_s: float) -> dict:

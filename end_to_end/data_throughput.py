@@ -6,7 +6,7 @@ Writes the default corpus (the standard library's `*.py` files, real text) as ea
 a temporary directory: text files as they are, JSONL, Parquet and ArrayRecord shards (dataset_type=
 grain), synthetic tokens, and with the `hf` extra a `save_to_disk` dataset and the `json` builder over
 the JSONL shards (dataset_type=hf). For each it builds this process's datasets exactly as the trainer does
-(`maxpar.data.pipeline.make_datasets`: tokenize, pack into lanes, shuffle) and times `--batches`
+(`maxpar.io.data.pipeline.make_datasets`: tokenize, pack into lanes, shuffle) and times `--batches`
 global batches after the first. Then it trains the default model (`configs/base.yml` plus the
 overrides) for `--steps` steps and takes the median step. PASS when every source delivers tokens at
 least 2x as fast as the step consumes them (input is not the bottleneck), else FAIL. The load average
@@ -71,7 +71,7 @@ def write_sources(documents: list[str], directory: Path) -> dict[str, list[str]]
 
 def source_tokens_per_s(config, rows: int, batches: int) -> tuple[float, float]:
     """(tokens/s over `batches` global batches after the first, seconds to open the source and build the first)."""
-    from maxpar.data.pipeline import make_datasets
+    from maxpar.io.data.pipeline import make_datasets
 
     start = time.perf_counter()
     iterator = iter(make_datasets(config, global_rows=rows, eval_rows=rows, shard_index=0, shard_count=1)[0])
@@ -94,8 +94,8 @@ def main() -> int:
     args = parser.parse_args()
     import jax
 
-    from maxpar.config import load_config
-    from maxpar.data.text import read_text, resolve_files
+    from maxpar.core.config import load_config
+    from maxpar.io.data.text import read_text, resolve_files
     from maxpar.train import train
 
     base = [str(REPO / "configs" / "base.yml"), *args.overrides]

@@ -33,7 +33,7 @@ def main() -> int:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="for training and sampling alike")
     records.add_record_option(parser)
     args = parser.parse_args()
-    from maxpar.config import load_config
+    from maxpar.core.config import load_config
     from maxpar.generate import generate
 
     with tempfile.TemporaryDirectory() as tmp:

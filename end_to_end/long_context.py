@@ -65,7 +65,7 @@ def worker(name: str, length: int, memory_gib: float, warmup: int) -> None:
     cap = int(memory_gib * 2**30)
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     devices, overrides = ROWS[name]
-    from maxpar.host_devices import simulate_cpu_devices
+    from maxpar.host.devices import simulate_cpu_devices
     simulate_cpu_devices(devices)
     from maxpar.tools.bench import run_worker
 

@@ -30,9 +30,9 @@ STRATEGIES = {  # DP and FSDP coincide in the backward pass: an all-reduce is a 
 
 def sweep(overrides: list[str], rows_per_device: list[float]) -> list[dict]:
     """Plans for every batch size: global tokens, backward-pass matmul and ICI communication seconds."""
-    from maxpar.config import load_config
+    from maxpar.core.config import load_config
     from maxpar.plan.hardware import load_hardware
-    from maxpar.train_step import trace_state
+    from maxpar.training.train_step import trace_state
     from maxpar.plan.predict import Target, evaluate
 
     target = Target(load_hardware("tpu-v5p"), DEVICES, 1)

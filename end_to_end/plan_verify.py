@@ -71,7 +71,7 @@ def main() -> int:
     parser.add_argument("--extended", action="store_true", help="also bf16, remat and accumulation variants")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides for every strategy")
     args = parser.parse_args()
-    from maxpar.config import ConfigError
+    from maxpar.core.config import ConfigError
     from maxpar.plan.__main__ import run
 
     cases = {**STRATEGIES, **(EXTENDED if args.extended else {})}

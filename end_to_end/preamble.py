@@ -21,6 +21,6 @@ def prepare(devices: int | None = 8, tests: bool = True) -> Path:
         raise RuntimeError("preamble.prepare must run before JAX is imported: the device count is fixed then")
     sys.path[:0] = [str(REPO), str(REPO / "tests")] if tests else [str(REPO)]
     if devices is not None:
-        from maxpar.host_devices import simulate_cpu_devices
+        from maxpar.host.devices import simulate_cpu_devices
         simulate_cpu_devices(devices)
     return REPO

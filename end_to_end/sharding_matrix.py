@@ -35,7 +35,7 @@ import jax
 import numpy as np
 from helpers import write_corpus
 
-from maxpar.config import load_config
+from maxpar.core.config import load_config
 from maxpar.train import train
 
 # heads = kv heads = 8, mlp 128, vocab 264 = 8 x 33: every TP degree up to 8 divides them.

@@ -10,11 +10,11 @@ import math
 import re
 from collections.abc import Sequence
 
-from maxpar.config import ConfigError, load_config
-from maxpar.storage import is_remote
-from maxpar.mesh import resolve_mesh_shape
+from maxpar.core.config import ConfigError, load_config
+from maxpar.core.mesh import resolve_mesh_shape
+from maxpar.core.storage import is_remote
 from maxpar.plan.fit import check_target_fit
-from maxpar.train_step import run_layout
+from maxpar.training.train_step import run_layout
 
 TRAINER = ("python3", "-m", "maxpar.train")
 

@@ -6,7 +6,7 @@
 
 One replicated job `slice` with one Job per slice (replicas = slices) and one pod per host
 (parallelism = completions = hosts per slice). Every pod runs the same trainer command and gets the
-environment contract of `maxpar/distributed.py`: the coordinator is pod 0 of slice 0 (JobSet gives
+environment contract of `maxpar/host/distributed.py`: the coordinator is pod 0 of slice 0 (JobSet gives
 pods stable DNS names), the slice id comes from the JobSet job-index annotation, and on TPU GKE adds
 TPU_WORKER_HOSTNAMES / TPU_WORKER_ID for the hosts within a slice. On GPU every node is its own
 slice (the DCN level across processes), so replicas = nodes and one pod per Job.
@@ -24,8 +24,8 @@ import yaml
 
 from launch.cluster import (TpuSlice, dns_name, hardware_profile, local_output_warning, parse_tpu_type, positive,
                             trainer_command)
-from maxpar.config import ConfigError
-from maxpar.distributed import DEFAULT_COORDINATOR_PORT
+from maxpar.core.config import ConfigError
+from maxpar.host.distributed import DEFAULT_COORDINATOR_PORT
 
 API_VERSION = "jobset.x-k8s.io/v1alpha2"
 REPLICATED_JOB = "slice"
@@ -35,7 +35,7 @@ MAX_NAME = 40  # pod names append -slice-J-P-xxxxx and must stay within 63 chara
 
 
 def contract_env(name: str, num_slices: int) -> list[dict[str, Any]]:
-    """The variables every pod reads at start (see maxpar/distributed.py)."""
+    """The variables every pod reads at start (see maxpar/host/distributed.py)."""
     return [
         {"name": "MEGASCALE_COORDINATOR_ADDRESS", "value": f"{name}-{REPLICATED_JOB}-0-0.{name}"},
         {"name": "JAX_COORDINATOR_PORT", "value": str(DEFAULT_COORDINATOR_PORT)},

@@ -4,7 +4,7 @@
         configs/base.yml dcn_data_parallelism=2 ici_fsdp_parallelism=4
 
 Every process gets its own simulated CPU devices and the environment contract of
-`maxpar/distributed.py` (one host per slice: MEGASCALE_NUM_SLICES = N, MEGASCALE_SLICE_ID = rank, the
+`maxpar/host/distributed.py` (one host per slice: MEGASCALE_NUM_SLICES = N, MEGASCALE_SLICE_ID = rank, the
 coordinator on 127.0.0.1 at a free port), so the `dcn_*` degrees apply across processes exactly as
 across TPU slices. Output lines are prefixed with `[rank R]`; Gloo's "is connected to all its peers" lines
 are dropped unless the config says log_level=debug. When any process exits non-zero the
@@ -32,8 +32,8 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import IO
 
-from maxpar.config import ConfigError, load_config
-from maxpar.host_devices import with_device_count
+from maxpar.core.config import ConfigError, load_config
+from maxpar.host.devices import with_device_count
 
 LOCALHOST = "127.0.0.1"
 _PR_SET_PDEATHSIG = 1

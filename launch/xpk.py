@@ -5,7 +5,7 @@
         -- configs/base.yml model_name=llama2-7b dcn_data_parallelism=2
 
 XPK wraps the command in a JobSet with one Job per slice; GKE gives every pod the environment that
-`maxpar/distributed.py` reads (MEGASCALE_* across slices, TPU_WORKER_* within one), so the trainer
+`maxpar/host/distributed.py` reads (MEGASCALE_* across slices, TPU_WORKER_* within one), so the trainer
 joins the job with no further flags. The config is checked against the slices before anything runs.
 """
 
@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 
 from launch.cluster import dns_name, hardware_profile, local_output_warning, parse_tpu_type, positive, trainer_command
-from maxpar.config import ConfigError
+from maxpar.core.config import ConfigError
 
 PRIORITIES = ("very-low", "low", "medium", "high", "very-high")
 MAX_WORKLOAD_NAME = 40

@@ -25,14 +25,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from maxpar import checkpoint, logs, preflight, storage
-from maxpar.config import Config, ConfigError, load_config
-from maxpar.data.tokenizer import Tokenizer, load_tokenizer
-from maxpar.guards import INTERRUPTED_EXIT_STATUS
-from maxpar.mesh import build_mesh, local_mesh_shape
+from maxpar.core import storage
+from maxpar.core.config import Config, ConfigError, load_config
+from maxpar.core.mesh import build_mesh, local_mesh_shape
+from maxpar.host import preflight
+from maxpar.io import checkpoint, logs
+from maxpar.io.data.tokenizer import Tokenizer, load_tokenizer
 from maxpar.model import Transformer
 from maxpar.model.layers import CACHE
-from maxpar.train_step import layout_check, sharding_context
+from maxpar.training.guards import INTERRUPTED_EXIT_STATUS
+from maxpar.training.train_step import layout_check, sharding_context
 
 Array = jax.Array
 
@@ -180,7 +182,7 @@ def generate(config: Config, prompts: Sequence[str], tokenizer: Tokenizer | None
     if any(not tokenizer.encode(prompt) for prompt in prompts):
         raise ConfigError(f"prompt {[bool(tokenizer.encode(p)) for p in prompts].index(False)} is empty: give at "
                           f"least one token of text to continue")
-    # Training documents start with BOS (maxpar/data/text.py), so a prompt is the start of a document.
+    # Training documents start with BOS (maxpar/io/data/text.py), so a prompt is the start of a document.
     ids = [[tokenizer.bos_id, *tokenizer.encode(prompt)] for prompt in prompts]
     check_request(config, ids)
     apply, params = load_model(config, devices)

@@ -22,23 +22,26 @@ from etils import epath
 from jax.sharding import Mesh, NamedSharding
 from tqdm import tqdm
 
-from maxpar import checkpoint, distributed, host_malloc, logs, preflight, storage, summary
-from maxpar.profiler import StepProfiler, profile_window
-from maxpar.cadence import StepTimer, cadence
-from maxpar.guards import (INTERRUPTED_EXIT_STATUS, PREEMPTED_EXIT_STATUS, LossCheck, Preempted, PreemptionWatch,
-                           StepsInFlight, StepWatchdog)
-from maxpar.config import Config, ConfigError, describe_keys, load_config, to_yaml
-from maxpar.data.errors import DataError
-from maxpar.data.pipeline import open_datasets
-from maxpar.layout import BatchShape, RunLayout, check_devices
-from maxpar.mesh import build_mesh, local_mesh_shape
-from maxpar.metrics import (MetricsWriter, parameter_counts, peak_flops, rewind_metrics, throughput,
-                            training_flops_per_token)
+from maxpar.core import storage
+from maxpar.core.config import Config, ConfigError, describe_keys, load_config, to_yaml
+from maxpar.core.layout import BatchShape, RunLayout, check_devices
+from maxpar.core.mesh import build_mesh, local_mesh_shape
+from maxpar.core.schedule import Schedule
+from maxpar.host import distributed, malloc, preflight
+from maxpar.io import checkpoint, logs
+from maxpar.io.data.errors import DataError
+from maxpar.io.data.pipeline import open_datasets
+from maxpar.io.metrics import (MetricsWriter, parameter_counts, peak_flops, rewind_metrics, throughput,
+                               training_flops_per_token)
 from maxpar.model import Transformer
-from maxpar.optimizer import make_optimizer
-from maxpar.pipeline.schedule import Schedule
 from maxpar.plan.fit import check_local_fit
-from maxpar.train_step import compile_train_step, create_state, jit_eval_step, layout_check
+from maxpar.training import summary
+from maxpar.training.cadence import StepTimer, cadence
+from maxpar.training.guards import (INTERRUPTED_EXIT_STATUS, PREEMPTED_EXIT_STATUS, LossCheck, Preempted,
+                                    PreemptionWatch, StepsInFlight, StepWatchdog)
+from maxpar.training.optimizer import make_optimizer
+from maxpar.training.profiler import StepProfiler, profile_window
+from maxpar.training.train_step import compile_train_step, create_state, jit_eval_step, layout_check
 
 
 def global_batch(local: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
@@ -326,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         preflight.check_output_directory(config)
         distributed.setup(config)  # before any JAX device use
         check_local_fit(config, jax.devices(), jax.local_devices())  # before anything is allocated
-        malloc_note = host_malloc.tune(config.cpu_malloc_tuning, jax.default_backend())  # process-wide: the CLI's own
+        malloc_note = malloc.tune(config.cpu_malloc_tuning, jax.default_backend())  # process-wide: the CLI's own
         if malloc_note and jax.process_index() == 0:
             print(f"maxpar: {malloc_note}", flush=True)
         train(config)

@@ -17,7 +17,7 @@ import tempfile
 
 import pytest
 
-from maxpar.host_devices import simulate_cpu_devices
+from maxpar.host.devices import simulate_cpu_devices
 
 simulate_cpu_devices(8)
 

@@ -11,9 +11,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from maxpar import storage
+from maxpar.core import storage
 
-# What maxpar derives from STORAGE_EMULATOR_HOST (maxpar/storage.py): left out of the environment of the processes
+# What maxpar derives from STORAGE_EMULATOR_HOST (maxpar/core/storage.py): left out of the environment of the processes
 # the tests start, so that they derive it themselves.
 DERIVED = ("TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")
 

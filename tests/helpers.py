@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from maxpar.config import Config, load_config
+from maxpar.core.config import Config, load_config
 
 TINY = ["emb_dim=64", "num_query_heads=4", "num_kv_heads=2", "head_dim=16", "mlp_dim=128",
         "num_decoder_layers=2", "vocab_size=264", "max_target_length=32", "dtype=float32",
@@ -27,8 +27,8 @@ def layout_on(config: Config, devices=None, tx=None):
     """(run layout, mesh) of `config` on `devices` (default: all), resolved and bound as the trainer does."""
     import jax
 
-    from maxpar.mesh import build_mesh, local_mesh_shape
-    from maxpar.train_step import run_layout
+    from maxpar.core.mesh import build_mesh, local_mesh_shape
+    from maxpar.training.train_step import run_layout
 
     devices = list(jax.devices() if devices is None else devices)
     layout = run_layout(config, local_mesh_shape(config, devices), tx, check_batch=False)

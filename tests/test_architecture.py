@@ -9,18 +9,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "maxpar"
 # Every module of maxpar/ and launch/ belongs to the most specific unit (a module or package) named here. A module
-# imports only units of its own or an earlier layer, and no units import each other in a cycle.
+# imports only units of its own or an earlier layer, and no units import each other in a cycle. The package's folders
+# are the layers: core/ (what a run is), pipeline/, model/, training/ (the step and the loop's policies), io/ and host/
+# beside them, plan/, then the entry points (train, generate, convert, tools) and launch/.
 LAYERS = [
-    ["maxpar.storage"],  # user paths, local or gs://: below everything that names a file
-    # the spine, bottom up (maxpar.pipeline: its empty __init__; the schedule sits below the layout, the loop above)
-    ["maxpar.axes"], ["maxpar.config"], ["maxpar.mesh"], ["maxpar.sharding"],
-    ["maxpar.pipeline", "maxpar.pipeline.schedule"], ["maxpar.layout"], ["maxpar.pipeline.spmd"], ["maxpar.model"],
-    ["maxpar.optimizer"], ["maxpar.train_step"], ["maxpar.cadence", "maxpar.guards", "maxpar.profiler"],
-    # beside the spine: data, checkpoints, the process and its host
-    ["maxpar.data", "maxpar.metrics", "maxpar.distributed", "maxpar.checkpoint", "maxpar.logs", "maxpar.preflight",
-     "maxpar.host_devices", "maxpar.host_malloc"],
+    # core/, bottom up: user paths (local or gs://), axis names, config, mesh, sharding rules, schedule, run layout
+    ["maxpar.core.storage"], ["maxpar.core.axes"], ["maxpar.core.config"], ["maxpar.core.mesh"],
+    ["maxpar.core.sharding"], ["maxpar.core.schedule"], ["maxpar.core.layout"],
+    ["maxpar.pipeline"],  # the SPMD loop over stages: generic, so the model imports it
+    ["maxpar.model"],
+    # training/: the optimizer, the jitted step, then the loop's policies and its summary
+    ["maxpar.training.optimizer"], ["maxpar.training.train_step"],
+    ["maxpar.training.cadence", "maxpar.training.guards", "maxpar.training.profiler", "maxpar.training.summary"],
+    ["maxpar.io", "maxpar.host"],  # beside the spine: data, checkpoints, metrics, logs; the process and its host
     ["maxpar.plan"],  # the planner
-    ["maxpar.train", "maxpar.summary"],  # the loop: checks the planner's memory fit before it runs
+    ["maxpar.train"],  # the loop: checks the planner's memory fit before it runs
     ["maxpar.convert", "maxpar.generate", "maxpar.tools"],  # above the loop
     ["launch"],
 ]
@@ -32,9 +35,9 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-# Every module but the empty package root maxpar/__init__.py.
+# Every module but the empty package markers (__init__.py files with nothing in them).
 MODULES = {module_name(p): p for top in ("maxpar", "launch") for p in sorted((ROOT / top).rglob("*.py"))
-           if p != PACKAGE / "__init__.py"}
+           if p.name != "__init__.py" or p.read_text().strip()}
 
 
 def imports(path: Path) -> set[str]:
@@ -92,12 +95,12 @@ def test_units_import_each_other_without_a_cycle():
 # ---------------------------------------------------------------- one reader of parallelism
 
 # The modules that read the ici_/dcn_*_parallelism degrees and name the physical mesh axes; every other module
-# asks the run layout (maxpar/layout.py: `RunLayout`, `ModelLayout`), so that no module re-derives what it holds.
-PARALLELISM_READERS = ["maxpar.axes", "maxpar.config", "maxpar.mesh", "maxpar.layout"]
-PHYSICAL = frozenset({"data", "fsdp", "tensor", "expert", "stage", "context"})  # maxpar.axes.Physical
+# asks the run layout (maxpar/core/layout.py: `RunLayout`, `ModelLayout`), so that no module re-derives what it holds.
+PARALLELISM_READERS = ["maxpar.core.axes", "maxpar.core.config", "maxpar.core.mesh", "maxpar.core.layout"]
+PHYSICAL = frozenset({"data", "fsdp", "tensor", "expert", "stage", "context"})  # maxpar.core.axes.Physical
 # (module, literal): strings that spell an axis name but name something else.
 NOT_AN_AXIS = {
-    ("maxpar.checkpoint", "data"): "the Orbax item holding the data iterator's state",
+    ("maxpar.io.checkpoint", "data"): "the Orbax item holding the data iterator's state",
     ("maxpar.convert.architectures", "expert"): "the expert index in a Hugging Face tensor name",
     ("maxpar.tools.bench", "fsdp"): "a strategy-name prefix (dp, fsdp, tp, ep) mapped to its config key",
 }
@@ -131,13 +134,13 @@ def test_only_config_mesh_and_layout_read_parallelism():
         for line, what, literal in parallelism_reads(ast.parse(path.read_text())):
             if (module, literal) not in NOT_AN_AXIS:
                 wrong.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {what}")
-    assert not wrong, ("read the run layout (maxpar/layout.py) instead of the parallelism keys or a physical axis "
+    assert not wrong, ("read the run layout (maxpar/core/layout.py) instead of the parallelism keys or a physical axis "
                        "name:\n" + "\n".join(wrong))
 
 
 def test_the_physical_axis_names_are_the_enum():
-    """PHYSICAL is `maxpar.axes.Physical` (read without importing maxpar)."""
-    tree = ast.parse((PACKAGE / "axes.py").read_text())
+    """PHYSICAL is `maxpar.core.axes.Physical` (read without importing maxpar)."""
+    tree = ast.parse((PACKAGE / "core" / "axes.py").read_text())
     enum = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Physical")
     values = {s.value.value for s in enum.body if isinstance(s, ast.Assign) and isinstance(s.value, ast.Constant)}
     assert values == PHYSICAL

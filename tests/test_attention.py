@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from helpers import tiny_config
-from maxpar.config import ConfigError
+from maxpar.core.config import ConfigError
+from maxpar.core.layout import check_attention_sharding
 from maxpar.model import Transformer
-from maxpar.layout import check_attention_sharding
 from maxpar.train import setup_run
 
 LENGTH = 32

@@ -1,4 +1,4 @@
-"""Logical axis names are defined once (maxpar.axes.Logical); none can silently leave an array unsharded."""
+"""Logical axis names are defined once (maxpar.core.axes.Logical); none can silently leave an array unsharded."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import jax
 import pytest
 
 from helpers import layout_on, tiny_config
-from maxpar.axes import UNSHARDED_BY_DEFAULT, Logical
-from maxpar.config import ConfigError
+from maxpar.core.axes import UNSHARDED_BY_DEFAULT, Logical
+from maxpar.core.config import ConfigError
 from maxpar.model import Transformer
-from maxpar.optimizer import make_optimizer
-from maxpar.train_step import compile_train_step
+from maxpar.training.optimizer import make_optimizer
+from maxpar.training.train_step import compile_train_step
 
 CONFIGS = {
     "dense": [],

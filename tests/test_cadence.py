@@ -7,8 +7,8 @@ import math
 import pytest
 
 from helpers import tiny_config
-from maxpar.cadence import NEVER, Every, StepTimer, cadence
-from maxpar.guards import LossCheck
+from maxpar.training.cadence import NEVER, Every, StepTimer, cadence
+from maxpar.training.guards import LossCheck
 
 
 def due_steps(policy, steps: int) -> list[int]:

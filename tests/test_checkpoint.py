@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 
 from helpers import TINY, read_metrics, tiny_config, write_corpus
-from maxpar import checkpoint
+from maxpar.core.config import ConfigError
+from maxpar.io import checkpoint
+from maxpar.io.data.pipeline import make_datasets
+from maxpar.io.metrics import rewind_metrics
 from maxpar.model import stack
-from maxpar.config import ConfigError
-from maxpar.data.pipeline import make_datasets
-from maxpar.guards import first_nonfinite
-from maxpar.metrics import rewind_metrics
 from maxpar.train import initial_state, main, setup_run, train
+from maxpar.training.guards import first_nonfinite
 
 # Orbax leaves its read coroutines unawaited when a damaged checkpoint fails to restore (on purpose, here).
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")

@@ -15,9 +15,9 @@ import pytest
 
 from helpers import (REPO, TINY, compilation_cache_env, logged_steps, read_metrics, start_training, tiny_config,
                      train_command, wait_for_step, wait_until, write_corpus)
-from maxpar import checkpoint
-from maxpar.guards import INTERRUPTED_EXIT_STATUS, PREEMPTED_EXIT_STATUS
+from maxpar.io import checkpoint
 from maxpar.train import setup_run, train
+from maxpar.training.guards import INTERRUPTED_EXIT_STATUS, PREEMPTED_EXIT_STATUS
 
 STEPS = 32
 
@@ -158,9 +158,9 @@ KILLED_SAVE = textwrap.dedent("""
     from pathlib import Path
     sys.path.insert(0, "tests")
     from helpers import tiny_config
-    from maxpar import checkpoint
+    from maxpar.io import checkpoint
     from maxpar.train import setup_run
-    from maxpar.train_step import create_state
+    from maxpar.training.train_step import create_state
     config = tiny_config(*sys.argv[2:])
     run = setup_run(config)
     state, iterator = create_state(run.model, run.tx, run.layout, run.mesh), iter(run.train_data)

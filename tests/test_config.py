@@ -1,4 +1,4 @@
-"""Tests for maxpar.config: schema vs base.yml, typed overrides, presets, error messages, the CLI."""
+"""Tests for maxpar.core.config: schema vs base.yml, typed overrides, presets, error messages, the CLI."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from maxpar.config import FIELDS, PHYSICAL_AXES, ConfigError, describe_keys, load_config, to_yaml
+from maxpar.core.config import FIELDS, PHYSICAL_AXES, ConfigError, describe_keys, load_config, to_yaml
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -452,7 +452,7 @@ def test_loading_does_not_import_jax_or_touch_environ():
     script = textwrap.dedent(f"""
         import os, sys
         before = dict(os.environ)
-        from maxpar.config import load_config, ConfigError
+        from maxpar.core.config import load_config, ConfigError
         c = load_config([{BASE!r}, "model_name=llama3-70b", "ici_tensor_parallelism=8", "num_slices=2"])
         try:
             load_config([{BASE!r}, "stepz=1"])
@@ -479,7 +479,7 @@ def test_loading_in_process_leaves_environ_unchanged():
 # ---------------------------------------------------------------- batch_shape
 
 def _batch_shape(*overrides: str, devices: int):
-    from maxpar.layout import batch_shape
+    from maxpar.core.layout import batch_shape
     return batch_shape(load(*overrides), devices)
 
 

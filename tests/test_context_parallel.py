@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from helpers import read_metrics, tiny_config
-from maxpar.config import ConfigError
-from maxpar.mesh import resolve_mesh_shape
-from maxpar.train_step import run_layout
+from maxpar.core.config import ConfigError
+from maxpar.core.mesh import resolve_mesh_shape
+from maxpar.training.train_step import run_layout
 from test_equivalence import assert_same_run, corpus, run_metrics  # noqa: F401  (the module-scoped corpus fixture)
 
 BLOCKWISE = ["attention=blockwise", "attention_block_size=8"]

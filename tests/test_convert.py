@@ -23,16 +23,16 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, M
                           MistralForCausalLM)
 
 from helpers import REPO, layout_on, write_corpus
-from maxpar import checkpoint
-from maxpar.config import ConfigError, load_config
 from maxpar.convert.__main__ import OVERRIDES_FILE, main
 from maxpar.convert.architectures import ARCHITECTURES
 from maxpar.convert.hf_config import ConversionError, hf_config, model_keys, resolve_config, training_overrides
 from maxpar.convert.layout import hf_tensor, maxpar_block
 from maxpar.convert.safetensors_io import HFTensors, write_safetensors
+from maxpar.core.config import ConfigError, load_config
+from maxpar.io import checkpoint
 from maxpar.model import Transformer
 from maxpar.train import setup_run, train
-from maxpar.train_step import sharding_context
+from maxpar.training.train_step import sharding_context
 
 BASE = REPO / "configs" / "base.yml"
 VOCAB = 264  # >= the byte tokenizer's 259, so the text pipeline can train these models

@@ -1,4 +1,4 @@
-"""Tests for maxpar.data: tokenizers, packed text batches, synthetic batches."""
+"""Tests for maxpar.io.data: tokenizers, packed text batches, synthetic batches."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ import re
 import numpy as np
 import pytest
 
-from maxpar.data import (
-    ByteTokenizer,
-    Tokenizer,
-    load_tokenizer,
-    resolve_files,
-    split_files,
-    synthetic_batches,
-    text_batches,
-)
+from maxpar.io.data import (
+                            ByteTokenizer,
+                            Tokenizer,
+                            load_tokenizer,
+                            resolve_files,
+                            split_files,
+                            synthetic_batches,
+                            text_batches,
+                            )
 
 KEYS = ("inputs", "targets", "segment_ids", "positions")
 MARKER = re.compile(r"@F(\d\d)@")

@@ -25,13 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # helpers, also for th
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-import maxpar.data.text as text_data  # noqa: E402
+import maxpar.io.data.text as text_data  # noqa: E402
 from helpers import TINY, read_metrics, write_corpus  # noqa: E402
 from launch.local import rank_env  # noqa: E402
 from maxpar import train as train_module  # noqa: E402
-from maxpar.config import ConfigError, load_config  # noqa: E402
-from maxpar.data.pipeline import make_datasets  # noqa: E402
-from maxpar.distributed import distributed_spec, env_topology, resplit_iterator_states  # noqa: E402
+from maxpar.core.config import ConfigError, load_config  # noqa: E402
+from maxpar.host.distributed import distributed_spec, env_topology, resplit_iterator_states  # noqa: E402
+from maxpar.io.data.pipeline import make_datasets  # noqa: E402
 from maxpar.plan.hlo import cross_process_collectives  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -125,7 +125,7 @@ def test_resplit_text_lanes_and_synthetic_steps():
 
 @contextlib.contextmanager
 def recorded_reads() -> Iterator[list[str]]:
-    """Every document the data pipeline reads meanwhile (observed by wrapping maxpar.data.text.read_text)."""
+    """Every document the data pipeline reads meanwhile (observed by wrapping maxpar.io.data.text.read_text)."""
     reads: list[str] = []
     original = text_data.read_text
 

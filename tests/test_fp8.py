@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from helpers import tiny_config
-from maxpar.config import ConfigError
+from maxpar.core.config import ConfigError
 from maxpar.model import fp8
 from maxpar.model.matmul import matmul
 from test_matmul import SPEC, operands  # the same operands as the bfloat16 matmul's tests
@@ -125,7 +125,7 @@ def test_bfloat16_fp8_steps_run_with_tensor_parallel_shards():
     """bfloat16 compute (XLA:CPU runs its dots only inside its own fusions) with the amaxes of TP-split activations
     and weights: DP(2) x FSDP(2) x TP(2), remat_policy=minimal (the fp8 residuals are saved)."""
     from maxpar.train import global_batch, setup_run
-    from maxpar.train_step import create_state
+    from maxpar.training.train_step import create_state
 
     config = tiny_config("quantization=fp8", "dtype=bfloat16", "dataset_type=synthetic", "per_device_batch_size=2",
                          "steps=2", "ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2",
@@ -158,7 +158,7 @@ def test_fp8_trains_like_bfloat16(tmp_path, corpus):
 # ---------------------------------------------------------------- planner
 
 def test_planner_counts_the_quantized_matmuls_at_the_fp8_peak():
-    from maxpar.metrics import matmul_params
+    from maxpar.io.metrics import matmul_params
     from maxpar.plan.hardware import load_hardware
     from maxpar.plan.model_math import fp8_matmul_params
     from maxpar.plan.predict import PHASES, compute_flops, compute_seconds, fp8_flops

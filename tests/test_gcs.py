@@ -14,7 +14,7 @@ import pytest
 
 from gcs import DERIVED, emulator, filesystem, process_env
 from helpers import REPO, compilation_cache_env, train_command
-from maxpar import storage
+from maxpar.core import storage
 from maxpar.train import main as train_main
 
 BUCKET = "maxpar-test"
@@ -125,7 +125,7 @@ def test_a_text_dataset_and_its_tokenizer_read_from_the_bucket_give_the_same_bat
     import numpy as np
 
     from helpers import tiny_config, write_corpus
-    from maxpar.data.pipeline import open_datasets
+    from maxpar.io.data.pipeline import open_datasets
 
     local = tmp_path / "data"
     write_corpus(local / "corpus")
@@ -152,9 +152,9 @@ def test_what_reads_only_local_files_refuses_gs_in_one_line(tmp_path, capsys):
     """Record shards, hf_data_files and the converter's directories are local only: a gs:// value is refused by
     name (never a local folder `gs:`), before anything is read."""
     from helpers import tiny_config
-    from maxpar.config import ConfigError
+    from maxpar.core.config import ConfigError
     from maxpar.convert.__main__ import main as convert_main
-    from maxpar.data.pipeline import corpus
+    from maxpar.io.data.pipeline import corpus
 
     with pytest.raises(ConfigError, match=r"^dataset_path='gs://b/shards/\*': dataset_type=grain reads local"):
         corpus(tiny_config("dataset_type=grain", "dataset_path=gs://b/shards/*"))
@@ -168,7 +168,7 @@ def test_what_reads_only_local_files_refuses_gs_in_one_line(tmp_path, capsys):
 def test_each_kind_of_refused_write_is_named():
     from gcsfs.retry import HttpError
 
-    from maxpar.preflight import remote_problem
+    from maxpar.host.preflight import remote_problem
 
     def problem(error: Exception) -> str:
         return remote_problem("gs://b/runs", error)

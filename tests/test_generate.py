@@ -20,12 +20,12 @@ import torch
 from helpers import REPO, tiny_config, train_command
 from test_convert import BASE, MESHES, hf_model, llama3_scaled, main as convert_main, overrides_of, save_hf_model
 import maxpar.generate
-from maxpar.checkpoint import CheckpointError
-from maxpar.config import load_config, to_yaml
+from maxpar.core.config import load_config, to_yaml
+from maxpar.core.mesh import resolve_mesh_shape
 from maxpar.generate import check_request, decode, load_model, main, sample
-from maxpar.mesh import resolve_mesh_shape
-from maxpar.summary import sampling_overrides
-from maxpar.train_step import run_layout
+from maxpar.io.checkpoint import CheckpointError
+from maxpar.training.summary import sampling_overrides
+from maxpar.training.train_step import run_layout
 
 PROMPTS = [[5, 17, 200, 33, 9], [71, 3, 250, 12, 99, 140, 8, 61, 2], [44, 10, 7], [180, 181, 182, 183]]
 NEW = 6

@@ -2,7 +2,7 @@
 the `xpk workload create` command and the JobSet manifests.
 
 The failure tests launch this file as each process's module (`python -m tests.test_launch CONFIG ...`,
-see `collective_loop`): it joins the job through `maxpar.distributed` exactly like the trainer, then
+see `collective_loop`): it joins the job through `maxpar.host.distributed` exactly like the trainer, then
 runs cross-process collectives until stopped, so a failure costs seconds rather than a compile.
 """
 
@@ -24,8 +24,8 @@ import yaml
 
 from launch import jobset, local, xpk
 from launch.cluster import parse_tpu_type, torus_topology
-from maxpar.config import ConfigError, load_config
-from maxpar.distributed import distributed_spec
+from maxpar.core.config import ConfigError, load_config
+from maxpar.host.distributed import distributed_spec
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = "configs/base.yml"
@@ -38,7 +38,7 @@ def collective_loop(argv: list[str]) -> int:
     import numpy as np
     from jax.experimental import multihost_utils
 
-    from maxpar import distributed
+    from maxpar.host import distributed
 
     distributed.setup(load_config(argv))
     for tick in range(1, 10**9):

@@ -1,4 +1,4 @@
-"""Library log records go to a file, not the terminal, unless log_level=debug (maxpar/logs.py)."""
+"""Library log records go to a file, not the terminal, unless log_level=debug (maxpar/io/logs.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from maxpar import logs
+from maxpar.io import logs
 
 
 @pytest.fixture

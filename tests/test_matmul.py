@@ -82,7 +82,7 @@ BF16_LAYOUTS = {
 def test_bfloat16_steps_run_on_every_layout(name):
     from helpers import tiny_config
     from maxpar.train import global_batch, setup_run
-    from maxpar.train_step import create_state
+    from maxpar.training.train_step import create_state
 
     devices, overrides = BF16_LAYOUTS[name]
     files = [o for o in overrides if o.endswith(".yml")]

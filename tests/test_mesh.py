@@ -1,4 +1,4 @@
-"""Tests for maxpar.mesh: -1 fill at ICI/DCN level, the flat mesh on 8 CPU devices, hybrid meshes over granules."""
+"""Tests for maxpar.core.mesh: -1 fill at ICI/DCN level, the flat mesh on 8 CPU devices, hybrid meshes over granules."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-from maxpar.config import ConfigError, load_config
-from maxpar.mesh import MeshShape, create_mesh, local_mesh_shape, num_slices_for, resolve_mesh_shape, slice_granules
+from maxpar.core.config import ConfigError, load_config
+from maxpar.core.mesh import (MeshShape, create_mesh, local_mesh_shape, num_slices_for, resolve_mesh_shape,
+                              slice_granules)
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = str(REPO / "configs" / "base.yml")

@@ -16,8 +16,8 @@ import pytest
 from helpers import tiny_config
 from maxpar.model import Transformer
 from maxpar.model.layers import apply_rope
-from maxpar.optimizer import decay_mask, learning_rate_schedule, make_optimizer
-from maxpar.train_step import loss_sum_and_count
+from maxpar.training.optimizer import decay_mask, learning_rate_schedule, make_optimizer
+from maxpar.training.train_step import loss_sum_and_count
 
 LENGTH = 32
 

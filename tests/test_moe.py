@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from helpers import tiny_config
-from maxpar.config import ConfigError
-from maxpar.metrics import matmul_params, parameter_counts
+from maxpar.core.config import ConfigError
+from maxpar.io.metrics import matmul_params, parameter_counts
 from maxpar.model import Transformer
 from maxpar.model.moe import MOE_STATS, MoeBlock, moe_totals
 from maxpar.model.routing import Routing, capacity_slots, expert_capacity, load_balance_loss, route

@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 
 from helpers import read_metrics, tiny_config, write_corpus
-from maxpar import checkpoint
+from maxpar.core.config import ConfigError
+from maxpar.io import checkpoint
 from maxpar.model import stack
-from maxpar.config import ConfigError
 from maxpar.model.moe import MOE_STATS
 from maxpar.plan import hlo
 from maxpar.plan.__main__ import run as plan_run
 from maxpar.train import setup_run, train
-from maxpar.train_step import create_state, objective, sharding_context
+from maxpar.training.train_step import create_state, objective, sharding_context
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 BASE = str(Path(__file__).resolve().parents[1] / "configs" / "base.yml")

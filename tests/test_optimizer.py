@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from helpers import tiny_config
-from maxpar.optimizer import learning_rate_schedule, make_optimizer
+from maxpar.training.optimizer import learning_rate_schedule, make_optimizer
 
 
 def params_and_grads(dtype):

@@ -30,7 +30,7 @@ from maxpar.model.matmul import PROJECTION
 from maxpar.model.transformer import DecoderLayer, _rematerialized
 from maxpar.plan import hlo
 from maxpar.train import setup_run
-from maxpar.train_step import traced_under
+from maxpar.training.train_step import traced_under
 
 LAYERS, ROWS, LENGTH = 8, 16, 32
 BASE = ("dataset_type=synthetic", f"num_decoder_layers={LAYERS}", "per_device_batch_size=2")

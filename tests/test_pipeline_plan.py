@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from helpers import TINY
-from maxpar.config import load_config
+from maxpar.core.config import load_config
 from maxpar.plan.__main__ import run
 from maxpar.plan.hardware import load_hardware
 from maxpar.plan.predict import Target, make_plan

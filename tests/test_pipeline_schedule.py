@@ -8,11 +8,11 @@ import jax
 import pytest
 
 from helpers import tiny_config
-from maxpar.config import ConfigError
-from maxpar.pipeline.schedule import Schedule, stage_task
-from maxpar.mesh import resolve_mesh_shape
+from maxpar.core.config import ConfigError
+from maxpar.core.mesh import resolve_mesh_shape
+from maxpar.core.schedule import Schedule, stage_task
 from maxpar.train import main, setup_run
-from maxpar.train_step import run_layout
+from maxpar.training.train_step import run_layout
 
 
 def simulate(stages: int, microbatches: int, repeats: int, layers: int) -> dict[tuple[int, int], int]:

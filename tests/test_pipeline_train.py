@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from helpers import read_metrics, tiny_config, write_corpus
-from maxpar import checkpoint
+from maxpar.io import checkpoint
 from maxpar.model import stack
 from maxpar.train import setup_run, train
 

@@ -9,17 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from maxpar.config import ConfigError, load_config
-from maxpar.metrics import peak_flops
+from maxpar.core.config import ConfigError, load_config
+from maxpar.io.metrics import peak_flops
 from maxpar.plan import rooflines
 from maxpar.plan.__main__ import main, resolve_target
 from maxpar.plan.comms import expert_all_to_all_bytes
 from maxpar.plan.hardware import (HARDWARE_DIR, available, ici_axis_shares, load_hardware, slice_shape_exists,
                                   torus_shape)
-from maxpar.train_step import trace_state
 from maxpar.plan.predict import Target, evaluate, make_plan
 from maxpar.plan.recommend import recommend
 from maxpar.plan.report import render_plan
+from maxpar.training.train_step import trace_state
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = str(REPO / "configs" / "base.yml")

@@ -13,10 +13,10 @@ import jax
 import pytest
 
 from helpers import TINY
-from maxpar.config import load_config
+from maxpar.core.config import load_config
 from maxpar.plan import verify
-from maxpar.plan.comms import Comm
 from maxpar.plan.__main__ import main, run
+from maxpar.plan.comms import Comm
 from maxpar.plan.hardware import load_hardware
 from maxpar.plan.predict import Target, make_plan, plan_layout
 

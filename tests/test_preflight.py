@@ -11,11 +11,11 @@ import pytest
 
 from helpers import REPO, TINY, tiny_config
 from launch.cluster import hardware_profile, trainer_command
-from maxpar import preflight
-from maxpar.config import ConfigError, load_config
-from maxpar.mesh import create_mesh, local_mesh_shape
+from maxpar.core.config import ConfigError, load_config
+from maxpar.core.mesh import create_mesh, local_mesh_shape
+from maxpar.host import preflight
 from maxpar.plan.fit import check_fits, check_local_fit, host_available_bytes
-from maxpar.train_step import layout_check
+from maxpar.training.train_step import layout_check
 
 
 def without_simulated_devices() -> dict[str, str]:

@@ -9,7 +9,7 @@ import jax
 import pytest
 
 from helpers import tiny_config
-from maxpar.config import ConfigError
+from maxpar.core.config import ConfigError
 from maxpar.train import train
 
 

@@ -16,13 +16,13 @@ import pytest
 
 from helpers import (TINY, compilation_cache_env, logged_steps, read_metrics, start_training, tiny_config,
                      train_command, wait_for_step, wait_until)
-from maxpar import checkpoint
-from maxpar.config import Config, ConfigError
-from maxpar.data.errors import DataError
-from maxpar.data.pipeline import POSITION_KEYS, make_datasets
-from maxpar.data.records import open_records
-from maxpar.data.text import resolve_files
-from maxpar.data.tokenizer import ByteTokenizer
+from maxpar.core.config import Config, ConfigError
+from maxpar.io import checkpoint
+from maxpar.io.data.errors import DataError
+from maxpar.io.data.pipeline import POSITION_KEYS, make_datasets
+from maxpar.io.data.records import open_records
+from maxpar.io.data.text import resolve_files
+from maxpar.io.data.tokenizer import ByteTokenizer
 from maxpar.train import main, setup_run, train
 
 WORDS = "shards of records flow through the packer into lanes of the global batch".split()
@@ -406,7 +406,7 @@ def test_a_text_file_that_vanishes_mid_run_is_a_data_error(tmp_path):
 # ---------------------------------------------------------------- resuming on other data
 
 def test_every_config_key_the_data_sources_read_is_checked_on_resume():
-    """A key a source reads (`config.KEY` in maxpar/data/) must be compared when a run resumes."""
+    """A key a source reads (`config.KEY` in maxpar/io/data/) must be compared when a run resumes."""
     sources = Path(open_records.__code__.co_filename).parent.glob("*.py")
     read = ({key for path in sources for key in re.findall(r"\bconfig\.(\w+)", path.read_text())}
             & {field.name for field in dataclasses.fields(Config)})

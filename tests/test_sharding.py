@@ -1,4 +1,4 @@
-"""Tests for maxpar.sharding and the sharded train state: every parallelism strategy on the 8 CPU devices."""
+"""Tests for maxpar.core.sharding and the sharded train state: every parallelism strategy on the 8 CPU devices."""
 
 from __future__ import annotations
 
@@ -16,15 +16,15 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from helpers import layout_on
-from maxpar.axes import ATTN_KV, ATTN_Q, MLP_HIDDEN, RESIDUAL
-from maxpar.config import ConfigError, load_config
-from maxpar.mesh import create_mesh
+from maxpar.core.axes import ATTN_KV, ATTN_Q, MLP_HIDDEN, RESIDUAL
+from maxpar.core.config import ConfigError, load_config
+from maxpar.core.mesh import create_mesh
+from maxpar.core.sharding import batch_sharding, check_divisible, shard_count
 from maxpar.model import Transformer
 from maxpar.model.layers import Mlp
 from maxpar.model.transformer import DecoderLayer
-from maxpar.optimizer import make_optimizer
-from maxpar.sharding import batch_sharding, check_divisible, shard_count
-from maxpar.train_step import create_state, sharding_context
+from maxpar.training.optimizer import make_optimizer
+from maxpar.training.train_step import create_state, sharding_context
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -427,7 +427,7 @@ def test_tp_sequence_compiled_mlp_output_is_split_on_length(preset, local_shape)
 
 def test_zero_axis_joins_the_first_dimension_it_divides():
     from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
-    from maxpar.sharding import with_zero_axis
+    from maxpar.core.sharding import with_zero_axis
     mesh = AbstractMesh((2, 2, 2), ("data", "fsdp", "tensor"))
     def spec(shape, *entries):
         return with_zero_axis(shape, NamedSharding(mesh, P(*entries))).spec

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from helpers import read_metrics, tiny_config, write_corpus
-from maxpar.metrics import METRIC_KEYS, matmul_params, peak_flops, training_flops_per_token
-from maxpar import host_malloc
+from maxpar.host import malloc
+from maxpar.io.metrics import METRIC_KEYS, matmul_params, peak_flops, training_flops_per_token
 from maxpar.train import train
 
 
@@ -99,7 +99,7 @@ def test_tensorboard_events_are_written_without_loading_torch(tmp_path):
     process can still import torch afterwards. A fresh interpreter: this one may hold torch already."""
     pytest.importorskip("torch")
     script = (
-        "import sys; from pathlib import Path; from maxpar.metrics import MetricsWriter\n"
+        "import sys; from pathlib import Path; from maxpar.io.metrics import MetricsWriter\n"
         f"writer = MetricsWriter(Path({str(tmp_path)!r}), enabled=True)\n"
         "writer.write({'step': 3, 'loss': 2.5}); writer.close()\n"
         "print('torch loaded:', 'torch' in sys.modules)\n"
@@ -160,12 +160,12 @@ def test_command_line_training_run(tmp_path, corpus):
     assert [r["step"] for r in read_metrics(tmp_path / "cli")] == [1, 2, 3]
     assert "maxpar: done: steps 1-3 (3)" in result.stdout
     assert "checkpoint: none (enable_checkpointing=false)" in result.stdout
-    if host_malloc.on_glibc():  # the trainer's own process keeps XLA:CPU's step buffers mapped
+    if malloc.on_glibc():  # the trainer's own process keeps XLA:CPU's step buffers mapped
         assert "maxpar: glibc malloc keeps each step's freed buffers mapped" in result.stdout
 
 
 def test_summary_prints_the_generate_command_of_a_run_with_a_checkpoint(tmp_path):
-    from maxpar.summary import RunTotals, summary_lines
+    from maxpar.training.summary import RunTotals, summary_lines
     run = tmp_path / "run"
     (run / "checkpoints" / "5").mkdir(parents=True)
     (run / "config.yml").write_text("steps: 5\n")
@@ -199,8 +199,8 @@ def test_summary_command_lays_the_run_out_in_one_process(run, devices, slices, p
     """maxpar.generate runs in one process, without pipeline stages: the printed command folds the run's mesh into
     one process's devices (the stages into data) and unsets the pipeline-only keys; a path with a space pastes as
     one word."""
-    from maxpar.mesh import resolve_mesh_shape
-    from maxpar.summary import generate_command, sampling_overrides
+    from maxpar.core.mesh import resolve_mesh_shape
+    from maxpar.training.summary import generate_command, sampling_overrides
     config = tiny_config("max_new_tokens=8", *run)  # room in TINY's 32 tokens
     overrides = sampling_overrides(config, resolve_mesh_shape(config, devices, slices), platform)
     assert overrides == added
@@ -212,6 +212,6 @@ def test_summary_command_lays_the_run_out_in_one_process(run, devices, slices, p
 
 def test_summary_command_fits_max_new_tokens_into_a_short_sequence():
     """A run with max_target_length 32 has room for 32 - BOS - 'def ' = 27 new tokens, not the default 64."""
-    from maxpar.summary import room_to_write
+    from maxpar.training.summary import room_to_write
     assert room_to_write(tiny_config("max_target_length=32", "max_new_tokens=64")) == ["max_new_tokens=27"]
     assert room_to_write(tiny_config("max_target_length=256", "max_new_tokens=64")) == []

@@ -13,7 +13,7 @@ from helpers import REPO
 def _run(body: str) -> tuple[subprocess.CompletedProcess, float]:
     script = textwrap.dedent("""
         import time
-        from maxpar.guards import StepWatchdog
+        from maxpar.training.guards import StepWatchdog
         with StepWatchdog(0.5) as watchdog:
     """) + textwrap.indent(textwrap.dedent(body), "    ") + "\nprint('finished')\n"
     start = time.monotonic()

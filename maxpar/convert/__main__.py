@@ -11,12 +11,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from maxpar import logs, storage
-from maxpar.config import DTYPES, ConfigError
 from maxpar.convert.architectures import ARCHITECTURES
 from maxpar.convert.from_hf import convert_from_hf
 from maxpar.convert.hf_config import training_overrides
 from maxpar.convert.to_hf import DEFAULT_MAX_SHARD_BYTES, convert_to_hf
+from maxpar.core import storage
+from maxpar.core.config import DTYPES, ConfigError
+from maxpar.io import logs
 
 
 def local_path(value: str) -> Path:

@@ -4,7 +4,7 @@ Streaming: every maxpar parameter is built directly as a sharded jax.Array on th
 (`jax.make_array_from_callback`); each device's shard is read from the memory-mapped safetensors
 by its own slice: each device holds only its shards, and the host only one device's shard of one
 parameter at a time while reading. The checkpoint is written by maxpar's own Orbax manager in the
-canonical layout (maxpar/checkpoint.py), so any mesh and either layer layout can load it.
+canonical layout (maxpar/io/checkpoint.py), so any mesh and either layer layout can load it.
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ import jax
 import numpy as np
 import optax
 
-from maxpar import checkpoint
-from maxpar.config import Config
 from maxpar.convert.architectures import Architecture, TensorRule, tensor_rules
 from maxpar.convert.hf_config import (ConversionError, architecture_of, model_keys, notes, read_hf_config,
                                       resolve_config)
 from maxpar.convert.layout import maxpar_block
 from maxpar.convert.safetensors_io import HFTensors
-from maxpar.mesh import build_mesh, local_mesh_shape
-from maxpar.train_step import run_layout
+from maxpar.core.config import Config
+from maxpar.core.mesh import build_mesh, local_mesh_shape
+from maxpar.io import checkpoint
+from maxpar.training.train_step import run_layout
 
 
 def path_name(path: tuple[Any, ...]) -> str:

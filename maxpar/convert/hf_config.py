@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from maxpar.checkpoint import MODEL_KEYS
-from maxpar.config import Config, ConfigError, load_config, parse_overrides, validate
 from maxpar.convert.architectures import ARCHITECTURES, REQUIRED, Architecture
+from maxpar.core.config import Config, ConfigError, load_config, parse_overrides, validate
+from maxpar.io.checkpoint import MODEL_KEYS
 
 DEFAULT_ROPE_THETA = 10000.0  # transformers' default when config.json names none
 # Keys that make the function the checkpoint computes: training must use the converted values.

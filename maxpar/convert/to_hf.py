@@ -16,12 +16,12 @@ import ml_dtypes  # noqa: F401  (bfloat16 for numpy)
 import numpy as np
 import tensorstore as ts
 
-from maxpar import checkpoint
-from maxpar.config import Config, config_from_dict, load_config
 from maxpar.convert.architectures import ARCHITECTURES, Architecture, TensorRule, tensor_rules
 from maxpar.convert.hf_config import ConversionError, architecture_of, hf_config, read_hf_config
 from maxpar.convert.layout import hf_tensor
 from maxpar.convert.safetensors_io import write_safetensors
+from maxpar.core.config import Config, config_from_dict, load_config
+from maxpar.io import checkpoint
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 

@@ -21,7 +21,7 @@ recent `sliding_window` positions (Mistral), GQA, softmax in float32, q pre-scal
   `attention_block_size`, online softmax, masked blocks skipped, a recomputing custom VJP;
   on a mesh with a `context` axis it runs context-parallel (maxpar/model/context_parallel.py).
 
-The device and sharding checks of the cuDNN choices are in `maxpar.layout`.
+The device and sharding checks of the cuDNN choices are in `maxpar.core.layout`.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from maxpar.config import CUDNN_ATTENTION, Config
-from maxpar.layout import ContextLayout
+from maxpar.core.config import CUDNN_ATTENTION, Config
+from maxpar.core.layout import ContextLayout
 from maxpar.model.context_parallel import context_attention
 
 Array = jax.Array

@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxpar.axes import CONTEXT_AXIS
-from maxpar.config import Config
-from maxpar.layout import ContextLayout, ModelLayout
+from maxpar.core.axes import CONTEXT_AXIS
+from maxpar.core.config import Config
+from maxpar.core.layout import ContextLayout, ModelLayout
 from maxpar.model.blockwise import (accumulate, backward, block_pairs, blockwise_attention, finish, flash,
                                     init_carry, output_delta, padded_schedules)
 

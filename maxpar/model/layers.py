@@ -12,13 +12,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from maxpar.axes import ATTN_KV, ATTN_Q, MLP_HIDDEN, MLP_IO, RESIDUAL, Logical
-from maxpar.config import Config, RopeScaling
-from maxpar.layout import ModelLayout
+from maxpar.core.axes import ATTN_KV, ATTN_Q, MLP_HIDDEN, MLP_IO, RESIDUAL, Logical
+from maxpar.core.config import Config, RopeScaling
+from maxpar.core.layout import ModelLayout
+from maxpar.core.sharding import constrain
 from maxpar.model.activations import swiglu
 from maxpar.model.attention import attend, cached_attention
 from maxpar.model.matmul import project
-from maxpar.sharding import constrain
 
 Array = jax.Array
 CACHE = "cache"  # the KV-cache collection: decoding applies the model with it mutable (maxpar.generate)

@@ -20,10 +20,10 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from maxpar.axes import RESIDUAL, Logical
+from maxpar.core.axes import RESIDUAL, Logical
+from maxpar.core.sharding import constrain
 from maxpar.model.layers import ModelModule, kernel
 from maxpar.model.matmul import PROJECTION
-from maxpar.sharding import constrain
 from maxpar.model.moe_dispatch import capacity_local, dropless_local, expert_parallel, on_token_shards
 from maxpar.model.routing import balance_loss_from_sums, balance_sums, capacity_slots, expert_capacity, route
 

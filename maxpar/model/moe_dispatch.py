@@ -18,7 +18,7 @@ fixed-size chunks: each device sends every peer a chunk of
 it), of which only the routed rows are real. Capacity mode sends its buffers,
 `capacity_factor x` the routed rows.
 
-The mesh axes come resolved from the run layout (`maxpar.layout.ExpertAxes`); no
+The mesh axes come resolved from the run layout (`maxpar.core.layout.ExpertAxes`); no
 physical axis name is written here.
 """
 
@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from maxpar.layout import EXPERT_DOWN, EXPERT_GATE, ExpertAxes
+from maxpar.core.layout import EXPERT_DOWN, EXPERT_GATE, ExpertAxes
 from maxpar.model.activations import swiglu
 
 Array = jax.Array

@@ -14,7 +14,7 @@ import dataclasses
 import enum
 from collections.abc import Sequence
 
-from maxpar.axes import Logical
+from maxpar.core.axes import Logical
 
 
 class Block(enum.StrEnum):

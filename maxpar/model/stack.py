@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from maxpar.axes import Logical
-from maxpar.config import Config
+from maxpar.core.axes import Logical
+from maxpar.core.config import Config
 
 STACKED = str(Logical.LAYERS)        # the stacked entry's name (and its leading axis's logical name)
 _UNROLLED = re.compile(r"layers_(\d+)")

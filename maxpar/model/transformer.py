@@ -12,14 +12,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from maxpar.axes import LOGITS, RESIDUAL, Logical
-from maxpar.config import Config
+from maxpar.core.axes import LOGITS, RESIDUAL, Logical
+from maxpar.core.config import Config
+from maxpar.core.sharding import constrain
 from maxpar.model.layers import CACHE, Attention, Mlp, ModelModule, RMSNorm
 from maxpar.model.matmul import PROJECTION, matmul
 from maxpar.model.moe import MOE_STATS, MoeBlock
 from maxpar.model.stack import STACKED, layer_stack, num_units, unrolled_name
 from maxpar.pipeline.spmd import pipeline
-from maxpar.sharding import constrain
 
 Array = jax.Array
 
@@ -127,7 +127,7 @@ class Transformer(ModelModule):
         cfg, layout, dt, wdt = self.config, self.layout, self.dtype, self.weight_dtype
         table = self.param("token_embedding", nn.with_logical_partitioning(
             nn.initializers.normal(stddev=1.0), (Logical.VOCAB, Logical.EMBED)), (cfg.vocab_size, cfg.emb_dim), wdt)
-        gather_table = layout is None or layout.gather_lookup_table  # maxpar.layout.ModelLayout says why
+        gather_table = layout is None or layout.gather_lookup_table  # maxpar.core.layout.ModelLayout says why
         lookup_table = constrain(table, (Logical.VOCAB, None)) if gather_table else table
         x = constrain(jnp.take(lookup_table, tokens, axis=0).astype(dt), RESIDUAL)
         x = Decoder(cfg, layout, name=DECODER)(x, positions, segment_ids)

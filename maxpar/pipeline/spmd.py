@@ -6,7 +6,7 @@ added up over the iterations where the stage is active and returned per block; `
 params), and `params` is that unit's stacked parameter tree, leaves
 [L, ...] (gPipe) or [R, L / R, ...] (circular; `maxpar.model.stack`).
 Which block each stage runs at each iteration comes from
-`maxpar.pipeline.schedule.stage_task`, evaluated on the array of stage indices.
+`maxpar.core.schedule.stage_task`, evaluated on the array of stage indices.
 
 Layout, per iteration:
 - `state` [S, b, T, E] holds each stage's input, sharded over the stages (the
@@ -27,7 +27,7 @@ step rather than once per iteration, the loop runs inside `jax.shard_map` manual
 over the batch mesh axes that shard no stage weight: each replica accumulates its
 own gradient, and the transpose of the shard_map's replicated weight input sums them
 once, after the loop (which axes, the stage weights' specs and the gather mode are resolved with the run
-layout: `maxpar.layout.PipelineLayout`). FSDP-sharded weights are gathered inside the loop by the
+layout: `maxpar.core.layout.PipelineLayout`). FSDP-sharded weights are gathered inside the loop by the
 partitioner (per iteration, gradients reduce-scattered per iteration), or, with
 `FsdpGather.ONCE`, all-gathered before the loop so their batch axes become manual too
 (one gather and one reduction per step; the gathered stage weights stay in memory
@@ -50,10 +50,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from maxpar.axes import Logical
-from maxpar.layout import ModelLayout, merge_microbatches, split_microbatches
-from maxpar.pipeline.schedule import Schedule, stage_task
-from maxpar.sharding import constrain
+from maxpar.core.axes import Logical
+from maxpar.core.layout import ModelLayout, merge_microbatches, split_microbatches
+from maxpar.core.schedule import Schedule, stage_task
+from maxpar.core.sharding import constrain
 
 STAGED = Logical.LAYERS  # the stages are the stacked layers' axis, and the loop's activations follow it
 

@@ -14,14 +14,14 @@ from collections.abc import Sequence
 
 import jax
 
-from maxpar.config import Config, ConfigError, load_config
-from maxpar.mesh import num_slices_for, resolve_mesh_shape
-from maxpar.preflight import apply_simulated_devices
+from maxpar.core.config import Config, ConfigError, load_config
+from maxpar.core.mesh import num_slices_for, resolve_mesh_shape
+from maxpar.host.preflight import apply_simulated_devices
 from maxpar.plan import report, verify
 from maxpar.plan.hardware import available, default_num_slices, hardware_for_device_kind, load_hardware
 from maxpar.plan.predict import Target, make_plan, plan_layout
 from maxpar.plan.recommend import recommend
-from maxpar.train_step import trace_state
+from maxpar.training.train_step import trace_state
 
 FALLBACK_HARDWARE = "tpu-v5p"  # the seeds' reference chip, used (and said) when nothing else names one
 USAGE = __doc__.strip().splitlines()[0]

@@ -53,8 +53,8 @@ import dataclasses
 import math
 from collections.abc import Iterable
 
-from maxpar.axes import Logical
-from maxpar.config import Config
+from maxpar.core.axes import Logical
+from maxpar.core.config import Config
 from maxpar.model.roles import Block, ParamRole
 from maxpar.plan.hlo import wire_bytes
 from maxpar.plan.layout import Layout, Tensor

@@ -14,13 +14,13 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from maxpar.config import Config, ConfigError
-from maxpar.mesh import MeshShape, local_mesh_shape, resolve_mesh_shape
+from maxpar.core.config import Config, ConfigError
+from maxpar.core.mesh import MeshShape, local_mesh_shape, resolve_mesh_shape
 from maxpar.plan.hardware import load_hardware
 from maxpar.plan.layout import build_layout
 from maxpar.plan.model_math import memory_per_device
 from maxpar.plan.predict import plan_batch
-from maxpar.train_step import layout_check, trace_state
+from maxpar.training.train_step import layout_check, trace_state
 
 GB = 1e9
 PARTS = (("params", "parameters"), ("optimizer", "optimizer state"), ("gradients", "gradients"),

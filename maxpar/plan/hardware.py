@@ -15,7 +15,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from maxpar.config import ConfigError
+from maxpar.core.config import ConfigError
 
 HARDWARE_DIR = Path(__file__).resolve().parents[2] / "configs" / "hardware"
 TOPOLOGIES = ("torus", "switch")

@@ -1,7 +1,7 @@
 """The planner's view of a run layout: every train-state tensor with its mesh axes, and the activations'.
 
 The planner must reason about exactly the shardings the trainer would use, so it takes the trainer's
-own run layout (`maxpar.layout.resolve_layout` on an abstract mesh: no devices needed; a mesh the
+own run layout (`maxpar.core.layout.resolve_layout` on an abstract mesh: no devices needed; a mesh the
 trainer would reject is rejected with the same message). The model is traced once
 (`train_step.trace_state`) and re-laid out cheaply for every candidate mesh (`build_layout`), which
 `--recommend` relies on.
@@ -16,14 +16,14 @@ from collections.abc import Iterable
 import jax
 import numpy as np
 
-from maxpar.axes import Logical
-from maxpar.config import Config
-from maxpar.layout import RunLayout, TracedState, resolve_layout
-from maxpar.mesh import MeshShape
+from maxpar.core.axes import Logical
+from maxpar.core.config import Config
+from maxpar.core.layout import RunLayout, TracedState, resolve_layout
+from maxpar.core.mesh import MeshShape
+from maxpar.core.schedule import Schedule
+from maxpar.core.sharding import entry_axes
 from maxpar.model import stack
 from maxpar.model.roles import Block, ParamRole, param_role
-from maxpar.pipeline.schedule import Schedule
-from maxpar.sharding import entry_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +130,7 @@ class Layout:
 
     @property
     def lookup_on_shards(self) -> bool:
-        """The token lookup runs on the table's embed shards (`maxpar.layout.ModelLayout.gather_lookup_table`)."""
+        """The token lookup runs on the table's embed shards (`maxpar.core.layout.ModelLayout.gather_lookup_table`)."""
         return not self.run.model.gather_lookup_table
 
     @property

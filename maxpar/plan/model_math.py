@@ -1,6 +1,6 @@
 """Parameters, FLOPs and per-device memory of a config on a layout.
 
-FLOPs come from `maxpar.metrics` (the same numbers the trainer logs); the
+FLOPs come from `maxpar.io.metrics` (the same numbers the trainer logs); the
 parameter breakdown and memory come from the traced train state and its
 shardings, so they follow the model code and the logical axis rules as they are.
 """
@@ -11,12 +11,12 @@ import math
 
 import numpy as np
 
-from maxpar.axes import Logical
-from maxpar.config import Config
-from maxpar.metrics import matmul_params, parameter_counts, training_flops_per_token
+from maxpar.core.axes import Logical
+from maxpar.core.config import Config
+from maxpar.core.layout import TracedState
+from maxpar.io.metrics import matmul_params, parameter_counts, training_flops_per_token
 from maxpar.model.roles import Block, ParamRole
 from maxpar.model.routing import expert_capacity
-from maxpar.layout import TracedState
 from maxpar.plan.layout import Layout, Tensor
 
 

@@ -26,8 +26,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from maxpar.axes import Logical
-from maxpar.config import Config
+from maxpar.core.axes import Logical
+from maxpar.core.config import Config
 from maxpar.model.roles import Block
 from maxpar.model.routing import expert_capacity
 from maxpar.plan.comms import BACKWARD, FORWARD, Comm, expert_all_to_all_bytes, hierarchical, stage_loop

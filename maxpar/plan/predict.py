@@ -18,21 +18,21 @@ import math
 from collections import defaultdict
 from typing import Any
 
-from maxpar.axes import Physical
-from maxpar.config import Config, ConfigError
-from maxpar.mesh import MeshShape, resolve_mesh_shape
-from maxpar.metrics import matmul_params, training_flops_per_token
+from maxpar.core.axes import Physical
+from maxpar.core.config import Config, ConfigError
+from maxpar.core.layout import TracedState, batch_shape
+from maxpar.core.mesh import MeshShape, resolve_mesh_shape
+from maxpar.io.metrics import matmul_params, training_flops_per_token
 from maxpar.model.roles import Block
 from maxpar.plan import rooflines
 from maxpar.plan.comms import BACKWARD, FORWARD, Comm, predict_comms
 from maxpar.plan.context_comms import cp_intensity, predict_context_comms
-from maxpar.plan.moe_comms import predict_moe_comms
 from maxpar.plan.hardware import Hardware, ici_axis_shares, slice_shape_exists, torus_shape
-from maxpar.layout import TracedState, batch_shape
 from maxpar.plan.layout import Layout, build_layout
 from maxpar.plan.model_math import (attention_flops_per_token, dtype_bytes, fp8_matmul_params,
                                     memory_per_device, param_breakdown, state_bytes, tp_degrees)
-from maxpar.train_step import trace_state
+from maxpar.plan.moe_comms import predict_moe_comms
+from maxpar.training.train_step import trace_state
 
 PHASES = (FORWARD, BACKWARD)
 FULL_SCORES = ("the {attention} core computes the full seq x seq attention score matrix and masks it: the chip does "

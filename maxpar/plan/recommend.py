@@ -14,10 +14,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from maxpar.axes import Physical
-from maxpar.config import Config, ConfigError
-from maxpar.mesh import resolve_mesh_shape
-from maxpar.layout import TracedState
+from maxpar.core.axes import Physical
+from maxpar.core.config import Config, ConfigError
+from maxpar.core.layout import TracedState
+from maxpar.core.mesh import resolve_mesh_shape
 from maxpar.plan.predict import Target, evaluate
 
 REMAT_POLICIES = ("none", "minimal", "full")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from maxpar.pipeline.schedule import pipeline_bubble  # noqa: F401  (a rule of thumb of the seeds, defined with the schedule)
+from maxpar.core.schedule import pipeline_bubble  # noqa: F401  (the seeds' rule of thumb)
 
 
 def network_intensity(peak_flops: float, bandwidth: float) -> float:

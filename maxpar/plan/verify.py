@@ -1,8 +1,8 @@
 """`--verify`: compile the real train step on the local devices and hold the plan against it.
 
-The step is the trainer's own: the run layout (`maxpar.train_step.run_layout`, every
+The step is the trainer's own: the run layout (`maxpar.training.train_step.run_layout`, every
 setup check) bound to the local devices' mesh, compiled by
-`maxpar.train_step.compile_train_step` (model, optimizer, `state_shardings`,
+`maxpar.training.train_step.compile_train_step` (model, optimizer, `state_shardings`,
 `jit_train_step(...).lower(abstract_state, batch).compile()`; no input pipeline);
 its collectives are read from the compiled HLO text (`maxpar.plan.hlo`) and its
 memory from `compiled.memory_analysis()`.
@@ -30,17 +30,17 @@ from typing import Any
 
 import jax
 
-from maxpar import train_step
-from maxpar.config import Config, ConfigError
-from maxpar.layout import RunLayout, check_devices
-from maxpar.mesh import MeshShape, build_mesh, local_mesh_shape
+from maxpar.core.config import Config, ConfigError
+from maxpar.core.layout import RunLayout, check_devices
+from maxpar.core.mesh import MeshShape, build_mesh, local_mesh_shape
 from maxpar.model import Transformer
-from maxpar.optimizer import make_optimizer
 from maxpar.plan import hlo
 from maxpar.plan.comms import Comm, sequence_parallel
 from maxpar.plan.layout import Layout
 from maxpar.plan.model_math import dtype_bytes, memory_per_device
-from maxpar.train_step import run_layout
+from maxpar.training import train_step
+from maxpar.training.optimizer import make_optimizer
+from maxpar.training.train_step import run_layout
 
 TOLERANCE = 0.10          # on collective bytes per mesh axis and kind, and on the train state
 NEGLIGIBLE = 0.01         # buckets under 1% of the step's measured bytes (scalars: loss, token count, grad norm)

@@ -33,9 +33,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from maxpar.host.devices import with_device_count
 from maxpar.tools import bench_gpu, records
 from maxpar.tools.bench_report import CPU_COLUMNS, GPU_COLUMNS, markdown_table, not_measured, write_chart
-from maxpar.host_devices import with_device_count
 
 REPO = Path(__file__).resolve().parents[2]
 BASE_CONFIG = REPO / "configs" / "base.yml"
@@ -180,18 +180,18 @@ def run_worker(name: str, overrides: Sequence[str], num_devices: int, steps: int
     """
     import jax
 
-    from maxpar.config import ConfigError, load_config
-    from maxpar.metrics import parameter_counts, peak_flops, throughput
-    from maxpar import host_malloc
+    from maxpar.core.config import ConfigError, load_config
+    from maxpar.io.metrics import parameter_counts, peak_flops, throughput
+    from maxpar.host import malloc
     from maxpar.train import setup_run
-    from maxpar.train_step import create_state
+    from maxpar.training.train_step import create_state
 
     devices = jax.devices()[:num_devices]
     if len(devices) != num_devices:
         raise RuntimeError(f"{name}: needs {num_devices} devices, JAX sees {len(jax.devices())}")
     try:
         config = load_config([str(BASE_CONFIG), *overrides, f"steps={warmup + steps}"])
-        host_malloc.tune(config.cpu_malloc_tuning, jax.default_backend())  # as the trainer's process does
+        malloc.tune(config.cpu_malloc_tuning, jax.default_backend())  # as the trainer's process does
         run = setup_run(config, devices)
         state = create_state(run.model, run.tx, run.layout, run.mesh)
         start = time.perf_counter()

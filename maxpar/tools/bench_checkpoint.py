@@ -38,10 +38,10 @@ def time_steps(steps: int, period: int, warmup: int, extra: Sequence[str]) -> di
     """
     import jax
 
-    from maxpar import checkpoint
-    from maxpar.config import load_config
+    from maxpar.io import checkpoint
+    from maxpar.core.config import load_config
     from maxpar.train import global_batch, setup_run
-    from maxpar.train_step import create_state
+    from maxpar.training.train_step import create_state
 
     config = load_config([str(BASE_CONFIG), *RUN, f"steps={warmup + steps}", *extra])
     run = setup_run(config)

@@ -14,7 +14,7 @@ import json
 import re
 from collections.abc import Sequence
 
-from maxpar.config import FIELDS
+from maxpar.core.config import FIELDS
 
 # Named XLA flag sets for the `xla=` lever (references: JAX "GPU performance tips" and NVIDIA
 # JAX-Toolbox "GPU performance" pages).

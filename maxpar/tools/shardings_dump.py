@@ -5,7 +5,7 @@
     python -m maxpar.tools.shardings_dump --update   # rewrite the golden file (an intended change)
 
 The tiny default model on a mesh of 8 devices: the shardings are the run layout's
-(`maxpar.layout.resolve_layout`, the trainer's and the planner's one source), resolved on an abstract
+(`maxpar.core.layout.resolve_layout`, the trainer's and the planner's one source), resolved on an abstract
 mesh, so a change to the rules, the presets or the model's logical axes shows up as a golden diff and no
 device is needed.
 """
@@ -21,9 +21,9 @@ from typing import Any
 import jax
 import optax
 
-from maxpar.config import Config, load_config
-from maxpar.mesh import resolve_mesh_shape
-from maxpar.train_step import run_layout
+from maxpar.core.config import Config, load_config
+from maxpar.core.mesh import resolve_mesh_shape
+from maxpar.training.train_step import run_layout
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "goldens" / "shardings.json"

@@ -11,8 +11,8 @@ from typing import Any
 import jax
 from etils import epath
 
-from maxpar import storage
-from maxpar.config import Config
+from maxpar.core import storage
+from maxpar.core.config import Config
 
 # Peak dense bf16 FLOP/s per device (no sparsity), from the vendors' spec sheets.
 # Matched against jax's device_kind; the longest matching key wins.
@@ -34,7 +34,7 @@ PEAK_BF16_FLOPS = {
 
 METRIC_KEYS = ("step", "loss", "eval_loss", "learning_rate", "grad_norm", "step_time_s", "tokens_per_s",
                "tokens_per_s_per_device", "tflops_per_device", "mfu",
-               # mixture of experts (null for a dense model; maxpar/train_step.py moe_metrics)
+               # mixture of experts (null for a dense model; maxpar/training/train_step.py moe_metrics)
                "moe_load_balance_loss", "moe_dropped_tokens", "moe_dropped_fraction")
 EXPERT_WEIGHTS = ("wi_gate", "wi_up", "wo")  # leaves of a `moe` block with a leading [..., experts] dim
 

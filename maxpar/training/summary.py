@@ -14,9 +14,9 @@ from typing import Any
 
 from etils import epath
 
-from maxpar.config import Config
-from maxpar.layout import PIPELINE_ONLY_KEYS
-from maxpar.mesh import MeshShape, one_host_mesh
+from maxpar.core.config import Config
+from maxpar.core.layout import PIPELINE_ONLY_KEYS
+from maxpar.core.mesh import MeshShape, one_host_mesh
 
 LOSS_CURVE = "loss_curve.png"
 

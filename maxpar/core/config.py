@@ -5,7 +5,7 @@ their types and ranges; `configs/base.yml` is the single source of their
 default values (a test checks the two name the same keys). Loading is pure: it
 reads files and returns a frozen `Config`, touching neither JAX nor the
 environment. Device-dependent resolution (device count, `-1` fill) lives in
-`maxpar.mesh`.
+`maxpar.core.mesh`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import omegaconf
 from etils import epath
 from omegaconf import OmegaConf
 
-from maxpar import storage
-from maxpar.axes import PHYSICAL_AXES, Logical, unknown_logical
+from maxpar.core import storage
+from maxpar.core.axes import PHYSICAL_AXES, Logical, unknown_logical
 
 DTYPES = ("float32", "bfloat16", "float16")
 SYNTHETIC_FIRST_TOKEN = 3  # synthetic data skips ids 0-2, the byte tokenizer's pad, bos and eos
@@ -214,7 +214,7 @@ class Config:
                                              "rematerialized in the backward pass: between the default and ag_once")
     pipeline_fsdp_ag_once: bool = _key("all-gather the FSDP-sharded stage weights once per step before the "
                                        "pipeline loop instead of every iteration (more memory, less communication)")
-    # Multi-process jobs (maxpar/distributed.py; '' / -1 = from the environment GKE, XPK or launch.local set)
+    # Multi-process jobs (maxpar/host/distributed.py; '' / -1 = from the environment GKE, XPK or launch.local set)
     coordinator_address: str = _key("HOST:PORT of process 0's JAX coordinator ('' = from the environment, "
                                     "'auto' = JAX's own cluster detection)")
     num_processes: int = _key("processes in the job (-1 = from the environment; 1 = no distributed runtime)",
@@ -585,7 +585,7 @@ def _validate_attention(config: Config) -> None:
 
 
 def _validate_pipeline(config: Config) -> None:
-    """Pipeline keys that must agree with each other whatever the mesh (the stages: `maxpar.layout`)."""
+    """Pipeline keys that must agree with each other whatever the mesh (the stages: `maxpar.core.layout`)."""
     layers, repeats = config.num_decoder_layers, config.num_pipeline_repeats
     if repeats > 1 and layers % repeats:
         raise ConfigError(f"num_pipeline_repeats={repeats}: num_decoder_layers={layers} must be divisible by it "

@@ -14,10 +14,10 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from maxpar import storage
-from maxpar.config import Config, ConfigError
-from maxpar.data.errors import reading
-from maxpar.data.text import resolve_files
+from maxpar.core import storage
+from maxpar.core.config import Config, ConfigError
+from maxpar.io.data.errors import reading
+from maxpar.io.data.text import resolve_files
 
 TEXT_BUILDERS = ("arrow", "csv", "json", "parquet", "text")  # the `datasets` packaged builders of tabular files
 

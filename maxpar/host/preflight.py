@@ -9,9 +9,9 @@ import os
 import tempfile
 from pathlib import Path
 
-from maxpar import storage
-from maxpar.config import Config, ConfigError
-from maxpar.host_devices import simulate_cpu_devices
+from maxpar.core import storage
+from maxpar.core.config import Config, ConfigError
+from maxpar.host.devices import simulate_cpu_devices
 
 
 def check_output_directory(config: Config) -> None:

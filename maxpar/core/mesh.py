@@ -17,8 +17,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
-from maxpar.axes import STAGE_AXIS, Physical
-from maxpar.config import Config, ConfigError
+from maxpar.core.axes import STAGE_AXIS, Physical
+from maxpar.core.config import Config, ConfigError
 
 
 @dataclasses.dataclass(frozen=True)

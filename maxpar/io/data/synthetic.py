@@ -7,8 +7,8 @@ import functools
 import grain
 import numpy as np
 
-from maxpar.config import SYNTHETIC_FIRST_TOKEN as _FIRST_TOKEN
-from maxpar.data.text import INFINITE, process_rows, sync_read
+from maxpar.core.config import SYNTHETIC_FIRST_TOKEN as _FIRST_TOKEN
+from maxpar.io.data.text import INFINITE, process_rows, sync_read
 
 
 def synthetic_batch(

@@ -1,7 +1,7 @@
 """Logical axes -> physical mesh axes, driven by `logical_axis_rules` data.
 
-Model code names only logical axes (`maxpar.axes.Logical`); this module is the one place that turns
-them into mesh axes (`mesh_axes`, used by `maxpar.layout` to resolve every decision once) and into
+Model code names only logical axes (`maxpar.core.axes.Logical`); this module is the one place that turns
+them into mesh axes (`mesh_axes`, used by `maxpar.core.layout` to resolve every decision once) and into
 `NamedSharding`s for a mesh and rule set.
 """
 
@@ -15,8 +15,8 @@ import flax.linen as nn
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from maxpar.axes import BATCH_INPUT, ZERO_AXIS, unknown_logical
-from maxpar.config import AxisRule, ConfigError
+from maxpar.core.axes import BATCH_INPUT, ZERO_AXIS, unknown_logical
+from maxpar.core.config import AxisRule, ConfigError
 
 Axes = tuple[str, ...]
 
@@ -40,7 +40,7 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
     never a silently unsharded dimension."""
     unknown = unknown_logical(logical)
     if unknown:
-        raise ValueError(f"unknown logical axis name(s) {unknown}: define them in maxpar.axes.Logical")
+        raise ValueError(f"unknown logical axis name(s) {unknown}: define them in maxpar.core.axes.Logical")
     return nn.with_logical_constraint(x, tuple(logical))
 
 

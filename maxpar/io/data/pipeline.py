@@ -7,17 +7,17 @@ from collections.abc import Callable, Sequence
 
 import grain
 
-from maxpar import storage
-from maxpar.config import Config, ConfigError
-from maxpar.data.hf import open_hf
-from maxpar.data.records import open_records
-from maxpar.data.synthetic import synthetic_batches
-from maxpar.data.text import FileTexts, Subset, document_batches, resolve_files, split_files
-from maxpar.data.tokenizer import load_tokenizer
+from maxpar.core import storage
+from maxpar.core.config import Config, ConfigError
+from maxpar.io.data.hf import open_hf
+from maxpar.io.data.records import open_records
+from maxpar.io.data.synthetic import synthetic_batches
+from maxpar.io.data.text import FileTexts, Subset, document_batches, resolve_files, split_files
+from maxpar.io.data.tokenizer import load_tokenizer
 
 # The config keys that give a saved data position (each lane's document count and packer remainder) its meaning,
 # by dataset_type: which documents, in which order, tokenized how, packed into rows how long. A checkpoint resumes
-# only when they are equal (maxpar/checkpoint.py); every key a source reads belongs in its tuple.
+# only when they are equal (maxpar/io/checkpoint.py); every key a source reads belongs in its tuple.
 _ROWS = ("dataset_type", "seed", "max_target_length")
 _DOCUMENTS = _ROWS + ("tokenizer_path", "eval_fraction")
 POSITION_KEYS = {

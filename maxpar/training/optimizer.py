@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from maxpar.config import Config
+from maxpar.core.config import Config
 
 
 def learning_rate_schedule(config: Config) -> optax.Schedule:

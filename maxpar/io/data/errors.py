@@ -13,7 +13,7 @@ import contextlib
 import re
 from collections.abc import Iterator
 
-from maxpar.config import ConfigError
+from maxpar.core.config import ConfigError
 
 
 class DataError(ConfigError):

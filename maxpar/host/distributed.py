@@ -36,7 +36,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from maxpar.config import Config, ConfigError
+from maxpar.core.config import Config, ConfigError
 
 DEFAULT_COORDINATOR_PORT = 8482  # JAX's default coordinator port on TPU
 AUTO = "auto"
@@ -206,7 +206,7 @@ def resplit_iterator_states(saved: Sequence[Mapping[str, Any]], current: Mapping
     """This process's data iterator state, from the states that a different number of processes saved.
 
     Why this works: row j of every global batch comes from lane j whatever the process count
-    (maxpar/data/text.py), and a text iterator's state is its lanes' states in order ("parents").
+    (maxpar/io/data/text.py), and a text iterator's state is its lanes' states in order ("parents").
     Concatenating the saved lanes in process order and cutting them into `process_count` blocks gives
     each process the lanes it now owns. Step-indexed states (synthetic data) are equal everywhere.
     """

@@ -9,7 +9,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-from maxpar.config import Config
+from maxpar.core.config import Config
 
 
 @dataclasses.dataclass(frozen=True)

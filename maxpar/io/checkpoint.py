@@ -38,12 +38,13 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.sharding import Mesh
 
-from maxpar import distributed, storage
-from maxpar.config import Config, ConfigError
-from maxpar.data.pipeline import POSITION_KEYS
-from maxpar.layout import RunLayout
+from maxpar.core import storage
+from maxpar.core.config import Config, ConfigError
+from maxpar.core.layout import RunLayout
+from maxpar.host import distributed
+from maxpar.io.data.pipeline import POSITION_KEYS
 from maxpar.model import stack
-from maxpar.train_step import TrainState
+from maxpar.training.train_step import TrainState
 
 LAYOUT = "maxpar/stacked-layers/v1"
 ARRAY_ITEMS = ("params", "opt_state")
@@ -180,7 +181,7 @@ def _format_differences(differences: Sequence[tuple[str, Any, Any]]) -> str:
 
 def resume_keys(config: Config) -> tuple[str, ...]:
     """Keys a resumed run must share with its checkpoint: the model's, and those that give the saved data
-    position its meaning (declared beside the data sources, maxpar/data/pipeline.py)."""
+    position its meaning (declared beside the data sources, maxpar/io/data/pipeline.py)."""
     return tuple(dict.fromkeys(MODEL_KEYS + POSITION_KEYS[config.dataset_type]))
 
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from maxpar.config import ConfigError
-from maxpar.data.errors import reading
+from maxpar.core.config import ConfigError
+from maxpar.io.data.errors import reading
 
 FILE_TYPES = ("jsonl", "parquet", "arrayrecord")
 CACHED_ROW_GROUPS = 8

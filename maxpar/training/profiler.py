@@ -14,8 +14,8 @@ from typing import Any
 import jax
 from etils import epath
 
-from maxpar import storage
-from maxpar.config import Config
+from maxpar.core import storage
+from maxpar.core.config import Config
 
 PROFILE_SUBDIR = "profile"
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from etils import epath
 
-from maxpar import storage
+from maxpar.core import storage
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s %(filename)s:%(lineno)d] %(message)s"
 

@@ -1,4 +1,4 @@
-"""The trainer's glibc malloc policy on XLA:CPU (maxpar.host_malloc): when it applies, and what it sets."""
+"""The trainer's glibc malloc policy on XLA:CPU (maxpar.host.malloc): when it applies, and what it sets."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from maxpar import host_malloc
+from maxpar.host import malloc
 
 
 class FakeLibc:
@@ -36,12 +36,12 @@ APPLIED, KEPT_OUT, SILENT = "applied", "kept out by the user's variable", None
 ])
 def test_it_applies_only_on_xla_cpu_with_glibc_and_never_over_the_users_settings(monkeypatch, enabled, platform,
                                                                                   env, glibc, outcome):
-    monkeypatch.setattr(host_malloc, "on_glibc", lambda: glibc)
+    monkeypatch.setattr(malloc, "on_glibc", lambda: glibc)
     fake = FakeLibc()
-    note = host_malloc.tune(enabled, platform, env, fake)
+    note = malloc.tune(enabled, platform, env, fake)
     if outcome is APPLIED:  # the three settings, and the run's log says so
-        assert dict(fake.calls) == {host_malloc.M_MMAP_THRESHOLD: 32 << 20, host_malloc.M_TRIM_THRESHOLD: 1 << 30,
-                                    host_malloc.M_TOP_PAD: 64 << 20}
+        assert dict(fake.calls) == {malloc.M_MMAP_THRESHOLD: 32 << 20, malloc.M_TRIM_THRESHOLD: 1 << 30,
+                                    malloc.M_TOP_PAD: 64 << 20}
         assert "keeps each step's freed buffers mapped" in note
         assert "on by default; set cpu_malloc_tuning=false for glibc's defaults" in note  # the default, not theirs
     else:
@@ -53,14 +53,14 @@ def test_it_applies_only_on_xla_cpu_with_glibc_and_never_over_the_users_settings
 
 
 def test_a_refused_setting_is_an_error_that_names_it():
-    with pytest.raises(OSError, match=str(host_malloc.M_TOP_PAD)):
-        host_malloc.apply(FakeLibc(refuse={host_malloc.M_TOP_PAD}))
+    with pytest.raises(OSError, match=str(malloc.M_TOP_PAD)):
+        malloc.apply(FakeLibc(refuse={malloc.M_TOP_PAD}))
 
 
-@pytest.mark.skipif(not host_malloc.on_glibc(), reason="glibc only")
+@pytest.mark.skipif(not malloc.on_glibc(), reason="glibc only")
 def test_glibc_accepts_the_settings_in_a_fresh_process():
     # A fresh interpreter: the settings are process-wide, and this test process should keep glibc's defaults.
-    script = "from maxpar import host_malloc; print(host_malloc.tune(True, 'cpu', {}))"
+    script = "from maxpar.host import malloc; print(malloc.tune(True, 'cpu', {}))"
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "keeps each step's freed buffers mapped" in done.stdout

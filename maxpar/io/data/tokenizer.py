@@ -12,7 +12,7 @@ import types
 from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
-from maxpar import storage
+from maxpar.core import storage
 
 _ACCEPTED = (
     "accepted: '' (the built-in byte tokenizer), a SentencePiece '*.model' "

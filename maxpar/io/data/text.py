@@ -17,9 +17,9 @@ from typing import Any
 import grain
 import numpy as np
 
-from maxpar import storage
-from maxpar.data.errors import reading
-from maxpar.data.tokenizer import Tokenizer
+from maxpar.core import storage
+from maxpar.io.data.errors import reading
+from maxpar.io.data.tokenizer import Tokenizer
 
 # Datasets are index-addressed; this is "forever" (one doc or step per index).
 INFINITE = 2**62

@@ -19,12 +19,12 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-from maxpar.axes import ATTN_KV, ATTN_Q, BATCH_INPUT, CONTEXT_AXIS, RESIDUAL, STAGE_AXIS, Logical
-from maxpar.config import CUDNN_ATTENTION, AxisRule, Config, ConfigError
-from maxpar.mesh import MeshShape
-from maxpar.pipeline.schedule import Schedule
-from maxpar.sharding import (check_divisible, entry_axes, mesh_axes, mesh_shardings, mesh_specs, shard_optimizer_state,
-                             with_zero_axis)
+from maxpar.core.axes import ATTN_KV, ATTN_Q, BATCH_INPUT, CONTEXT_AXIS, RESIDUAL, STAGE_AXIS, Logical
+from maxpar.core.config import CUDNN_ATTENTION, AxisRule, Config, ConfigError
+from maxpar.core.mesh import MeshShape
+from maxpar.core.schedule import Schedule
+from maxpar.core.sharding import (check_divisible, entry_axes, mesh_axes, mesh_shardings, mesh_specs,
+                                  shard_optimizer_state, with_zero_axis)
 
 Axes = tuple[str, ...]
 

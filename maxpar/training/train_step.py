@@ -15,15 +15,15 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from maxpar.config import AxisRule, Config
-from maxpar.layout import RunLayout, TracedState, resolve_layout, split_microbatches
-from maxpar.mesh import MeshShape
+from maxpar.core.config import AxisRule, Config
+from maxpar.core.layout import RunLayout, TracedState, resolve_layout, split_microbatches
+from maxpar.core.mesh import MeshShape
+from maxpar.core.sharding import logical_specs, replicated
 from maxpar.model import Transformer
-from maxpar.model.transformer import stacked_layers
 from maxpar.model.context_parallel import reorder_batch
 from maxpar.model.moe import MOE_STATS, moe_totals
-from maxpar.optimizer import learning_rate_schedule, make_optimizer
-from maxpar.sharding import logical_specs, replicated
+from maxpar.model.transformer import stacked_layers
+from maxpar.training.optimizer import learning_rate_schedule, make_optimizer
 
 Batch = dict[str, jax.Array]
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions")
@@ -75,14 +75,14 @@ def trace_state(config: Config, tx: optax.GradientTransformation | None = None) 
 
 def run_layout(config: Config, mesh: MeshShape, tx: optax.GradientTransformation | None = None, *,
                check_batch: bool = True) -> RunLayout:
-    """`config`'s run layout on a mesh of these degrees (`maxpar.layout.resolve_layout` on its traced state)."""
+    """`config`'s run layout on a mesh of these degrees (`maxpar.core.layout.resolve_layout` on its traced state)."""
     return resolve_layout(config, mesh, trace_state(config, tx), check_batch=check_batch)
 
 
 def layout_check(config: Config, tx: optax.GradientTransformation | None = None, *,
                  check_batch: bool = True) -> Callable[[MeshShape], RunLayout]:
     """`run_layout` of `config` on any candidate mesh, tracing the state once, on the first call: the whole-config
-    check that `maxpar.mesh.local_mesh_shape` tries a device-count hint with."""
+    check that `maxpar.core.mesh.local_mesh_shape` tries a device-count hint with."""
     traced = functools.cache(lambda: trace_state(config, tx))
     return lambda mesh: resolve_layout(config, mesh, traced(), check_batch=check_batch)
 
