@@ -52,7 +52,7 @@ def bench(ep: int, mode: str, steps: int, warmup: int, extra: list[str]) -> dict
     compile_s = time.perf_counter() - start
     measured = [r for r in verify.measure(compiled.as_text(), dict(run.mesh.shape)) if r["collective"] == "all-to-all"]
     plan = make_plan(config, Target(load_hardware("tpu-v5p"), len(jax.devices()), 1))
-    predicted = sum(verify.on_backend(c, "cpu")[1] for c in plan["_comms"] if c.collective == "all-to-all")
+    predicted = sum(verify.on_backend(c, "cpu")[1] for c in plan.collectives if c.collective == "all-to-all")
 
     iterator = iter(run.train_data)
     times, losses = [], []

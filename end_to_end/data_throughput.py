@@ -4,8 +4,9 @@
 
 Writes the default corpus (the standard library's `*.py` files, real text) as each source's format in
 a temporary directory: text files as they are, JSONL, Parquet and ArrayRecord shards (dataset_type=
-grain), synthetic tokens, and with the `hf` extra a `save_to_disk` dataset and the `json` builder over
-the JSONL shards (dataset_type=hf). For each it builds this process's datasets exactly as the trainer does
+grain), a `dataset_mixture` of the JSONL shards and the text files by tokens (0.7 / 0.3), synthetic
+tokens, and with the `hf` extra a `save_to_disk` dataset and the `json` builder over the JSONL shards
+(dataset_type=hf). For each it builds this process's datasets exactly as the trainer does
 (`maxpar.io.data.pipeline.make_datasets`: tokenize, pack into lanes, shuffle) and times `--batches`
 global batches after the first. Then it trains the default model (`configs/base.yml` plus the
 overrides) for `--steps` steps and takes the median step. PASS when every source delivers tokens at
@@ -57,6 +58,9 @@ def write_sources(documents: list[str], directory: Path) -> dict[str, list[str]]
         "grain parquet": [*grain, "grain_file_type=parquet", f"dataset_path={directory}/parquet/*.parquet"],
         "grain arrayrecord": [*grain, "grain_file_type=arrayrecord",
                               f"dataset_path={directory}/arrayrecord/*.arrayrecord"],
+        "mixture (jsonl 0.7, text files 0.3)": [
+            f"dataset_mixture=[{{name: jsonl, weight: 0.7, dataset_type: grain, grain_file_type: jsonl, "
+            f"dataset_path: '{directory}/jsonl/*.jsonl'}}, {{name: text, weight: 0.3, dataset_type: text}}]"],
         "synthetic": ["dataset_type=synthetic"],
     }
     try:

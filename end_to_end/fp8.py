@@ -1,11 +1,11 @@
 """Regression: quantization=fp8 trains the default model to the held-out loss of the same run in bfloat16.
 
-    python end_to_end/fp8.py [--steps 300] [--tolerance 0.02] [key=value ...]
+    python end_to_end/fp8.py [--steps 300] [--tolerance 0.02] [--recipes current,delayed] [key=value ...]
     python end_to_end/fp8.py --gemm-check     # on a GPU: do the fp8 matmuls compile to cuBLASLt fp8 GEMMs?
 
-The first form runs `python -m maxpar.train configs/base.yml` twice (dtype=bfloat16, then the same with
-quantization=fp8; same seed, data and steps), prints both final held-out losses, their ratio and the load
-average, and PASSes when the ratio is within --tolerance of 1.
+The first form runs `python -m maxpar.train configs/base.yml` once in dtype=bfloat16, then once per fp8 scaling
+recipe (--recipes: fp8_scaling=current, delayed; same seed, data and steps), prints the final held-out losses,
+each recipe's ratio to bfloat16's and the load average, and PASSes when every ratio is within --tolerance of 1.
 
 `--gemm-check` compiles the fp8 forward and backward of each projection shape of the benchmark model on the
 first device and counts the compiled program's cuBLASLt fp8 GEMM calls (`__cublas$lt$matmul$f8`): 3 per
@@ -43,15 +43,18 @@ def compare_training(args: argparse.Namespace) -> int:
     common = [f"steps={args.steps}", "dtype=bfloat16", *args.overrides]
     with tempfile.TemporaryDirectory() as out:
         bf16 = final_eval_loss(Path(out), "bf16", common)
-        fp8 = final_eval_loss(Path(out), "fp8", [*common, "quantization=fp8"])
-    ratio = fp8 / bf16
+        ratios = {recipe: final_eval_loss(Path(out), f"fp8_{recipe}",
+                                          [*common, "quantization=fp8", f"fp8_scaling={recipe}"]) / bf16
+                  for recipe in args.recipes}
     load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
-    print(f"held-out loss after {args.steps} steps: bfloat16 {bf16:.4f}, fp8 {fp8:.4f}, fp8/bf16 {ratio:.4f} "
-          f"(load average {load})")
-    if abs(ratio - 1) > args.tolerance:
-        print(f"FAIL: fp8/bf16 held-out loss ratio {ratio:.4f} is not within {args.tolerance:.0%} of 1")
+    losses = ", ".join(f"fp8 {recipe} {ratio * bf16:.4f} (ratio {ratio:.4f})" for recipe, ratio in ratios.items())
+    print(f"held-out loss after {args.steps} steps: bfloat16 {bf16:.4f}, {losses} (load average {load})")
+    failed = [f"{recipe} {ratio:.4f}" for recipe, ratio in ratios.items() if abs(ratio - 1) > args.tolerance]
+    if failed:
+        print(f"FAIL: fp8/bf16 held-out loss ratios not within {args.tolerance:.0%} of 1: {', '.join(failed)}")
         return 1
-    print(f"PASS: fp8 held-out loss within {args.tolerance:.0%} of bfloat16's ({ratio:.4f})")
+    print(f"PASS: fp8 held-out losses within {args.tolerance:.0%} of bfloat16's "
+          f"({', '.join(f'{recipe} {ratio:.4f}' for recipe, ratio in ratios.items())})")
     return 0
 
 
@@ -105,6 +108,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300, help="training steps of each run")
     parser.add_argument("--tolerance", type=float, default=0.02, help="allowed |fp8/bf16 - 1| of the held-out loss")
+    parser.add_argument("--recipes", type=lambda text: text.split(","), default=["current", "delayed"],
+                        help="fp8_scaling recipes to compare with bfloat16, comma-separated")
     parser.add_argument("--gemm-check", action="store_true", help="only check the GPU's fp8 GEMM rewrite")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides for both runs")
     args = parser.parse_args()

@@ -26,7 +26,7 @@ import numpy as np
 import optax
 
 from maxpar.core import storage
-from maxpar.core.config import Config, ConfigError, load_config
+from maxpar.core.config import Config, ConfigError, load_config, model_config
 from maxpar.core.mesh import build_mesh, local_mesh_shape
 from maxpar.host import preflight
 from maxpar.io import checkpoint, logs
@@ -34,7 +34,7 @@ from maxpar.io.data.tokenizer import Tokenizer, load_tokenizer
 from maxpar.model import Transformer
 from maxpar.model.layers import CACHE
 from maxpar.training.guards import INTERRUPTED_EXIT_STATUS
-from maxpar.training.train_step import layout_check, sharding_context
+from maxpar.training.train_step import layout_check
 
 Array = jax.Array
 
@@ -136,9 +136,9 @@ def pad_rows(array: Any, multiple: int) -> np.ndarray:
     return np.pad(array, [(0, -len(array) % multiple)] + [(0, 0)] * (array.ndim - 1), mode="edge")
 
 
-def model_apply(model: nn.Module, mesh: Any, rules: Any, rows_multiple: int = 1) -> Callable[..., tuple[Array, Any]]:
-    """The jitted (params, cache, tokens, positions, segment_ids) -> (logits, cache) of `decode`, traced under
-    the run's mesh and logical rules so the cache and activations shard as in training.
+def model_apply(model: nn.Module, rows_multiple: int = 1) -> Callable[..., tuple[Array, Any]]:
+    """The jitted (params, cache, tokens, positions, segment_ids) -> (logits, cache) of `decode`; the model's
+    layout constrains the cache and activations as in training.
 
     Any number of rows: they run padded to a multiple of `rows_multiple` (the mesh's batch shards, which the MoE
     dispatch's shard_map must split evenly); the logits are the real rows', the cache keeps the padding rows,
@@ -151,8 +151,7 @@ def model_apply(model: nn.Module, mesh: Any, rules: Any, rows_multiple: int = 1)
 
     def apply(params, cache, tokens, positions, segment_ids):
         padded = (jnp.asarray(pad_rows(a, rows_multiple)) for a in (tokens, positions, segment_ids))
-        with sharding_context(mesh, rules):
-            logits, cache = run(params, cache, *padded)
+        logits, cache = run(params, cache, *padded)
         return logits[:len(tokens)], cache
     return apply
 
@@ -168,7 +167,7 @@ def load_model(config: Config, devices: Sequence[Any] | None = None) -> tuple[Ca
     mesh = build_mesh(layout.mesh, devices)
     target = checkpoint.Target.of(layout, mesh)
     params = checkpoint.load_parameters(config.load_parameters_path, target)
-    return model_apply(Transformer(config, layout.model), mesh, layout.rules, layout.rows_degree), params
+    return model_apply(Transformer(model_config(config), layout.model), layout.rows_degree), params
 
 
 def generate(config: Config, prompts: Sequence[str], tokenizer: Tokenizer | None = None,

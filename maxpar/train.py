@@ -19,26 +19,29 @@ import jax
 import numpy as np
 import optax
 from etils import epath
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from tqdm import tqdm
 
 from maxpar.core import storage
-from maxpar.core.config import Config, ConfigError, describe_keys, load_config, to_yaml
+from maxpar.core.config import Config, ConfigError, describe_keys, load_config, model_config, to_yaml
 from maxpar.core.layout import BatchShape, RunLayout, check_devices
 from maxpar.core.mesh import build_mesh, local_mesh_shape
+from maxpar.core.op_schedule import OpSchedule
 from maxpar.core.schedule import Schedule
 from maxpar.host import distributed, malloc, preflight
-from maxpar.io import checkpoint, logs
+from maxpar.io import checkpoint, local_checkpoint, logs
 from maxpar.io.data.errors import DataError
-from maxpar.io.data.pipeline import open_datasets
+from maxpar.io.data.mixture import SOURCE_TOKENS
+from maxpar.io.data.pipeline import SourceData, open_datasets
 from maxpar.io.metrics import (MetricsWriter, parameter_counts, peak_flops, rewind_metrics, throughput,
                                training_flops_per_token)
 from maxpar.model import Transformer
 from maxpar.plan.fit import check_local_fit
 from maxpar.training import summary
 from maxpar.training.cadence import StepTimer, cadence
-from maxpar.training.guards import (INTERRUPTED_EXIT_STATUS, PREEMPTED_EXIT_STATUS, LossCheck, Preempted,
-                                    PreemptionWatch, StepsInFlight, StepWatchdog)
+from maxpar.training.guards import (INTERRUPTED_EXIT_STATUS, PREEMPTED_EXIT_STATUS, STORAGE_EXIT_STATUS, LossCheck,
+                                    Preempted, PreemptionWatch, StepsInFlight, StepWatchdog)
 from maxpar.training.optimizer import make_optimizer
 from maxpar.training.profiler import StepProfiler, profile_window
 from maxpar.training.train_step import compile_train_step, create_state, jit_eval_step, layout_check
@@ -63,6 +66,29 @@ def _evaluate(eval_step, params, dataset_factory, steps: int, sharding) -> float
     return loss_sum / max(tokens, 1.0)
 
 
+def _eval_losses(run: RunSetup, eval_step, params) -> dict[str, float]:
+    """eval_loss; a mixture's eval_loss/NAME for each source with held-out documents too, and as eval_loss their
+    mean weighted by the mixture's weights: the held-out loss in the proportions the run trains on."""
+    config = run.config
+    if not run.sources:
+        return {"eval_loss": _evaluate(eval_step, params, run.eval_data, config.eval_steps, run.in_sharding)}
+    evaluated = [s for s in run.sources if s.eval]
+    losses = {s.name: _evaluate(eval_step, params, s.eval, config.eval_steps, run.in_sharding) for s in evaluated}
+    mean = sum(s.weight * losses[s.name] for s in evaluated) / sum(s.weight for s in evaluated)
+    return {"eval_loss": mean, **{f"eval_loss/{name}": loss for name, loss in losses.items()}}
+
+
+def _source_tokens(run: RunSetup, metrics: dict[str, Any]) -> dict[str, int]:
+    """tokens/NAME: a mixture's tokens trained on from each source so far, summed over every process's lanes
+    (a collective: every process logs the same steps)."""
+    if SOURCE_TOKENS not in metrics:
+        return {}
+    counts = np.asarray(metrics[SOURCE_TOKENS]).sum(axis=0)
+    if jax.process_count() > 1:
+        counts = np.asarray(multihost_utils.process_allgather(counts)).sum(axis=0)
+    return {f"tokens/{s.name}": int(n) for s, n in zip(run.sources, counts)}
+
+
 @dataclasses.dataclass(frozen=True)
 class RunSetup:
     """A run layout bound to real devices, with its data, model and optimizer (shared by the loop and the benchmark)."""
@@ -75,6 +101,7 @@ class RunSetup:
     train_data: grain.IterDataset
     eval_data: Callable[[], grain.IterDataset] | None
     data_description: str  # what the data reads, for the run header
+    sources: tuple[SourceData, ...] = ()  # a dataset_mixture's sources: names, weights, eval datasets
 
     @property
     def config(self) -> Config:
@@ -117,9 +144,10 @@ def setup_run(config: Config, devices: Sequence[jax.Device] | None = None) -> Ru
     mesh = build_mesh(layout.mesh, devices)
     block_index, block_count = layout.process_block(mesh)
     data = open_datasets(config, global_rows=layout.batch.global_rows, eval_rows=layout.batch.microbatch_rows,
-                         shard_index=block_index, shard_count=block_count)
-    return RunSetup(layout, devices, mesh, Transformer(config, layout.model), make_optimizer(config), data.train,
-                    data.eval, data.description)
+                         shard_index=block_index, shard_count=block_count, notify=tqdm.write)
+    model = Transformer(model_config(config), layout.model)
+    return RunSetup(layout, devices, mesh, model, make_optimizer(config), data.train, data.eval, data.description,
+                    data.sources)
 
 
 def accumulation_words(steps: int, microbatch_rows: int) -> str:
@@ -147,22 +175,26 @@ def _print_header(run: RunSetup, run_dir: epath.Path, peak: float | None, log: C
         f"peak {'unknown' if peak is None else f'{peak:.3e}'} FLOP/s per device")
     log(f"  data {run.data_description}")
     if run.pipeline is not None:
-        log(f"  {run.pipeline.describe()}")
+        if config.pipeline_schedule == "1f1b":  # the backward is scheduled too: maxpar.core.op_schedule
+            log(f"  {OpSchedule('1f1b', run.pipeline.num_stages, run.pipeline.num_microbatches).describe()}")
+        else:
+            log(f"  {run.pipeline.describe()}")
         log(f"    layers per stage: {run.pipeline.assignment()}")
     log(f"  library logs (absl, Orbax, JAX): {library_log(run_dir)}"
         + (" (one file per process)" if jax.process_count() > 1 else "")
         + ("; also printed here (log_level=debug)" if config.log_level == "debug" else ""))
 
 
-def initial_state(run: RunSetup, manager: Any, iterator: Any, log: Callable[[str], None]) -> Any:
-    """Where training starts: this run's newest usable checkpoint (restoring `iterator` too), else
+def initial_state(run: RunSetup, manager: Any, iterator: Any, log: Callable[[str], None], local: Any = None) -> Any:
+    """Where training starts: this run's newest usable checkpoint in either tier (restoring `iterator` too), else
     load_full_state_path, else load_parameters_path (fresh optimizer), else a fresh init."""
     config = run.config
     target = run.restore_target()
     warn = checkpoint.warn_stderr if jax.process_index() == 0 else (lambda _: None)
-    state = checkpoint.resume(manager, target, iterator, warn) if manager else None
-    if state is not None:
-        log(f"  resumed from checkpoint at step {int(state.step)}")
+    found = local_checkpoint.resume_tiers(manager, local, target, iterator, warn) if manager else None
+    if found is not None:
+        state, tier = found
+        log(f"  resumed from checkpoint at step {int(state.step)} ({tier})")
         return state
     if config.load_full_state_path:
         state = checkpoint.load_full_state(config.load_full_state_path, target, warn)
@@ -172,7 +204,7 @@ def initial_state(run: RunSetup, manager: Any, iterator: Any, log: Callable[[str
     if config.load_parameters_path:
         params = checkpoint.load_parameters(config.load_parameters_path, target, warn)
         log(f"  started from the parameters of {config.load_parameters_path}; fresh optimizer state, step 0")
-        return checkpoint.state_from_params(params, run.tx, run.state_shardings)
+        return checkpoint.state_from_params(params, run.tx, target)
     return create_state(run.model, run.tx, run.layout, run.mesh)
 
 
@@ -201,11 +233,14 @@ def _train(config: Config, devices: Sequence[jax.Device] | None, run_dir: epath.
 
     iterator = iter(run.train_data)
     manager = checkpoint.make_manager(run_dir, config) if config.enable_checkpointing else None
+    local = local_checkpoint.make_local_manager(run_dir.name, config) if manager else None
+    warn = checkpoint.warn_stderr if lead else (lambda _: None)
+    saver = checkpoint.Saver.of(manager, config, warn) if manager else None
     writer, bar = None, None
     profiler = StepProfiler(profile_window(config), run_dir, log)
     try:
         with PreemptionWatch() as preemption, StepWatchdog(config.step_timeout_s) as watchdog:
-            state = initial_state(run, manager, iterator, log)
+            state = initial_state(run, manager, iterator, log, local)
             start = int(state.step)
             if lead and rewind_metrics(run_dir / "metrics.jsonl", start):
                 log(f"  metrics.jsonl: dropped the rows after step {start}; they are logged again from here")
@@ -213,7 +248,8 @@ def _train(config: Config, devices: Sequence[jax.Device] | None, run_dir: epath.
             compile_start = time.perf_counter()
             step_fn = run.compile_train_step()
             log(f"  compiled the train step in {time.perf_counter() - compile_start:.1f} s")
-            eval_fn = jit_eval_step(run.model, run.layout, run.mesh) if run.eval_data else None
+            has_eval = run.eval_data or any(s.eval for s in run.sources)
+            eval_fn = jit_eval_step(run.model, run.layout, run.mesh) if has_eval else None
 
             writer = MetricsWriter(run_dir, enabled=lead)
             if lead:
@@ -232,7 +268,7 @@ def _train(config: Config, devices: Sequence[jax.Device] | None, run_dir: epath.
                 if late:
                     timer.restart()
                 if params is not None:
-                    row["eval_loss"] = _evaluate(eval_fn, params, run.eval_data, config.eval_steps, run.in_sharding)
+                    row.update(_eval_losses(run, eval_fn, params))
                 writer.write(row)
                 bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
                 log(_format_row(row))
@@ -242,9 +278,13 @@ def _train(config: Config, devices: Sequence[jax.Device] | None, run_dir: epath.
             loop_start = time.perf_counter()
             for step in range(start + 1, config.steps + 1):
                 profiler.before_step(step)
-                state, metrics = step_fn(state, global_batch(next(iterator), run.in_sharding))
+                batch = next(iterator)
+                seen = batch.pop(SOURCE_TOKENS, None)
+                state, metrics = step_fn(state, global_batch(batch, run.in_sharding))
                 profiler.after_step(step, metrics)
                 in_flight.add(metrics)
+                if seen is not None:  # read with the step's metrics, which may be logged a step late
+                    metrics = {**metrics, SOURCE_TOKENS: seen}
                 if lagging:  # the previous step, read now that this one is queued
                     losses.check(manager)
                     row, lagging = log_step(*lagging, late=True), None
@@ -260,11 +300,13 @@ def _train(config: Config, devices: Sequence[jax.Device] | None, run_dir: epath.
                     losses.check(manager)
                 if due.log:
                     row = log_step(step, metrics, state.params if due.eval else None)
-                if due.save:
-                    checkpoint.save(manager, step, state, iterator, config, run.shape.global_rows)
+                if due.save or due.save_local:  # first: a resume from this checkpoint keeps its rows
+                    writer.upload()
+                if due.save:  # the last step's and a preemption's complete before the state is given up
+                    saver.save(step, state, iterator, config, run.shape.global_rows, wait=due.stop or due.last)
+                if due.save_local:
+                    local_checkpoint.save_local(local, step, state, iterator, config, run.shape.global_rows)
                 if due.stop:
-                    if manager:
-                        manager.wait_until_finished()  # synchronous: the process may be killed soon
                     raise Preempted(step, saved=manager is not None,
                                     rerun="rerun the same command" if config.run_name else
                                     f"rerun with run_name={run_dir.name}", signum=preemption.signum or signal.SIGTERM)
@@ -273,12 +315,13 @@ def _train(config: Config, devices: Sequence[jax.Device] | None, run_dir: epath.
                 watchdog.progress(step)
     finally:
         profiler.stop()
-        for closable in (bar, writer):  # also when a step raises (preemption, NaN, a lost peer)
+        for closable in (bar, writer):  # also when a step raises (preemption, NaN, a lost peer, lost storage)
             if closable is not None:
-                closable.close()
-        if manager:
-            manager.wait_until_finished()
-            manager.close()
+                storage.close_after(closable.close, warn)
+        for closing in (manager, local):
+            if closing is not None:
+                storage.close_after(closing.wait_until_finished, warn)
+                storage.close_after(closing.close, warn)
     if lead:
         totals = summary.RunTotals(start, max(start, config.steps), time.perf_counter() - setup_start,
                                    time.perf_counter() - loop_start, run.shape.tokens_per_step)
@@ -296,7 +339,8 @@ def _metrics_row(run: RunSetup, step: int, metrics: dict[str, Any], step_time_s:
             "learning_rate": float(metrics["learning_rate"]), "eval_loss": None,
             **throughput(run.config, tokens_per_step=run.shape.tokens_per_step, step_time_s=step_time_s,
                          num_devices=len(run.devices), peak=peak),
-            **{key: float(value) for key, value in metrics.items() if key.startswith("moe_")}}
+            **{key: float(value) for key, value in metrics.items() if key.startswith("moe_")},
+            **_source_tokens(run, metrics)}
 
 
 def _format_row(row: dict[str, Any]) -> str:
@@ -345,6 +389,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except checkpoint.CheckpointError as e:
         print(f"maxpar: checkpoint error: {e}", file=sys.stderr)
         return 1
+    except storage.StorageError as e:  # a checkpoint save that failed on every attempt; the last metrics upload
+        print(f"maxpar: storage error: {e}", file=sys.stderr)
+        return STORAGE_EXIT_STATUS
     except Preempted as e:
         print(f"maxpar: {e}", file=sys.stderr)
         return PREEMPTED_EXIT_STATUS

@@ -15,7 +15,7 @@ PACKAGE = ROOT / "maxpar"
 LAYERS = [
     # core/, bottom up: user paths (local or gs://), axis names, config, mesh, sharding rules, schedule, run layout
     ["maxpar.core.storage"], ["maxpar.core.axes"], ["maxpar.core.config"], ["maxpar.core.mesh"],
-    ["maxpar.core.sharding"], ["maxpar.core.schedule"], ["maxpar.core.layout"],
+    ["maxpar.core.sharding"], ["maxpar.core.schedule"], ["maxpar.core.op_schedule"], ["maxpar.core.layout"],
     ["maxpar.pipeline"],  # the SPMD loop over stages: generic, so the model imports it
     ["maxpar.model"],
     # training/: the optimizer, the jitted step, then the loop's policies and its summary
@@ -101,6 +101,7 @@ PHYSICAL = frozenset({"data", "fsdp", "tensor", "expert", "stage", "context"})  
 # (module, literal): strings that spell an axis name but name something else.
 NOT_AN_AXIS = {
     ("maxpar.io.checkpoint", "data"): "the Orbax item holding the data iterator's state",
+    ("maxpar.io.local_checkpoint", "data"): "the Orbax item holding the data iterator's state",
     ("maxpar.convert.architectures", "expert"): "the expert index in a Hugging Face tensor name",
     ("maxpar.tools.bench", "fsdp"): "a strategy-name prefix (dp, fsdp, tp, ep) mapped to its config key",
 }

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from helpers import tiny_config
-from maxpar.core.config import ConfigError
+from maxpar.core.config import ConfigError, model_config
 from maxpar.core.layout import check_attention_sharding
 from maxpar.model import Transformer
 from maxpar.train import setup_run
@@ -27,13 +27,13 @@ def packed_batch() -> tuple[jax.Array, jax.Array, jax.Array]:
 
 def random_params(config, tokens, positions, segments):
     """Parameters of the model's shapes drawn with NumPy (compiling the real init costs seconds)."""
-    shapes = jax.eval_shape(Transformer(config).init, jax.random.key(0), tokens, positions, segments)
+    shapes = jax.eval_shape(Transformer(model_config(config)).init, jax.random.key(0), tokens, positions, segments)
     rng = np.random.default_rng(0)
     return jax.tree.map(lambda s: jnp.asarray(rng.normal(0.0, 0.3, s.shape), s.dtype), shapes)
 
 
 def logits(config, params, tokens, positions, segments) -> np.ndarray:
-    return np.asarray(jax.jit(Transformer(config).apply)(params, tokens, positions, segments))
+    return np.asarray(jax.jit(Transformer(model_config(config)).apply)(params, tokens, positions, segments))
 
 
 def test_sliding_window_is_the_same_in_both_cores():
@@ -82,7 +82,7 @@ def test_cudnn_config_initializes_abstractly_on_cpu():
     """Init only needs shapes, so the planner can trace a cuDNN config on a machine without a GPU."""
     config = tiny_config("attention=cudnn_flash", "dtype=bfloat16")
     tokens, positions, segments = packed_batch()
-    shapes = jax.eval_shape(Transformer(config).init, jax.random.key(0), tokens, positions, segments)
+    shapes = jax.eval_shape(Transformer(model_config(config)).init, jax.random.key(0), tokens, positions, segments)
     assert shapes["params"]["token_embedding"].value.shape == (config.vocab_size, config.emb_dim)
 
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 import pytest
 
 from helpers import layout_on, tiny_config
+from maxpar.core import layout as layout_module
 from maxpar.core.axes import UNSHARDED_BY_DEFAULT, Logical
-from maxpar.core.config import ConfigError
+from maxpar.core.config import ConfigError, model_config
 from maxpar.model import Transformer
 from maxpar.training.optimizer import make_optimizer
 from maxpar.training.train_step import compile_train_step
@@ -47,13 +47,13 @@ def test_every_name_the_model_uses_is_a_known_logical_axis(name, monkeypatch):
     specs = jax.tree.leaves(layout.state.specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     param_names = {n for spec in specs for n in spec if n is not None}
     constrained: set[str] = set()
-    original = nn.with_logical_constraint
+    original = layout_module.constrain  # what every `ModelLayout.constrain` of the model calls
 
     def recording(x, names, *args, **kwargs):
         constrained.update(n for n in names if n is not None)
         return original(x, names, *args, **kwargs)
 
-    monkeypatch.setattr(nn, "with_logical_constraint", recording)
-    compile_train_step(Transformer(config, layout.model), make_optimizer(config), layout, mesh)
+    monkeypatch.setattr(layout_module, "constrain", recording)
+    compile_train_step(Transformer(model_config(config), layout.model), make_optimizer(config), layout, mesh)
     assert param_names and constrained
     assert param_names | constrained <= set(Logical), (param_names | constrained) - set(Logical)

@@ -6,8 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from helpers import layout_on, tiny_config
+from maxpar.core.config import model_config
 from maxpar.model.attention import causal_document_mask, einsum_attention
 from maxpar.model.blockwise import block_pairs, blockwise_attention
 from maxpar.model.context_parallel import context_attention, sequence_layout, shard_indices
@@ -102,12 +104,12 @@ def test_context_parallel_attention_equals_the_einsum_core(strategy):
     layout, mesh = layout_on(config)
 
     def sharded(q, k, v):
-        out = context_attention(q[:, order], k[:, order], v[:, order], segments[:, order], config,
+        out = context_attention(q[:, order], k[:, order], v[:, order], segments[:, order], model_config(config),
                                 layout.model.context)
         return out[:, back]
 
-    with jax.set_mesh(mesh):
-        got, got_grads = jax.jit(lambda q, k, v: value_and_grads(sharded, q, k, v, w))(q, k, v)
+    placed = jax.device_put((q, k, v), NamedSharding(mesh, P()))  # the layout's shard_map finds the devices here
+    got, got_grads = jax.jit(lambda q, k, v: value_and_grads(sharded, q, k, v, w))(*placed)
     want, want_grads = value_and_grads(lambda *a: einsum_attention(*a, segments, 5), q, k, v, w)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     for g, e in zip(got_grads, want_grads):

@@ -43,6 +43,19 @@ def test_only_a_step_that_is_just_logged_is_read_late():
                        checkpointing=False).after(3).read_late  # not logged at all
 
 
+def test_the_local_tier_saves_the_steps_the_persistent_tier_does_not():
+    config = tiny_config("steps=11", "log_period=1", "checkpoint_period=6", "local_checkpoint_period=2",
+                         "local_checkpoint_directory=/tmp/local")
+    when = cadence(config, has_eval_data=False, checkpointing=True)
+    after = {step: when.after(step) for step in range(1, 12)}
+    assert [s for s, d in after.items() if d.save] == [6, 11]
+    assert [s for s, d in after.items() if d.save_local] == [2, 4, 8, 10]  # 6 is persistent; the last step too
+    assert not any(d.read_late for s, d in after.items() if d.save_local)  # a save needs the step's own state
+    assert all(d.check_losses for d in after.values() if d.save_local)
+    off = cadence(tiny_config("steps=11", "local_checkpoint_period=2"), has_eval_data=False, checkpointing=True)
+    assert not any(off.after(s).save_local for s in range(1, 12))  # no local_checkpoint_directory: no local tier
+
+
 def test_eval_interval_zero_is_the_end_only_and_minus_one_never():
     at_end = cadence(tiny_config("steps=6", "eval_interval=0"), has_eval_data=True, checkpointing=False)
     assert [s for s in range(1, 7) if at_end.after(s).eval] == [6]

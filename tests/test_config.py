@@ -250,11 +250,17 @@ def test_yaml_file_that_does_not_parse_names_the_file(tmp_path):
     ("gradient_accumulation_steps=0", ">= 1"),
     ("ici_fsdp_parallelism=-2", ">= -1"),
     ("eval_interval=-2", ">= -1"),
+    ("local_checkpoint_period=0", ">= 1"),
 ])
 def test_out_of_range(override, bound):
     key, value = override.split("=")
     message = config_error(override)
     assert key in message and value in message and bound in message
+
+
+def test_local_checkpoint_directory_must_be_node_local():
+    message = config_error("local_checkpoint_directory=gs://bucket/local")
+    assert "local_checkpoint_directory='gs://bucket/local'" in message and "node-local" in message
 
 
 def test_zero_degree_rejected():

@@ -19,8 +19,8 @@ import optax
 import pytest
 import torch
 from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MixtralConfig,
-                          MixtralForCausalLM,
-                          MistralForCausalLM)
+                          MixtralForCausalLM, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 
 from helpers import REPO, layout_on, write_corpus
 from maxpar.convert.__main__ import OVERRIDES_FILE, main
@@ -28,11 +28,10 @@ from maxpar.convert.architectures import ARCHITECTURES
 from maxpar.convert.hf_config import ConversionError, hf_config, model_keys, resolve_config, training_overrides
 from maxpar.convert.layout import hf_tensor, maxpar_block
 from maxpar.convert.safetensors_io import HFTensors, write_safetensors
-from maxpar.core.config import ConfigError, load_config
+from maxpar.core.config import ConfigError, load_config, model_config
 from maxpar.io import checkpoint
 from maxpar.model import Transformer
 from maxpar.train import setup_run, train
-from maxpar.training.train_step import sharding_context
 
 BASE = REPO / "configs" / "base.yml"
 VOCAB = 264  # >= the byte tokenizer's 259, so the text pipeline can train these models
@@ -57,6 +56,17 @@ MODELS = {
         hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, vocab_size=VOCAB, num_local_experts=4, num_experts_per_tok=2, rms_norm_eps=1e-5),
         torch.float32, "40KB"),
+    # QK-norm, GQA 4/2, head_dim != hidden/heads, tied embeddings (as Qwen3-0.6B), rope_theta 1e6
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(
+        hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=VOCAB, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), torch.float32, None),
+    # QK-norm and 4 experts of moe_intermediate_size, top-2 renormalized (norm_topk_prob), every layer MoE
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(
+        hidden_size=48, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+        torch.float32, "40KB"),
 }
 
 MESHES = {
@@ -67,11 +77,12 @@ MESHES = {
 }
 
 
-def save_hf_model(directory: Path, name: str, seed: int = 0) -> Path:
-    """A random model of MODELS[name] saved by transformers; weights far from init so every tensor matters."""
+def save_hf_model(directory: Path, name: str, seed: int = 0, **changes) -> Path:
+    """A random model of MODELS[name] (its config `changes`d) saved by transformers; weights far from init so every
+    tensor matters."""
     config_class, model_class, dims, dtype, shard = MODELS[name]
     torch.manual_seed(seed)
-    model = model_class(config_class(**dims))
+    model = model_class(config_class(**{**dims, **changes}))
     with torch.no_grad():
         for param_name, param in model.named_parameters():
             if param_name.endswith("norm.weight"):
@@ -101,13 +112,12 @@ def maxpar_logits(converted: Path, tokens: np.ndarray, devices, *overrides: str,
     config = load_config([str(BASE), *overrides_of(converted), "dtype=float32",
                           f"max_target_length={tokens.shape[1]}", *overrides])
     layout, mesh = layout_on(config, devices, optax.identity())
-    model = Transformer(config, layout.model)
+    model = Transformer(model_config(config), layout.model)
     target = checkpoint.Target(config, layout.state.abstract, layout.state_shardings(mesh), 0)
     params = checkpoint.load_parameters(config.load_parameters_path, target)
     positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
     segments = np.ones_like(tokens) if segment_ids is None else segment_ids
-    with sharding_context(mesh, config.axis_rules):
-        logits = jax.jit(lambda p, *xs: model.apply({"params": p}, *xs))(params, tokens, positions, segments)
+    logits = jax.jit(lambda p, *xs: model.apply({"params": p}, *xs))(params, tokens, positions, segments)
     return np.asarray(logits)
 
 
@@ -324,6 +334,85 @@ def test_a_mixture_of_experts_does_not_export_as_a_dense_architecture():
     config = load_config([str(BASE), "model_name=tiny-moe"])
     with pytest.raises(ConversionError, match=r"num_experts=8: LlamaForCausalLM has no such setting \(it needs 1\)"):
         hf_config(config, ARCHITECTURES["LlamaForCausalLM"], "float32")
+
+
+def test_a_qk_norm_model_does_not_export_as_llama():
+    config = load_config([str(BASE), "model_name=qwen3-8b"])
+    with pytest.raises(ConversionError, match=r"qk_norm=True: LlamaForCausalLM has no such setting"):
+        hf_config(config, ARCHITECTURES["LlamaForCausalLM"], "float32")
+
+
+# ---------------------------------------------------------------- Qwen3 published configs
+
+QWEN3 = {"rope_theta": 1000000.0, "rope_scaling": None, "rms_norm_eps": 1e-6, "vocab_size": 151936, "head_dim": 128,
+         "hidden_act": "silu", "attention_bias": False, "use_sliding_window": False, "sliding_window": None,
+         "torch_dtype": "bfloat16"}
+
+
+def qwen3_published(name: str) -> dict:
+    """config.json of Qwen/Qwen3-0.6B, Qwen3-8B and Qwen3-30B-A3B as published (model keys)."""
+    dense = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **QWEN3}
+    return {
+        "qwen3-0.6b": {**dense, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                       "num_attention_heads": 16, "num_key_value_heads": 8, "tie_word_embeddings": True,
+                       "max_window_layers": 28},
+        "qwen3-8b": {**dense, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": False,
+                     "max_window_layers": 36},
+        "qwen3-30b-a3b": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **QWEN3,
+                          "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                          "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+                          "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+                          "decoder_sparse_step": 1, "mlp_only_layers": [], "max_window_layers": 48,
+                          "router_aux_loss_coef": 0.001, "tie_word_embeddings": False},
+    }[name]
+
+
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b"])
+def test_qwen3_published_configs_are_the_presets(name):
+    hf = qwen3_published(name)
+    config = resolve_config(model_keys(hf, ARCHITECTURES[hf["architectures"][0]]), [f"model_name={name}"], BASE)
+    assert training_overrides(config, BASE) == [f"model_name={name}"]
+
+
+def test_qwen3_moe_sparse_step_is_the_moe_layer_interval():
+    """Every 2nd layer MoE (HF layer i is sparse when (i + 1) % step == 0), dense layers as wide as the experts."""
+    hf = {**qwen3_published("qwen3-30b-a3b"), "decoder_sparse_step": 2, "intermediate_size": 768}
+    assert model_keys(hf, ARCHITECTURES["Qwen3MoeForCausalLM"])["moe_layer_interval"] == 2
+    del hf["norm_topk_prob"]  # absent: transformers' default, false
+    assert model_keys(hf, ARCHITECTURES["Qwen3MoeForCausalLM"])["norm_topk_prob"] is False
+
+
+def test_qwen3_moe_with_dense_layers_and_raw_topk_weights_converts_both_ways(tmp_path):
+    """decoder_sparse_step=2: HF layers 0 and 2 dense, 1 and 3 MoE, stored by maxpar as 2 blocks of 2 sublayers
+    (moe_layer_interval=2); norm_topk_prob=false (transformers' default): the top-k probabilities not renormalized.
+    Logits equal transformers' under EP(2)xFSDP(2)xTP(2) (renormalized, they do not), and to_hf gives the tensors
+    back."""
+    hf_dir = save_hf_model(tmp_path / "hf", "qwen3_moe", decoder_sparse_step=2, intermediate_size=32,
+                           num_hidden_layers=4, norm_topk_prob=False)
+    converted = tmp_path / "maxpar" / "converted"
+    assert main(["from_hf", "--hf_path", str(hf_dir), "--out", str(converted)]) == 0
+    assert {"moe_layer_interval=2", "norm_topk_prob=false"} <= set(overrides_of(converted))
+    tokens, mesh = tokens_for(5), ("ici_expert_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2")
+    theirs = hf_logits(hf_dir, tokens)
+    np.testing.assert_allclose(maxpar_logits(converted, tokens, jax.devices()[:8], *mesh), theirs, rtol=2e-5, atol=2e-5)
+    renormalized = maxpar_logits(converted, tokens, jax.devices()[:8], *mesh, "norm_topk_prob=true")
+    assert np.abs(renormalized - theirs).max() > 1e-2
+    back = tmp_path / "back"
+    assert main(["to_hf", "--checkpoint", str(converted), "--out", str(back)]) == 0
+    original, ours_back = read_all(hf_dir), read_all(back)
+    assert sorted(ours_back) == sorted(original) and "model.layers.0.mlp.gate_proj.weight" in original
+    assert all(np.array_equal(ours_back[name], value) for name, value in original.items())
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"mlp_only_layers": [0, 47]}, r"mlp_only_layers=\[0, 47\]"),
+    ({"decoder_sparse_step": 2}, "decoder_sparse_step=2 with intermediate_size=6144 != moe_intermediate_size=768"),
+    ({"use_sliding_window": True, "sliding_window": 4096}, "use_sliding_window=true"),
+])
+def test_qwen3_moe_features_maxpar_cannot_represent_are_refused(change, message):
+    with pytest.raises(ConversionError, match=message):
+        model_keys({**qwen3_published("qwen3-30b-a3b"), **change}, ARCHITECTURES["Qwen3MoeForCausalLM"])
 
 
 # ---------------------------------------------------------------- Llama 3.1+ RoPE scaling

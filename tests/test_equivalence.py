@@ -78,6 +78,15 @@ OWN_REFERENCE = {
                                                         "capacity_factor=1.0"],
                                    ["ici_expert_parallelism=2", "ici_stage_parallelism=2", "ici_fsdp_parallelism=2",
                                     "num_pipeline_microbatches=2"]),
+    # Qwen3's QK-norm (per-head RMSNorm scales over head_dim): Qwen3-MoE's shape pipelined under EP(2) x PP(2) x
+    # TP(2); dense Qwen3 context-parallel (ring) under CP(2) x FSDP(2) x TP(2) (CP takes no MoE or stages yet).
+    "qwen3_moe_ep2_pp2_tp2": ("configs/base.yml", ["qk_norm=true", "num_experts=4", "num_experts_per_tok=2",
+                                                   "capacity_factor=0"],
+                              ["ici_expert_parallelism=2", "ici_stage_parallelism=2", "ici_tensor_parallelism=2",
+                               "ici_fsdp_parallelism=1", "num_pipeline_microbatches=2"]),
+    "qwen3_cp2_fsdp2_tp2": ("configs/base.yml", ["qk_norm=true", "attention=blockwise"],
+                            ["ici_context_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2",
+                             "context_parallel_strategy=ring"]),
 }
 MOE_METRICS = ("moe_load_balance_loss", "moe_dropped_tokens")
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from helpers import tiny_config
 from maxpar.core.config import ConfigError
@@ -88,10 +92,153 @@ def test_the_program_really_casts_to_both_fp8_formats():
     assert "f8E4M3FN" in text and "f8E5M2" in text
 
 
-def test_delayed_scaling_is_refused_until_it_exists():
-    with pytest.raises(ConfigError, match="delayed scaling is not implemented"):
-        tiny_config("quantization=fp8", "fp8_scaling=delayed")
-    tiny_config("fp8_scaling=delayed")  # without fp8 the recipe is not used
+# ---------------------------------------------------------------- delayed scaling
+
+def test_the_delayed_scale_is_the_history_largest_amax_and_follows_it():
+    history = jnp.array([2.0, 5.0, 1.0], jnp.float32)  # newest first
+    x = jnp.array([3.0, -1.0], jnp.float32)
+    q, scale, amax = fp8.quantize_delayed(x, history, fp8.E4M3)
+    assert float(scale) == pytest.approx(5.0 / fp8.largest(fp8.E4M3)) and float(amax) == 3.0
+    np.testing.assert_array_equal(q, fp8.quantize(x, fp8.E4M3, scale))
+    for step in range(3):  # the 5 leaves the history after three more steps of amax 3
+        history = fp8.push_amax(history[None], jnp.array([3.0]))[0]
+        want = 5.0 if step < 1 else 3.0  # [3, 2, 5] keeps it, [3, 3, 2] has lost it
+        assert float(fp8.delayed_scale(x, history, fp8.E4M3)[0]) == pytest.approx(want / fp8.largest(fp8.E4M3))
+    np.testing.assert_array_equal(history, [3.0, 3.0, 3.0])
+    # A tensor larger than its history saturates at the format's largest value instead of overflowing.
+    q, _, amax = fp8.quantize_delayed(x * 100, history, fp8.E4M3)
+    assert float(q[0]) == fp8.largest(fp8.E4M3) and float(amax) == 300.0
+
+
+@pytest.mark.parametrize("fmt", [fp8.E4M3, fp8.E5M2], ids=["e4m3", "e5m2"])
+def test_an_empty_history_scales_by_the_current_amax(fmt):
+    """The first step (histories all zeros) quantizes exactly as current scaling does."""
+    x = jax.random.normal(jax.random.key(3), (64,), jnp.float32) * 7
+    q, scale, _ = fp8.quantize_delayed(x, jnp.zeros((4,), jnp.float32), fmt)
+    want_q, want_scale = fp8.quantize_current(x, fmt)
+    assert float(scale) == float(want_scale)
+    np.testing.assert_array_equal(np.asarray(q, np.float32), np.asarray(want_q, np.float32))
+
+
+def test_delayed_matmul_uses_the_history_scales_and_reports_the_observed_amaxes():
+    """Forward and backward quantize with the scales of the history's rows (x, w, g); the history's cotangent
+    carries the three amaxes observed in column 0, which `update_histories` pushes in front."""
+    x, w, g = operands()
+    history = jnp.array([[4.0, 1.0], [0.5, 0.25], [2.0, 0.0]], jnp.float32)  # amaxes of x, w, g: newest first
+    y, pullback = jax.vjp(lambda x, w, h: matmul(SPEC, x, w, jnp.float32, quantization="fp8", history=h),
+                          x, w, history)
+    scales = [fp8.scale_from_amax(history[i].max(), fmt) for i, fmt in enumerate(fp8.FORMATS)]
+    xq, wq, gq = (fp8.dequantize(fp8.quantize(t, fmt, s), s, jnp.float32)
+                  for t, fmt, s in zip((x, w, g), fp8.FORMATS, scales))
+    np.testing.assert_allclose(y, jnp.einsum(SPEC, xq, wq), rtol=1e-5, atol=1e-5)
+    dx, dw, dh = pullback(g)
+    np.testing.assert_allclose(dx, jnp.einsum("blhd,ehd->ble", gq, wq), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dw, jnp.einsum("ble,blhd->ehd", xq, gq), rtol=1e-5, atol=1e-5)
+    amaxes = [float(jnp.abs(t).max()) for t in (x, w, g)]
+    np.testing.assert_array_equal(dh[:, 0], amaxes)
+    np.testing.assert_array_equal(dh[:, 1:], 0.0)
+    updated = fp8.update_histories({"m": history}, {"m": dh})["m"]
+    np.testing.assert_array_equal(updated, np.stack([amaxes, history[:, 0]], axis=1))
+
+
+def test_microbatches_report_the_largest_amax_not_the_sum():
+    a, b = {"m": jnp.array([[3.0, 0.0], [1.0, 0.0]])}, {"m": jnp.array([[2.0, 0.0], [5.0, 0.0]])}
+    np.testing.assert_array_equal(fp8.combine_observed(a, b)["m"], [[3.0, 0.0], [5.0, 0.0]])
+
+
+def test_delayed_scaling_is_refused_with_pipeline_stages():
+    from helpers import layout_on
+    with pytest.raises(ConfigError, match="fp8_scaling=delayed with ici_stage_parallelism"):
+        layout_on(tiny_config("quantization=fp8", "fp8_scaling=delayed", "ici_stage_parallelism=2"))
+    layout_on(tiny_config("fp8_scaling=delayed", "ici_stage_parallelism=2"))  # without fp8 the recipe is not used
+
+
+def test_the_histories_are_a_replicated_collection_stacked_like_the_layers_and_not_trained():
+    """One [x/w/g, history length] array per projection, per layer ([layers, ...] when scanned), replicated; the
+    optimizer state has no moments for them; a model without delayed scaling has none."""
+    from maxpar.training.train_step import trace_state
+
+    traced = trace_state(tiny_config("quantization=fp8", "fp8_scaling=delayed", "fp8_amax_history_length=5"))
+    meta, specs = traced.abstract.fp8_meta, traced.specs.fp8_meta
+    layers = meta["decoder"]["layers"]
+    assert sorted(layers["attention"]) == ["key", "out", "query", "value"]
+    assert sorted(layers["mlp"]) == ["wi_gate", "wi_up", "wo"]
+    assert {leaf.shape for leaf in jax.tree.leaves(meta)} == {(2, 3, 5)}
+    assert all(not any(spec) for spec in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P)))
+    assert (2, 3, 5) not in {leaf.shape for leaf in jax.tree.leaves(traced.abstract.opt_state)}  # no moments
+    assert trace_state(tiny_config("quantization=fp8")).abstract.fp8_meta == {}
+
+
+def test_gradient_accumulation_reports_the_amaxes_of_the_whole_step():
+    """With the scales set by the histories, two microbatches observe the amaxes of the whole batch at once (their
+    max; a cotangent sum would add them), and the step pushes them in front of the histories."""
+    from maxpar.model import Transformer
+    from maxpar.training.train_step import _grads, init_state, make_optimizer
+
+    config = tiny_config("quantization=fp8", "fp8_scaling=delayed", "fp8_amax_history_length=2")
+    model, tokens = Transformer(config), jax.random.randint(jax.random.key(4), (4, 32), 0, config.vocab_size)
+    batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, axis=1), "segment_ids": jnp.ones_like(tokens),
+             "positions": jnp.broadcast_to(jnp.arange(32), tokens.shape)}
+    state = jax.jit(lambda rng: nn.unbox(init_state(model, make_optimizer(config), config, rng)))(jax.random.key(0))
+    meta = jax.tree.map(lambda h: h.at[..., 1].set(8.0), state.fp8_meta)
+
+    def observed(accumulation):
+        cfg = dataclasses.replace(config, gradient_accumulation_steps=accumulation)
+        _, seen, _ = jax.jit(lambda p, m, b: _grads(p, m, model, b, cfg))(state.params, meta, batch)
+        return seen
+
+    whole, split = observed(1), observed(2)
+    assert all((fp8.observed(leaf) > 0).all() for leaf in jax.tree.leaves(whole))
+    for got, want in zip(jax.tree.leaves(split), jax.tree.leaves(whole)):
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+    pushed = fp8.update_histories(meta, whole)
+    for history, seen in zip(jax.tree.leaves(pushed), jax.tree.leaves(whole)):
+        np.testing.assert_array_equal(history, np.stack([fp8.observed(seen), np.zeros_like(history[..., 1])], -1))
+
+
+# ---------------------------------------------------------------- MoE experts (round trips under shard_map)
+
+def test_the_round_trip_product_is_the_fp8_matmul_forward_and_backward():
+    """The experts' fp8 (operands to e4m3 and back, the output's gradient to e5m2 and back, jax's own gradients)
+    computes what the fp8 matmul of maxpar.model.matmul does."""
+    x, w, g = operands()
+    einsum = lambda a, b: jnp.einsum(SPEC, a, b)  # noqa: E731
+    y, pullback = jax.vjp(lambda x, w: fp8.fp8_product(einsum, x, w, ()), x, w)
+    want, want_pullback = jax.vjp(lambda x, w: matmul(SPEC, x, w, jnp.float32, quantization="fp8"), x, w)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    for got, expected in zip(pullback(g), want_pullback(g)):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_sharded_tensor_is_scaled_by_its_global_amax():
+    mesh = jax.make_mesh((8,), ("shards",))
+    x = jnp.arange(64, dtype=jnp.float32).reshape(8, 8) - 20  # every shard has another amax
+    shards = jax.device_put(x, jax.sharding.NamedSharding(mesh, P("shards")))
+    scales = jax.shard_map(lambda s: fp8.current_scale(s, fp8.E4M3, ("shards",))[None], mesh=mesh,
+                           in_specs=P("shards"), out_specs=P("shards"))(shards)
+    np.testing.assert_array_equal(scales, np.full(8, float(fp8.current_scale(x, fp8.E4M3))))
+
+
+@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
+def test_moe_experts_run_in_fp8(dispatch):
+    """quantization=fp8 changes the MoE block's output by fp8's rounding, and its program casts to both formats."""
+    from maxpar.model.moe import MoeBlock
+
+    capacity = ["capacity_factor=2"] if dispatch == "capacity" else []
+    x = jax.random.normal(jax.random.key(5), (2, 32, 64), jnp.float32)
+    valid = jnp.ones((2, 32), bool)
+
+    def block(*overrides):
+        module = MoeBlock(tiny_config("num_experts=4", "num_experts_per_tok=2", *capacity, *overrides))
+        return module, module.init(jax.random.key(0), x, valid)
+
+    (plain, variables), (quantized, _) = block(), block("quantization=fp8")
+    apply = lambda m, x: m.apply(variables, x, valid, mutable=["moe_stats"])[0]  # noqa: E731
+    want, got = apply(plain, x), apply(quantized, x)
+    error = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+    assert 1e-4 < error < 0.1, error  # rounded, by about e4m3's precision
+    text = jax.jit(jax.grad(lambda x: apply(quantized, x).sum())).lower(x).as_text()
+    assert "f8E4M3FN" in text and "f8E5M2" in text
 
 
 # ---------------------------------------------------------------- training
@@ -169,7 +316,8 @@ def test_planner_counts_the_quantized_matmuls_at_the_fp8_peak():
     assert fp8_matmul_params(config) == config.num_decoder_layers * layer  # not the output projection
     assert fp8_matmul_params(tiny_config()) == 0
     moe = tiny_config("quantization=fp8", "num_experts=4", "num_experts_per_tok=2")
-    assert fp8_matmul_params(moe) == config.num_decoder_layers * (layer - 3 * e * config.mlp_dim)  # experts stay
+    # Two active experts' gate, up and down in place of the MLP's; the router stays in dtype.
+    assert fp8_matmul_params(moe) == config.num_decoder_layers * (layer + 3 * e * config.mlp_dim)
     assert fp8_matmul_params(config) < matmul_params(config)
 
     tokens = 1000.0
@@ -182,3 +330,64 @@ def test_planner_counts_the_quantized_matmuls_at_the_fp8_peak():
             compute_seconds(flops, quantized, h100)[phase]
         assert saved == pytest.approx(quantized[phase] * (1 / h100.peak_flops - 1 / h100.peak_fp8_flops))
         assert compute_seconds(flops, quantized, v5p)[phase] == pytest.approx(flops[phase] / v5p.peak_flops)
+
+
+# ---------------------------------------------------------------- delayed scaling: training and resuming
+
+def test_delayed_fp8_on_fsdp8_equals_delayed_fp8_on_one_device(tmp_path, corpus):
+    """The histories hold global amaxes (a max over the sharded tensors), so FSDP(8) keeps the same histories and
+    scales as one device: equal at the tolerance of `test_fp8_on_fsdp8_equals_fp8_on_one_device`, which says why."""
+    from test_equivalence import run_metrics
+
+    delayed = ("quantization=fp8", "fp8_scaling=delayed", "fp8_amax_history_length=2")
+    single = run_metrics(tmp_path / "one", corpus, jax.devices()[:1], "per_device_batch_size=8", *delayed)
+    sharded = run_metrics(tmp_path / "eight", corpus, jax.devices(), "per_device_batch_size=1", *delayed,
+                          "ici_fsdp_parallelism=8")
+    assert single["loss"][-1] < single["loss"][0] - 1  # it is really training
+    np.testing.assert_allclose(sharded["loss"][0], single["loss"][0], rtol=1e-5)
+    for name in single:
+        np.testing.assert_allclose(sharded[name], single[name], rtol=5e-3, err_msg=name)
+
+
+def saved_histories(run_dir, step):
+    """The fp8_meta item of a run's checkpoint `step`, as numpy arrays."""
+    import orbax.checkpoint as ocp
+
+    from maxpar.io.checkpoint import HISTORIES
+    with ocp.PyTreeCheckpointer() as reader:
+        return jax.tree.map(np.asarray, reader.restore(run_dir / "checkpoints" / str(step) / HISTORIES))
+
+
+@pytest.mark.filterwarnings("ignore:Sharding info not provided")  # saved_histories reads them as one device
+def test_the_amax_histories_survive_a_kill_and_resume_bitwise(tmp_path, corpus):
+    """kill -9 once checkpoint 4 is complete, then the same run resumes: every step's loss and gradient norm and the
+    last checkpoint's histories equal the uninterrupted run's bit for bit (resuming with empty histories would
+    change the first resumed step's scales, and its loss)."""
+    from helpers import (compilation_cache_env, logged_steps, read_metrics, start_training, train_command,
+                         wait_until)
+    from maxpar.train import train
+
+    steps = 16
+    delayed = ["dataset_type=text", f"dataset_path={corpus}", "per_device_batch_size=1", f"steps={steps}",
+               "checkpoint_period=4", "enable_checkpointing=true", "quantization=fp8", "fp8_scaling=delayed",
+               "fp8_amax_history_length=3"]
+    reference, run_dir = tmp_path / "reference", tmp_path / "run"
+    train(tiny_config(*delayed), devices=jax.devices(), run_dir=reference)
+
+    first = start_training(train_command(*delayed, f"base_output_directory={tmp_path}", "run_name=run"),
+                           tmp_path / "first.log", compilation_cache_env(tmp_path / "jax_cache"))
+    wait_until(first, (run_dir / "checkpoints" / "4").is_dir, "checkpoint 4 was complete")
+    first.kill()
+    first.wait(timeout=60)
+    assert max(logged_steps(run_dir)) < steps, "the run finished before it could be killed"
+    train(tiny_config(*delayed), devices=jax.devices(), run_dir=run_dir)
+
+    rows, expected = read_metrics(run_dir), read_metrics(reference)
+    assert [row["step"] for row in rows] == list(range(1, steps + 1))
+    for name in ("loss", "grad_norm"):
+        assert [row[name] for row in rows] == [row[name] for row in expected], name
+    got, want = saved_histories(run_dir, steps), saved_histories(reference, steps)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(a, b)
+        assert (a > 0).all()  # a full history: every step observed every amax

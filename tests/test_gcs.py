@@ -5,17 +5,26 @@ The training runs are real processes that reach the server through STORAGE_EMULA
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import re
 import shlex
+import signal
 import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 
-import pytest
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gcs, helpers, also for the launched worker processes
 
-from gcs import DERIVED, emulator, filesystem, process_env
-from helpers import REPO, compilation_cache_env, train_command
-from maxpar.core import storage
-from maxpar.train import main as train_main
+import pytest  # noqa: E402
+
+from gcs import DERIVED, emulator, filesystem, process_env  # noqa: E402
+from helpers import REPO, TINY, compilation_cache_env, train_command  # noqa: E402
+from maxpar.core import storage  # noqa: E402
+from maxpar.train import main as train_main  # noqa: E402
 
 BUCKET = "maxpar-test"
 RUN = f"gs://{BUCKET}/runs/r"
@@ -120,12 +129,31 @@ def test_a_bucket_it_cannot_write_is_one_line_and_exit_2(gcs, monkeypatch, capsy
     assert not filesystem(gcs).exists(f"{BUCKET}-missing"), "the check must never create the bucket"
 
 
-def test_a_text_dataset_and_its_tokenizer_read_from_the_bucket_give_the_same_batches(gcs, tmp_path):
-    tokenizers = pytest.importorskip("tokenizers")
+def first_batches(config, count: int = 3) -> tuple[list[dict], dict]:
+    """The first `count` training batches of `config`'s data, one eval batch, and the iterator's state after them
+    (what a checkpoint saves)."""
+    from maxpar.io.data.pipeline import open_datasets
+
+    datasets = open_datasets(config, global_rows=4, eval_rows=4, shard_index=0, shard_count=1)
+    iterator = iter(datasets.train)
+    batches = [next(iterator) for _ in range(count)]
+    if datasets.eval is not None:
+        batches.append(next(iter(datasets.eval())))
+    return batches, iterator.get_state()
+
+
+def assert_same_batches(remote: tuple[list[dict], dict], here: tuple[list[dict], dict]) -> None:
     import numpy as np
 
+    assert remote[1] == here[1]
+    for a, b in zip(remote[0], here[0], strict=True):
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_a_text_dataset_and_its_tokenizer_read_from_the_bucket_give_the_same_batches(gcs, tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+
     from helpers import tiny_config, write_corpus
-    from maxpar.io.data.pipeline import open_datasets
 
     local = tmp_path / "data"
     write_corpus(local / "corpus")
@@ -136,33 +164,125 @@ def test_a_text_dataset_and_its_tokenizer_read_from_the_bucket_give_the_same_bat
     hf.save(str(local / "tokenizer.json"))
     filesystem(gcs).put(str(local), f"{BUCKET}/data", recursive=True)
 
-    def batches(root: str) -> list[dict]:
-        config = tiny_config("dataset_type=text", f"dataset_path={root}/corpus/*.txt",
-                             f"tokenizer_path={root}/tokenizer.json", "eval_fraction=0.25")
-        datasets = open_datasets(config, global_rows=4, eval_rows=4, shard_index=0, shard_count=1)
-        iterator = iter(datasets.train)
-        return [next(iterator) for _ in range(3)]
+    def batches(root: str) -> tuple[list[dict], dict]:
+        return first_batches(tiny_config("dataset_type=text", f"dataset_path={root}/corpus/*.txt",
+                                         f"tokenizer_path={root}/tokenizer.json", "eval_fraction=0.25"))
 
-    remote, here = batches(f"gs://{BUCKET}/data"), batches(str(local))
-    for a, b in zip(remote, here, strict=True):
-        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    assert_same_batches(batches(f"gs://{BUCKET}/data"), batches(str(local)))
 
 
-def test_what_reads_only_local_files_refuses_gs_in_one_line(tmp_path, capsys):
-    """Record shards, hf_data_files and the converter's directories are local only: a gs:// value is refused by
-    name (never a local folder `gs:`), before anything is read."""
-    from helpers import tiny_config
-    from maxpar.core.config import ConfigError
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "arrayrecord", "hf-json", "hf-saved"])
+def test_record_shards_and_hf_data_read_from_the_bucket_give_the_same_batches(gcs, tmp_path, monkeypatch, kind):
+    """Grain's record shards (a gs:// glob), hf_data_files (a gs:// glob) and a save_to_disk hf_path on gs://:
+    the same batches, eval batch and data position as from a local copy of the same files."""
+    from test_records import record_texts, source_config
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the node-local cache of ArrayRecord shards
+    local = tmp_path / kind
+    config = source_config(kind, local, record_texts(30), "eval_fraction=0.2")
+    filesystem(gcs).put(str(local), f"{BUCKET}/records/{kind}", recursive=True)
+    paths = {"dataset_path": config.dataset_path, "hf_path": config.hf_path, "hf_data_files": config.hf_data_files}
+    remote = dataclasses.replace(config, **{key: value.replace(str(local), f"gs://{BUCKET}/records/{kind}")
+                                            for key, value in paths.items() if value.startswith(str(local))})
+    assert remote != config
+    assert_same_batches(first_batches(remote), first_batches(config))
+    copies = sorted(path.name for path in (tmp_path / f"maxpar-{os.getuid()}").rglob("*") if path.is_file())
+    assert copies == ([f"part-00{s}.arrayrecord" for s in range(3)] if kind == "arrayrecord" else [])
+
+
+def test_a_local_copy_is_fetched_once_per_version_of_the_object(gcs, tmp_path):
+    """What ArrayRecord reads from: a copy kept while the object is unchanged, fetched again once it is replaced."""
+    fs = filesystem(gcs)
+    url = f"gs://{BUCKET}/copies/shard.bin"
+    fs.pipe(url.removeprefix("gs://"), b"first")
+    copy = storage.local_copy(url, cache=tmp_path)
+    assert open(copy, "rb").read() == b"first" and storage.local_copy(url, cache=tmp_path) == copy
+    fs.pipe(url.removeprefix("gs://"), b"second")
+    assert open(storage.local_copy(url, cache=tmp_path), "rb").read() == b"second"
+    assert storage.local_copy(str(tmp_path / "x"), cache=tmp_path) == str(tmp_path / "x")
+
+
+def test_convert_reads_and_writes_the_bucket(trained, gcs, tmp_path):
+    """to_hf from the trained run's gs:// checkpoint into gs://, from_hf back from gs:// into gs://, and to_hf of
+    that with the first export as a gs:// template: the same tensors and config.json, bit for bit."""
     from maxpar.convert.__main__ import main as convert_main
-    from maxpar.io.data.pipeline import corpus
+    from maxpar.convert.safetensors_io import HFTensors
 
-    with pytest.raises(ConfigError, match=r"^dataset_path='gs://b/shards/\*': dataset_type=grain reads local"):
-        corpus(tiny_config("dataset_type=grain", "dataset_path=gs://b/shards/*"))
-    with pytest.raises(SystemExit) as exited:
-        convert_main(["from_hf", "--hf_path", str(tmp_path), "--out", "gs://b/converted"])
-    assert exited.value.code == 2
-    assert "'gs://b/converted': maxpar.convert reads and writes local paths only" in capsys.readouterr().err
+    root = f"gs://{BUCKET}/convert"
+    assert convert_main(["to_hf", "--checkpoint", f"{RUN}/checkpoints/6", "--out", f"{root}/hf"]) == 0
+    assert convert_main(["from_hf", "--hf_path", f"{root}/hf", "--out", f"{root}/back"]) == 0
+    assert convert_main(["to_hf", "--checkpoint", f"{root}/back", "--out", str(tmp_path / "again"),
+                         "--hf_template", f"{root}/hf"]) == 0  # keeps max_position_embeddings, which from_hf drops
+    fs = filesystem(gcs)
+    fs.get(f"{BUCKET}/convert/hf", str(tmp_path / "first"), recursive=True)
+    assert sorted(p.name for p in (tmp_path / "first").iterdir()) == ["config.json", "model.safetensors"]
+    assert f"load_parameters_path={root}/back" in fs.cat(f"{BUCKET}/convert/back/overrides.txt").decode()
+    first, again = HFTensors(tmp_path / "first"), HFTensors(tmp_path / "again")
+    with first, again:
+        assert first.names == again.names
+        for name in first.names:
+            a, b = first.read(name, ()), again.read(name, ())
+            assert a.dtype == b.dtype and (a == b).all(), name
+    assert (tmp_path / "first" / "config.json").read_text() == (tmp_path / "again" / "config.json").read_text()
     assert not (REPO / "gs:").exists() and not (tmp_path / "gs:").exists()
+
+
+def test_the_bucket_checkpoint_loads_onto_another_mesh(trained, gcs):
+    """load_full_state_path and load_parameters_path from gs:// onto FSDP(4)xTP(2), where the run trained on
+    FSDP(8): the same values in the new shardings."""
+    import jax
+    import numpy as np
+
+    from helpers import layout_on, tiny_config
+    from maxpar.io import checkpoint
+
+    overrides = ("dataset_type=synthetic", "per_device_batch_size=1")
+    trained_on = checkpoint.Target.of(*layout_on(tiny_config(*overrides)))
+    other = checkpoint.Target.of(*layout_on(tiny_config(*overrides, "ici_fsdp_parallelism=4",
+                                                        "ici_tensor_parallelism=2")))
+    expected = checkpoint.load_full_state(f"{RUN}/checkpoints/6", trained_on)
+    state = checkpoint.load_full_state(f"{RUN}/checkpoints/6", other)
+    params = checkpoint.load_parameters(RUN, other)  # a run directory: its newest step
+    assert int(state.step) == STEPS
+
+    def shardings(tree) -> list:
+        return [leaf.sharding for leaf in jax.tree.leaves(tree)]
+
+    assert shardings(state.params) == shardings(params) == jax.tree.leaves(other.shardings.params)
+    assert shardings(state.params) != shardings(expected.params)  # another mesh indeed
+    assert shardings(state.opt_state) == jax.tree.leaves(other.shardings.opt_state)
+    for restored, reference in ((state.params, expected.params), (params, expected.params),
+                                (state.opt_state, expected.opt_state)):
+        assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(a, b), restored, reference))
+
+
+def test_metrics_reach_the_bucket_once_a_minute_at_each_save_and_at_the_end(gcs):
+    """Not after every row (each upload copies the whole files): when 60 s have passed since the last upload, when
+    the loop asks (a checkpoint save; the clock restarts there) and at close."""
+    from maxpar.io.metrics import MetricsWriter
+
+    now = [0.0]
+    writer = MetricsWriter(storage.path(f"gs://{BUCKET}/metrics"), enabled=True,
+                           upload_policy=storage.UploadPolicy(60.0, clock=lambda: now[0]))
+    fs = filesystem(gcs)
+
+    def uploaded() -> list[int]:
+        path = f"{BUCKET}/metrics/metrics.jsonl"
+        return [row["step"] for row in rows(fs, path)] if fs.exists(path) else []
+
+    def write(step: int, at: float) -> list[int]:
+        now[0] = at
+        writer.write({"step": step, "loss": 1.0 / step})
+        return uploaded()
+
+    assert write(1, 0.0) == [] and write(2, 59.0) == []
+    assert write(3, 60.0) == [1, 2, 3]
+    assert write(4, 100.0) == [1, 2, 3]
+    writer.upload()  # a checkpoint save
+    assert uploaded() == [1, 2, 3, 4] and write(5, 150.0) == [1, 2, 3, 4]
+    writer.close()  # the end of the run, also on an error
+    assert uploaded() == [1, 2, 3, 4, 5]
+    assert fs.glob(f"{BUCKET}/metrics/tensorboard/events.out.tfevents.*")
 
 
 def test_each_kind_of_refused_write_is_named():
@@ -180,3 +300,112 @@ def test_each_kind_of_refused_write_is_named():
                    ).startswith("permission denied: Forbidden: b/runs/x x@y does not have")
     assert problem(OSError("Forbidden: b/runs/x\nAnonymous caller does not have storage.objects.create access")
                    ).startswith("no usable credentials: Forbidden")
+
+
+# ---------------------------------------------------------------- a 2-process job on gs://: kill -9, damage, resume
+
+def kill_both_after_save(step_to_kill: int) -> None:
+    """Make both processes SIGKILL themselves at the first save after `step_to_kill`'s, once that checkpoint is
+    complete in the bucket and the metrics up to it uploaded (the loop uploads them after starting its save): the
+    steps trained since are lost, and no newer checkpoint is begun."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    from maxpar.io import checkpoint
+    save = checkpoint.Saver.save
+
+    def saving(self, step, *args, **kwargs):
+        if step > step_to_kill:
+            self.manager.wait_until_finished()
+            multihost_utils.sync_global_devices("maxpar test: the save is complete on both processes")
+            if jax.process_index() == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(2)  # rank 0 dies too, by its own kill or by the launcher's
+            os.kill(os.getpid(), signal.SIGKILL)
+        save(self, step, *args, **kwargs)
+
+    checkpoint.Saver.save = saving
+
+
+def worker(spec_path: str) -> int:
+    """One process of a launched job: `maxpar.train.main` for each run of the spec, in order."""
+    for spec in json.loads(Path(spec_path).read_text()):
+        if spec.get("kill_after"):
+            kill_both_after_save(spec["kill_after"])
+        code = train_main(spec["argv"])
+        if code:
+            return code
+    return 0
+
+
+def launch(root: Path, name: str, runs: list[dict], env: dict[str, str]) -> subprocess.CompletedProcess:
+    (root / f"{name}.json").write_text(json.dumps(runs))
+    return run([sys.executable, "-m", "launch.local", "--num_processes", "2", "--devices_per_process", "1",
+                "--grace_s", "2", "--timeout_s", "280", "--module", "tests.test_gcs", "--", str(root / f"{name}.json")],
+               env)
+
+
+def test_a_2_process_job_killed_mid_run_resumes_bitwise_from_the_bucket(server, gcs, tmp_path):
+    """One launch: an uninterrupted run (steps 2, 4, 6 saved), then a run whose processes are SIGKILLed after
+    step 6, once its step-4 checkpoint is complete in the bucket. A second launch: the killed run resumes from step 4 and logs the
+    uninterrupted run's losses bit for bit."""
+    env = process_env(server, compilation_cache_env(tmp_path / "jax_cache"))
+    argv = [str(REPO / "configs" / "base.yml"), *TINY, "dataset_type=synthetic", "per_device_batch_size=1",
+            "steps=6", "enable_checkpointing=true", "checkpoint_period=2", "dcn_data_parallelism=1",
+            "dcn_fsdp_parallelism=2", f"base_output_directory=gs://{BUCKET}/job"]
+    fs = filesystem(gcs)
+    root = f"{BUCKET}/job"
+    first = launch(tmp_path, "first", [{"argv": [*argv, "run_name=reference"]},
+                                       {"argv": [*argv, "run_name=killed"], "kill_after": 4}], env)
+    output = first.stdout + first.stderr
+    assert re.search(r"rank [01] was killed by signal 9", output), output[-4000:]
+    reference = rows(fs, f"{root}/reference/metrics.jsonl")
+    assert [r["step"] for r in reference] == [1, 2, 3, 4, 5, 6]
+
+    def steps(run_name: str) -> list[str]:
+        return sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{root}/{run_name}/checkpoints"))
+
+    assert steps("reference") == ["2", "4", "6"] and steps("killed") == ["2", "4"], output[-4000:]
+    assert all(fs.exists(f"{root}/killed/checkpoints/{s}/commit_success.txt") for s in (2, 4))  # gs://'s marker
+
+    second = launch(tmp_path, "second", [{"argv": [*argv, "run_name=killed"]}], env)
+    output = second.stdout + second.stderr
+    assert second.returncode == 0, output[-4000:]
+    assert re.findall(r"resumed from checkpoint at step (\d+)", output) == ["4"], output[-4000:]
+    assert steps("killed") == ["2", "4", "6"]
+    resumed = rows(fs, f"{root}/killed/metrics.jsonl")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in reference]  # bitwise: floats from JSON
+    assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in reference]
+
+
+def test_a_damaged_newest_checkpoint_in_the_bucket_falls_back_and_is_set_aside(trained, gcs, capsys):
+    """A copy of the trained run whose step-6 params lost an array object's tail (as a bad copy leaves it): the
+    same command resumes from step 3 with the warning a local run prints, sets step 6 aside as STEP.unusable in
+    the bucket, and logs the uninterrupted losses again."""
+    fs = filesystem(gcs)
+    run_dir = f"{BUCKET}/runs/damaged"
+    fs.copy(f"{BUCKET}/runs/r/checkpoints", f"{run_dir}/checkpoints", recursive=True)
+    fs.copy(f"{BUCKET}/runs/r/metrics.jsonl", f"{run_dir}/metrics.jsonl")
+    arrays = sorted((p for p in fs.find(f"{run_dir}/checkpoints/6/params") if "/d/" in p), key=fs.size)
+    data = fs.cat(arrays[-1])
+    fs.pipe(arrays[-1], data[: len(data) // 2])
+    command, _, _ = trained
+    argv = [word.replace("run_name=r", "run_name=damaged") for word in command[3:]]
+    assert "run_name=damaged" in argv
+    status = train_main(argv)
+    err = capsys.readouterr().err
+    assert status == 0, err[-4000:]
+    assert (f"checkpoint step 6 in gs://{run_dir}/checkpoints is unusable (" in err
+            and "falling back to step 3" in err), err[-4000:]
+    assert f"moved unusable checkpoint step 6 aside to gs://{run_dir}/checkpoints/6.unusable" in err, err[-4000:]
+    names = sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{run_dir}/checkpoints"))
+    assert names == ["3", "6", "6.unusable"], names
+    assert fs.cat(arrays[-1].replace("/checkpoints/6/", "/checkpoints/6.unusable/")) == data[: len(data) // 2]
+    again, uninterrupted = rows(fs, f"{run_dir}/metrics.jsonl"), rows(fs, f"{BUCKET}/runs/r/metrics.jsonl")
+    assert [r["step"] for r in again] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in again] == [r["loss"] for r in uninterrupted]
+
+
+if __name__ == "__main__":
+    sys.exit(worker(sys.argv[1]))

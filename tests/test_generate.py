@@ -1,5 +1,5 @@
 """maxpar.generate: KV-cache decoding of converted transformers models (a GQA Llama, a Mistral whose sliding
-window is shorter than the prompts, a Mixtral, a Llama with llama3 RoPE scaling) gives transformers' greedy
+window is shorter than the prompts, a Mixtral, a Llama with llama3 RoPE scaling, a Qwen3 and a Qwen3-MoE) gives transformers' greedy
 tokens on one device and FSDP(4)xTP(2); 1 or 3 prompts on meshes of 2 and 4 batch shards (FSDP, EP, EP x DP with
 capacity) give the one-device tokens; the cache path's logits equal re-running the whole prefix; top_p=0 keeps the
 most likely token; bad requests exit 2; the command a training run's summary prints samples from it."""
@@ -52,7 +52,7 @@ def mixtral(tmp_path_factory):
 def models(llama, mixtral, llama3_scaled, tmp_path_factory):
     """name -> (transformers directory, maxpar conversion)."""
     return {"llama": llama, "mixtral": mixtral, "llama3_scaled": llama3_scaled,
-            "mistral": converted_model(tmp_path_factory, "mistral")}
+            **{name: converted_model(tmp_path_factory, name) for name in ("mistral", "qwen3", "qwen3_moe")}}
 
 
 def config_for(converted, *overrides):
@@ -61,7 +61,7 @@ def config_for(converted, *overrides):
 
 
 @pytest.mark.parametrize("mesh", ["one", "fsdp4_tp2"])
-@pytest.mark.parametrize("name", ["llama", "mistral", "mixtral", "llama3_scaled"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "mixtral", "llama3_scaled", "qwen3", "qwen3_moe"])
 def test_greedy_tokens_equal_transformers_generate(name, mesh, models):
     hf_dir, converted = models[name]
     count, overrides = MESHES[mesh]

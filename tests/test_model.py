@@ -7,6 +7,8 @@ schedule, clipping and weight-decay mask.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,7 @@ import optax
 import pytest
 
 from helpers import tiny_config
+from maxpar.core.config import model_config
 from maxpar.model import Transformer
 from maxpar.model.layers import apply_rope
 from maxpar.training.optimizer import decay_mask, learning_rate_schedule, make_optimizer
@@ -25,11 +28,21 @@ LENGTH = 32
 @pytest.fixture(scope="module")
 def model_and_params():
     config = tiny_config()
-    model = Transformer(config)
+    model = Transformer(model_config(config))
     tokens = jnp.zeros((1, LENGTH), jnp.int32)
     params = jax.jit(model.init)(jax.random.key(1), tokens, tokens, tokens)["params"]
     return config, model, jax.tree.map(lambda x: x.unbox() if hasattr(x, "unbox") else x, params,
                                        is_leaf=lambda x: hasattr(x, "unbox"))
+
+
+def test_the_model_config_has_no_parallelism_choice():
+    """The model takes its sharding decisions from its layout: its config holds the run's model keys only."""
+    config = tiny_config()
+    model = model_config(config)
+    names = {field.name for field in dataclasses.fields(model)}
+    assert not {n for n in names if "parallel" in n or n.startswith("pipeline_") or "axis_rules" in n}
+    assert all(getattr(model, name) == getattr(config, name) for name in names)
+    hash(model)  # a Flax module attribute
 
 
 def _logits(model, params, tokens, positions, segments):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from helpers import tiny_config
-from maxpar.core.config import ConfigError
+from maxpar.core.config import ConfigError, model_config
 from maxpar.io.metrics import matmul_params, parameter_counts
 from maxpar.model import Transformer
 from maxpar.model.moe import MOE_STATS, MoeBlock, moe_totals
@@ -23,7 +23,7 @@ BLOCK = ["emb_dim=16", "mlp_dim=24", "num_experts=4", "num_experts_per_tok=2"]
 
 def block_and_params(*overrides):
     config = tiny_config(*BLOCK, *overrides)
-    block = MoeBlock(config)
+    block = MoeBlock(model_config(config))
     x = jax.random.normal(jax.random.key(1), (3, 10, config.emb_dim), jnp.float32)
     valid = jnp.ones((3, 10), bool).at[2, 6:].set(False)  # a padded row
     params = nn.unbox(block.init(jax.random.key(0), x, valid)["params"])
@@ -47,7 +47,7 @@ def reference_moe(params, x, k: int):
 def test_parameters_have_the_contracted_names_shapes_and_logical_axes():
     config = tiny_config("num_experts=8", "num_experts_per_tok=2")
     tokens = jnp.zeros((1, 8), jnp.int32)
-    boxed = jax.eval_shape(Transformer(config).init, jax.random.key(0), tokens, tokens, tokens)["params"]
+    boxed = jax.eval_shape(Transformer(model_config(config)).init, jax.random.key(0), tokens, tokens, tokens)["params"]
     moe = boxed["decoder"]["layers"]["moe"]
     e, m, layers = config.emb_dim, config.mlp_dim, config.num_decoder_layers
     assert "mlp" not in boxed["decoder"]["layers"]
@@ -87,6 +87,9 @@ def test_routing_is_mixtral_softmax_top_k_renormalized():
     np.testing.assert_allclose(r.probs, [[[0.1, 0.4, 0.2, 0.3]]], rtol=1e-6)
     assert r.experts.tolist() == [[[1, 3]]]
     np.testing.assert_allclose(r.weights, [[[0.4 / 0.7, 0.3 / 0.7]]], rtol=1e-6)
+    raw = route(logits, 2, renormalize=False)  # norm_topk_prob=false (Qwen3-MoE): the same experts, raw weights
+    assert raw.experts.tolist() == [[[1, 3]]]
+    np.testing.assert_allclose(raw.weights, [[[0.4, 0.3]]], rtol=1e-6)
 
 
 def test_capacity_drops_exactly_the_assignments_over_the_capacity_rule():
@@ -155,7 +158,7 @@ def test_uniform_routing_is_the_minimum_of_the_balance_loss():
 def test_moe_layers_interleave_and_count_active_parameters():
     config = tiny_config("num_experts=4", "num_experts_per_tok=2", "num_decoder_layers=4", "moe_layer_interval=2")
     tokens = jnp.zeros((1, 8), jnp.int32)
-    params = jax.eval_shape(Transformer(config).init, jax.random.key(0), tokens, tokens, tokens)["params"]
+    params = jax.eval_shape(Transformer(model_config(config)).init, jax.random.key(0), tokens, tokens, tokens)["params"]
     block = params["decoder"]["layers"]
     assert set(block) == {"sublayer_0", "sublayer_1"}          # dense, then MoE: layers 2 and 4 are MoE
     assert "mlp" in block["sublayer_0"] and "moe" in block["sublayer_1"]

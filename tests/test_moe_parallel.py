@@ -21,7 +21,7 @@ from maxpar.model.moe import MOE_STATS
 from maxpar.plan import hlo
 from maxpar.plan.__main__ import run as plan_run
 from maxpar.train import setup_run, train
-from maxpar.training.train_step import create_state, objective, sharding_context
+from maxpar.training.train_step import create_state, objective
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 BASE = str(Path(__file__).resolve().parents[1] / "configs" / "base.yml")
@@ -64,14 +64,13 @@ def logits_and_grads(mesh: tuple[int, list[str]], params, *extra):
     def step(p, b):
         logits, stats = run.model.apply({"params": p}, b["inputs"], b["positions"], b["segment_ids"],
                                         mutable=[MOE_STATS])
-        grads, _ = jax.grad(objective, has_aux=True)(p, b, model=run.model, config=config)
+        grads, _ = jax.grad(objective, has_aux=True)(p, {}, b, model=run.model, config=config)
         return logits, grads, stats
 
-    with sharding_context(run.mesh, config.axis_rules):
-        p = jax.device_put(params, run.state_shardings.params)
-        b = jax.device_put(batch, run.in_sharding)
-        compiled = jax.jit(step).lower(p, b).compile()
-        out = jax.device_get(compiled(p, b))
+    p = jax.device_put(params, run.state_shardings.params)
+    b = jax.device_put(batch, run.in_sharding)
+    compiled = jax.jit(step).lower(p, b).compile()
+    out = jax.device_get(compiled(p, b))
     return (*out, compiled.as_text(), run.mesh)
 
 

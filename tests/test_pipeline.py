@@ -24,13 +24,13 @@ import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
 from helpers import tiny_config
+from maxpar.core.config import model_config
 from maxpar.model import stack
 from maxpar.model import Transformer
 from maxpar.model.matmul import PROJECTION
 from maxpar.model.transformer import DecoderLayer, _rematerialized
 from maxpar.plan import hlo
 from maxpar.train import setup_run
-from maxpar.training.train_step import traced_under
 
 LAYERS, ROWS, LENGTH = 8, 16, 32
 BASE = ("dataset_type=synthetic", f"num_decoder_layers={LAYERS}", "per_device_batch_size=2")
@@ -83,7 +83,7 @@ class Outcome:
 def reference() -> tuple[Any, Outcome]:
     """Canonical float32 parameters and the unpipelined model's logits and gradients on one device."""
     config = tiny_config(*BASE)
-    model = Transformer(config)
+    model = Transformer(model_config(config))
     tokens = jnp.zeros((1, LENGTH), jnp.int32)
     params = nn.unbox(jax.jit(model.init)(jax.random.key(0), tokens, tokens, tokens)["params"])
     logits, grads = jax.jit(logits_and_grads(model))(params, make_batch())
@@ -105,7 +105,7 @@ def outcomes(reference):
             assert run.pipeline is not None and run.pipeline.num_microbatches == micro
             placed = jax.device_put(stack.from_canonical(params, config), run.state_shardings.params)
             batch = jax.device_put(make_batch(), run.in_sharding)
-            step = jax.jit(traced_under(logits_and_grads(run.model), run.mesh, config.axis_rules))
+            step = jax.jit(logits_and_grads(run.model))
             compiled = step.lower(placed, batch).compile()
             logits, grads = compiled(placed, batch)
             cache[name] = Outcome(np.asarray(logits), jax.device_get(stack.to_canonical(grads, config)),
@@ -171,7 +171,8 @@ def test_circular_layout_initializes_the_canonical_weights(reference):
     params, _ = reference
     config = tiny_config(*BASE, "ici_stage_parallelism=2", "num_pipeline_repeats=2")
     tokens = jnp.zeros((1, LENGTH), jnp.int32)
-    circular = nn.unbox(jax.jit(Transformer(config).init)(jax.random.key(0), tokens, tokens, tokens)["params"])
+    init = jax.jit(Transformer(model_config(config)).init)
+    circular = nn.unbox(init(jax.random.key(0), tokens, tokens, tokens)["params"])
     assert circular["decoder"]["layers"]["mlp"]["wo"].shape == (2, LAYERS // 2, 128, 64)
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(stack.to_canonical(circular, config)),
                  jax.device_get(params))

@@ -283,7 +283,7 @@ def test_zero1_divides_the_moments_by_the_data_degree_and_keeps_dp_bytes():
     assert data_bytes(zero, ("all-reduce",)) < data_bytes(plain, ("all-reduce",)) / 100  # only norm-like leftovers
     # The output projection's gradient is reduce-scattered over data and fsdp at once: its data share (half its
     # DP all-reduce's bytes) leaves the data-only collectives.
-    output_share = 0.5 * sum(c.bytes_per_device for c in plain["_comms"]  # one by one, per tensor
+    output_share = 0.5 * sum(c.bytes_per_device for c in plain.collectives  # one by one, per tensor
                              if c.tensor == "output" and c.axis == "data" and c.collective == "all-reduce")
     assert output_share > 0
     assert data_bytes(zero, ("reduce-scatter", "all-gather", "all-reduce")) + output_share == pytest.approx(
@@ -345,7 +345,7 @@ def test_the_planner_reads_parameters_by_the_roles_the_model_declares():
     assert param_role(("output",)) == ParamRole.OUTPUT and param_role(("decoder", "mlp", "bias")) is None
     small = ("emb_dim=64", "num_query_heads=4", "num_kv_heads=2", "head_dim=16", "mlp_dim=128", "vocab_size=264",
              "max_target_length=32", "num_experts=4", "num_experts_per_tok=2", "moe_layer_interval=2",
-             "num_decoder_layers=4")
+             "num_decoder_layers=4", "qk_norm=true")
     for extra in ((), ("scan_layers=false", "logits_via_embedding=true")):
         cfg = config(*small, *extra)
         layout = plan_layout(cfg, Target(V5P, 8, 1))  # refuses a parameter whose role or axes are undeclared

@@ -231,7 +231,7 @@ def test_hf_builder_reads_local_files(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (("hf_path=someone/some-dataset",), r"hf_path=.someone/some-dataset.: neither a local directory .* save_to_disk nor a builder of local files \(arrow, csv, json, parquet, text\)"),
+    (("hf_path=someone/some-dataset",), r"hf_path=.someone/some-dataset.: neither a local directory .* save_to_disk nor a builder of data files \(arrow, csv, json, parquet, text\)"),
     (("hf_path=json",), r"hf_path='json' \(a builder\) needs hf_data_files"),
     (("hf_path=json", "hf_data_files=/nonexistent/*.jsonl"), r"hf_data_files='/nonexistent/\*.jsonl': .* matches no"),
     (("hf_eval_split=test",), r"hf_eval_split='test': .* no such split; its splits: train, validation"),
@@ -406,11 +406,12 @@ def test_a_text_file_that_vanishes_mid_run_is_a_data_error(tmp_path):
 # ---------------------------------------------------------------- resuming on other data
 
 def test_every_config_key_the_data_sources_read_is_checked_on_resume():
-    """A key a source reads (`config.KEY` in maxpar/io/data/) must be compared when a run resumes."""
+    """A key a source reads (`config.KEY` in maxpar/io/data/) must be compared when a run resumes (a mixture's
+    sources by pipeline.mixture_differences, tests/test_mixture.py)."""
     sources = Path(open_records.__code__.co_filename).parent.glob("*.py")
     read = ({key for path in sources for key in re.findall(r"\bconfig\.(\w+)", path.read_text())}
             & {field.name for field in dataclasses.fields(Config)})
-    assert read and read <= set(checkpoint.MODEL_KEYS).union(*POSITION_KEYS.values())
+    assert read and read <= set(checkpoint.MODEL_KEYS).union(*POSITION_KEYS.values(), {"dataset_mixture"})
 
 
 def test_hf_resume_on_another_dataset_split_field_or_tokenizer_is_refused(tmp_path, capsys):

@@ -17,14 +17,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from helpers import layout_on
 from maxpar.core.axes import ATTN_KV, ATTN_Q, MLP_HIDDEN, RESIDUAL
-from maxpar.core.config import ConfigError, load_config
+from maxpar.core.config import ConfigError, load_config, model_config
 from maxpar.core.mesh import create_mesh
 from maxpar.core.sharding import batch_sharding, check_divisible, shard_count
 from maxpar.model import Transformer
 from maxpar.model.layers import Mlp
 from maxpar.model.transformer import DecoderLayer
 from maxpar.training.optimizer import make_optimizer
-from maxpar.training.train_step import create_state, sharding_context
+from maxpar.training.train_step import create_state
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -122,7 +122,7 @@ def built(request):
     preset, overrides = STRATEGIES[request.param]
     config = config_for(preset, *overrides)
     layout, mesh = layout_on(config)
-    model, tx = Transformer(config, layout.model), make_optimizer(config)
+    model, tx = Transformer(model_config(config), layout.model), make_optimizer(config)
     abstract, shardings = layout.state.abstract, layout.state_shardings(mesh)
     if request.param == "fsdp4_tp2":
         state = create_state(model, tx, layout, mesh)  # the default (threefry) PRNG, as in training
@@ -207,7 +207,7 @@ LAYER = "['decoder']['layers']"
 
 def test_logical_names_of_the_model():
     config = config_for("base.yml")
-    names = logical_names(Transformer(config), config)
+    names = logical_names(Transformer(model_config(config)), config)
     assert names[f"{LAYER}['mlp']['wi_gate']"] == ("layers", "mlp_embed", "mlp")  # embed, named apart for TP-transpose
     assert names[f"{LAYER}['mlp']['wo']"] == ("layers", "mlp", "mlp_embed")
     assert names[f"{LAYER}['attention']['query']"] == ("layers", "embed", "heads", "head_dim")
@@ -383,14 +383,12 @@ CONSTRAINT = re.compile(r"sdy\.sharding_constraint[^<]*<@\w+, \[(.*?)\]>\s*:\s*t
 def _constraints(preset: str) -> dict[tuple[int, ...], set[tuple[frozenset, ...]]]:
     """Shape -> the per-dim mesh axes of every sharding constraint in the lowered decoder layer."""
     config = config_for(preset, *FSDP4_TP2)
-    mesh = create_mesh(config)
-    layer = DecoderLayer(config)
+    layer = DecoderLayer(model_config(config), layout_on(config)[0].model)  # its layout names the mesh and rules
     x = jax.ShapeDtypeStruct((4, 16, 64), jnp.float32)
     ids = jax.ShapeDtypeStruct((4, 16), jnp.int32)
-    with sharding_context(mesh, config.axis_rules):
-        params = jax.eval_shape(lambda: nn.unbox(layer.init(jax.random.key(0), jnp.zeros(x.shape), jnp.zeros(
-            ids.shape, jnp.int32), jnp.ones(ids.shape, jnp.int32))))
-        text = jax.jit(layer.apply).lower(params, x, ids, ids).as_text()
+    params = jax.eval_shape(lambda: nn.unbox(layer.init(jax.random.key(0), jnp.zeros(x.shape), jnp.zeros(
+        ids.shape, jnp.int32), jnp.ones(ids.shape, jnp.int32))))
+    text = jax.jit(layer.apply).lower(params, x, ids, ids).as_text()
     found: dict = {}
     for dims, shape in CONSTRAINT.findall(text):
         key = tuple(int(n) for n in shape.rstrip("x").split("x"))
@@ -416,12 +414,12 @@ def test_tp_sequence_lowered_constraints_split_length():
 @pytest.mark.parametrize("preset, local_shape", [("base.yml", (1, 16, 64)), ("tp_sequence.yml", (1, 8, 64))])
 def test_tp_sequence_compiled_mlp_output_is_split_on_length(preset, local_shape):
     config = config_for(preset, *FSDP4_TP2)
-    mesh = create_mesh(config)
-    mlp = Mlp(config)
-    x = jax.ShapeDtypeStruct((4, 16, 64), jnp.float32)
-    with sharding_context(mesh, config.axis_rules):
-        params = jax.eval_shape(lambda: nn.unbox(mlp.init(jax.random.key(0), jnp.zeros(x.shape))))
-        compiled = jax.jit(mlp.apply).lower(params, x).compile()
+    layout, mesh = layout_on(config)
+    mlp = Mlp(model_config(config), layout.model)
+    x = jax.ShapeDtypeStruct((4, 16, 64), jnp.float32, sharding=NamedSharding(mesh, P()))
+    params = jax.eval_shape(lambda: nn.unbox(mlp.init(jax.random.key(0), jnp.zeros(x.shape))))
+    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P())), params)
+    compiled = jax.jit(mlp.apply).lower(params, x).compile()
     assert compiled.output_shardings.shard_shape(x.shape) == local_shape
 
 

@@ -20,16 +20,7 @@ from maxpar.core.config import DTYPES, ConfigError
 from maxpar.io import logs
 
 
-def local_path(value: str) -> Path:
-    """An argument the converter reads or writes with local file APIs: a gs:// URL is refused here, never turned
-    into a local folder named `gs:`."""
-    if storage.is_remote(value):
-        raise argparse.ArgumentTypeError(f"{value!r}: maxpar.convert reads and writes local paths only (gs:// works "
-                                         f"for runs, checkpoints and text data)")
-    return Path(value)
-
-
-BASE_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "base.yml"
+BASE_CONFIG = storage.path(Path(__file__).resolve().parents[2] / "configs" / "base.yml")
 OVERRIDES_FILE = "overrides.txt"
 
 
@@ -43,11 +34,11 @@ def _parser() -> argparse.ArgumentParser:
                              f"debug = DEBUG records too, also printed here")
     from_hf = commands.add_parser("from_hf", parents=[common],
                                   help="Hugging Face directory -> maxpar checkpoint (load_parameters_path=)")
-    from_hf.add_argument("--hf_path", type=local_path, required=True,
-                         help="local directory: config.json + *.safetensors")
-    from_hf.add_argument("--out", type=local_path, required=True,
-                         help="new directory; the checkpoint is OUT/checkpoints/0")
-    from_hf.add_argument("--config", type=local_path, default=BASE_CONFIG,
+    from_hf.add_argument("--hf_path", type=storage.path, required=True,
+                         help="directory, local or gs://: config.json + *.safetensors")
+    from_hf.add_argument("--out", type=storage.path, required=True,
+                         help="new directory, local or gs://; the checkpoint is OUT/checkpoints/0")
+    from_hf.add_argument("--config", type=storage.path, default=BASE_CONFIG,
                          help="maxpar base config (configs/base.yml)")
     from_hf.add_argument("overrides", nargs="*", metavar="key=value",
                          help="maxpar config overrides: model_name= (checked against config.json), weight_dtype=, "
@@ -55,17 +46,20 @@ def _parser() -> argparse.ArgumentParser:
     to_hf = commands.add_parser("to_hf", parents=[common],
                                 help="maxpar checkpoint -> Hugging Face directory (from_pretrained)")
     to_hf.add_argument("--checkpoint", required=True, help="RUN/checkpoints/STEP, or a run directory (newest step)")
-    to_hf.add_argument("--out", type=local_path, required=True,
-                       help="directory for config.json and *.safetensors")
+    to_hf.add_argument("--out", type=storage.path, required=True,
+                       help="directory for config.json and *.safetensors, local or gs:// (written locally, then "
+                            "uploaded)")
     to_hf.add_argument("--architecture", choices=sorted(ARCHITECTURES),
-                       help="default: MistralForCausalLM if the model has a sliding window, else LlamaForCausalLM")
+                       help="default: Qwen3ForCausalLM (Qwen3MoeForCausalLM with experts) for a qk_norm model, "
+                            "else MixtralForCausalLM with experts, MistralForCausalLM with a sliding window, "
+                            "else LlamaForCausalLM")
     to_hf.add_argument("--dtype", choices=DTYPES, help="tensor dtype (default: the checkpoint's weight_dtype)")
     to_hf.add_argument("--max_shard_size_mb", type=float, default=DEFAULT_MAX_SHARD_BYTES / 2**20,
                        help="largest safetensors file before a new shard starts (MiB)")
-    to_hf.add_argument("--hf_template", type=local_path,
+    to_hf.add_argument("--hf_template", type=storage.path,
                        help="config.json (or its directory) of the original model: its token ids, "
                             "max_position_embeddings and architecture are kept; its model keys must match")
-    to_hf.add_argument("--config", type=local_path, default=BASE_CONFIG,
+    to_hf.add_argument("--config", type=storage.path, default=BASE_CONFIG,
                        help="maxpar base config (configs/base.yml)")
     return parser
 
@@ -85,7 +79,7 @@ def _convert(args: argparse.Namespace) -> None:
     """The conversion the command line asks for; bad input raises ConfigError."""
     if args.command == "from_hf":
         config = convert_from_hf(args.hf_path, args.out, args.overrides, args.config)
-        overrides = [f"load_parameters_path={args.out.absolute()}", *training_overrides(config, args.config)]
+        overrides = [f"load_parameters_path={storage.absolute(args.out)}", *training_overrides(config, args.config)]
         (args.out / OVERRIDES_FILE).write_text("\n".join(overrides) + "\n", encoding="utf-8")
         print(f"train from it with (also in {args.out / OVERRIDES_FILE}):\n"
               f"  python -m maxpar.train configs/base.yml {' '.join(overrides)}")

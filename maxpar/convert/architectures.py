@@ -46,6 +46,10 @@ class TensorRule:
     hf_name: str
     stacked: tuple[str, ...] = ()
     inputs: int | None = None
+    # HF layer of stacked index i: i * layer_stride + layer_offset. Interleaved layers (moe_layer_interval=k > 1)
+    # stack blocks of k: `decoder/layers/sublayer_j/...` holds HF layers j, k + j, 2k + j, ... (`tensor_rules`).
+    layer_stride: int = 1
+    layer_offset: int = 0
 
     def hf_shape(self, leaf_shape: Sequence[int]) -> tuple[int, ...]:
         """Shape of one HF tensor of a maxpar leaf of `leaf_shape`."""
@@ -56,7 +60,10 @@ class TensorRule:
 
     def hf_name_at(self, index: Sequence[int]) -> str:
         """The HF name of the tensor at stacked index `index` (e.g. (layer,))."""
-        return self.hf_name.format(**dict(zip(self.stacked, index)))
+        fields = dict(zip(self.stacked, index))
+        if "layer" in fields:
+            fields["layer"] = fields["layer"] * self.layer_stride + self.layer_offset
+        return self.hf_name.format(**fields)
 
     def hf_names(self, leaf_shape: Sequence[int]) -> list[tuple[tuple[int, ...], str]]:
         """(stacked index, HF name) of every HF tensor of the leaf, outer axes first."""
@@ -85,6 +92,23 @@ MIXTRAL_KEYS = (
     ConfigKey("num_experts", "num_local_experts"),
     ConfigKey("num_experts_per_tok", "num_experts_per_tok"),
     ConfigKey("moe_layer_interval", None, default=1),  # every Mixtral layer is MoE
+    ConfigKey("norm_topk_prob", None, default=True),  # Mixtral always renormalizes its top-k weights
+)
+NO_QK_NORM = ConfigKey("qk_norm", None, default=False)  # Llama, Mistral, Mixtral: q and k go to RoPE as projected
+# Qwen3: Llama's keys with QK-norm; head_dim defaults as transformers' Qwen3Config does (128), the sliding window
+# (layers >= max_window_layers) is refused by hf_config.unsupported, so the model attends to the whole context.
+QWEN3_KEYS = tuple(key for key in LLAMA_KEYS if key.key != "head_dim") + (
+    ConfigKey("head_dim", "head_dim", default=128), ConfigKey("qk_norm", None, default=True), NO_WINDOW)
+# Qwen3-MoE: every decoder_sparse_step-th layer is MoE with experts of moe_intermediate_size; hf_config.unsupported
+# refuses mlp_only_layers and dense layers of another width. Its config.json names the expert count num_experts
+# (transformers 5 writes num_local_experts).
+QWEN3_MOE_KEYS = tuple(key for key in QWEN3_KEYS if key.key not in ("head_dim", "mlp_dim")) + (
+    ConfigKey("head_dim", "head_dim", default=lambda hf: hf["hidden_size"] // hf["num_attention_heads"]),
+    ConfigKey("mlp_dim", "moe_intermediate_size"),
+    ConfigKey("num_experts", "num_experts", default=lambda hf: hf["num_local_experts"]),
+    ConfigKey("num_experts_per_tok", "num_experts_per_tok"),
+    ConfigKey("moe_layer_interval", "decoder_sparse_step", default=1, from_hf=int),
+    ConfigKey("norm_topk_prob", "norm_topk_prob", default=False, from_hf=bool),  # transformers' default: false
 )
 # rope_theta is read by hf_config.rope_theta (it moved into `rope_parameters` in transformers 5).
 
@@ -113,6 +137,18 @@ MIXTRAL_TENSORS = tuple(rule for rule in LLAMA_TENSORS if "/mlp/" not in rule.pa
     TensorRule("decoder/layers/moe/wo", f"{_MIXTRAL_MOE}.experts.{{expert}}.w2.weight", ("layer", "expert"), 1),
 )
 
+QWEN3_TENSORS = LLAMA_TENSORS + (
+    TensorRule("decoder/layers/attention/query_norm/scale", "model.layers.{layer}.self_attn.q_norm.weight", ("layer",)),
+    TensorRule("decoder/layers/attention/key_norm/scale", "model.layers.{layer}.self_attn.k_norm.weight", ("layer",)),
+)
+_QWEN3_MOE = "model.layers.{layer}.mlp"
+QWEN3_MOE_TENSORS = QWEN3_TENSORS + (  # the dense MLP rules serve the dense layers of decoder_sparse_step > 1
+    TensorRule("decoder/layers/moe/router", f"{_QWEN3_MOE}.gate.weight", ("layer",), 1),
+    TensorRule("decoder/layers/moe/wi_gate", f"{_QWEN3_MOE}.experts.{{expert}}.gate_proj.weight", ("layer", "expert"), 1),
+    TensorRule("decoder/layers/moe/wi_up", f"{_QWEN3_MOE}.experts.{{expert}}.up_proj.weight", ("layer", "expert"), 1),
+    TensorRule("decoder/layers/moe/wo", f"{_QWEN3_MOE}.experts.{{expert}}.down_proj.weight", ("layer", "expert"), 1),
+)
+
 # HF tensors that carry no parameters (buffers some older exports saved).
 LLAMA_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
@@ -128,25 +164,51 @@ class Architecture:
     ignored: re.Pattern[str] = LLAMA_IGNORED
     # Extra config.json entries to_hf writes (besides the keys above and rope).
     hf_constants: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # config.json keys to_hf copies from another of its keys when the template has none (keys maxpar does not
+    # model separately but transformers reads).
+    hf_defaults: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 ARCHITECTURES = {arch.name: arch for arch in (
-    Architecture("LlamaForCausalLM", "llama", LLAMA_KEYS + (NO_WINDOW, DENSE), LLAMA_TENSORS,
+    Architecture("LlamaForCausalLM", "llama", LLAMA_KEYS + (NO_WINDOW, DENSE, NO_QK_NORM), LLAMA_TENSORS,
                  hf_constants={"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}),
-    Architecture("MistralForCausalLM", "mistral", LLAMA_KEYS + (MISTRAL_WINDOW, DENSE), LLAMA_TENSORS,
+    Architecture("MistralForCausalLM", "mistral", LLAMA_KEYS + (MISTRAL_WINDOW, DENSE, NO_QK_NORM), LLAMA_TENSORS,
                  hf_constants={"hidden_act": "silu"}),
-    Architecture("MixtralForCausalLM", "mixtral", LLAMA_KEYS + (MISTRAL_WINDOW,) + MIXTRAL_KEYS, MIXTRAL_TENSORS,
-                 hf_constants={"hidden_act": "silu", "router_jitter_noise": 0.0}),
+    Architecture("MixtralForCausalLM", "mixtral", LLAMA_KEYS + (MISTRAL_WINDOW, NO_QK_NORM) + MIXTRAL_KEYS,
+                 MIXTRAL_TENSORS, hf_constants={"hidden_act": "silu", "router_jitter_noise": 0.0}),
+    Architecture("Qwen3ForCausalLM", "qwen3", QWEN3_KEYS + (DENSE,), QWEN3_TENSORS,
+                 hf_constants={"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False}),
+    # Without a template, the dense width is the experts' (unread: dense layers exist only with
+    # decoder_sparse_step > 1, where hf_config.unsupported requires the two equal).
+    Architecture("Qwen3MoeForCausalLM", "qwen3_moe", QWEN3_MOE_KEYS, QWEN3_MOE_TENSORS,
+                 hf_constants={"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False,
+                               "mlp_only_layers": []},
+                 hf_defaults={"intermediate_size": "moe_intermediate_size"}),
 )}
+
+
+SUBLAYER = re.compile(r"^(decoder/layers/)sublayer_(\d+)/(.+)$")  # a layer of an interleaved block
 
 
 def tensor_rules(architecture: Architecture, paths: Sequence[str]) -> dict[str, TensorRule]:
     """The rule of each maxpar parameter path (a tied model has no `output`, so its rule drops out).
 
+    Sublayer j of interleaved blocks of k layers takes the rule of the same parameter of a plain layer, for HF
+    layers j, k + j, ... (the tables name one layer; the block layout is maxpar's, `maxpar.model.stack`).
     Raises ValueError when a parameter has no rule: this architecture's table is incomplete.
     """
     by_path = {rule.path: rule for rule in architecture.tensors}
-    missing = [path for path in paths if path not in by_path]
+    interval = len({match[2] for path in paths if (match := SUBLAYER.match(path))}) or 1
+
+    def rule_of(path: str) -> TensorRule | None:
+        match = SUBLAYER.match(path)
+        if not match:
+            return by_path.get(path)
+        rule = by_path.get(match[1] + match[3])
+        return rule and dataclasses.replace(rule, path=path, layer_stride=interval, layer_offset=int(match[2]))
+
+    rules = {path: rule_of(path) for path in paths}
+    missing = [path for path, rule in rules.items() if rule is None]
     if missing:
         raise ValueError(f"{architecture.name}: no Hugging Face tensor for maxpar parameters {missing}")
-    return {path: by_path[path] for path in paths}
+    return rules

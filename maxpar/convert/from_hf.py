@@ -1,4 +1,4 @@
-"""`from_hf`: a local Hugging Face checkpoint -> a maxpar parameters checkpoint for load_parameters_path=.
+"""`from_hf`: a Hugging Face checkpoint (local or gs://) -> a maxpar parameters checkpoint for load_parameters_path=.
 
 Streaming: every maxpar parameter is built directly as a sharded jax.Array on the local devices
 (`jax.make_array_from_callback`); each device's shard is read from the memory-mapped safetensors
@@ -22,7 +22,8 @@ from maxpar.convert.architectures import Architecture, TensorRule, tensor_rules
 from maxpar.convert.hf_config import (ConversionError, architecture_of, model_keys, notes, read_hf_config,
                                       resolve_config)
 from maxpar.convert.layout import maxpar_block
-from maxpar.convert.safetensors_io import HFTensors
+from maxpar.convert.safetensors_io import TENSOR_FILES, HFTensors
+from maxpar.core import storage
 from maxpar.core.config import Config
 from maxpar.core.mesh import build_mesh, local_mesh_shape
 from maxpar.io import checkpoint
@@ -92,7 +93,7 @@ def convert_from_hf(hf_path: Path, out: Path, argv: Sequence[str], base_config: 
         rules = tensor_rules(architecture, list(leaves))
     except ValueError as e:
         raise ConversionError(str(e)) from None
-    with HFTensors(hf_path) as tensors:
+    with storage.local_directory(hf_path, TENSOR_FILES) as local, HFTensors(local) as tensors:  # safetensors maps files
         check_tensors(tensors, rules, leaves, architecture)
         params: dict[str, Any] = {}
         for path, leaf in leaves.items():

@@ -22,7 +22,7 @@ DEFAULT_ROPE_THETA = 10000.0  # transformers' default when config.json names non
 # Keys that make the function the checkpoint computes: training must use the converted values.
 FUNCTION_KEYS = ("rope_theta", "rope_scaling_type", "rope_scaling_factor", "rope_low_freq_factor",
                  "rope_high_freq_factor", "rope_original_max_position_embeddings", "normalization_layer_epsilon",
-                 "sliding_window", "num_experts_per_tok")
+                 "sliding_window", "num_experts_per_tok", "norm_topk_prob")
 # Llama 3.1+'s `llama3` RoPE scaling: config.json's field -> maxpar key.
 LLAMA3_ROPE_KEYS = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",
                     "high_freq_factor": "rope_high_freq_factor",
@@ -35,9 +35,9 @@ class ConversionError(ConfigError):
 
 
 def read_hf_config(directory: Path, name: str = "config.json") -> dict[str, Any]:
-    """config.json (or `name`) of a local Hugging Face checkpoint directory."""
+    """config.json (or `name`) of a Hugging Face checkpoint directory, local or gs://."""
     if not directory.is_dir():
-        raise ConversionError(f"{directory}: no such directory (a local Hugging Face checkpoint: "
+        raise ConversionError(f"{directory}: no such directory (a Hugging Face checkpoint: "
                               f"config.json and *.safetensors)")
     path = directory / name
     if not path.is_file():
@@ -115,8 +115,28 @@ def unsupported(hf: dict[str, Any]) -> list[str]:
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             problems.append(f"{key}=true: maxpar's attention and MLP projections have no biases")
+    if hf.get("use_sliding_window"):
+        problems.append("use_sliding_window=true: Qwen3 windows only the layers from max_window_layers on; maxpar "
+                        "applies one sliding_window to every layer")
+    problems += _moe_layout_problems(hf)
     if hf.get("quantization_config"):
         problems.append("quantization_config: quantized weights are not converted (use an unquantized checkpoint)")
+    return problems
+
+
+def _moe_layout_problems(hf: dict[str, Any]) -> list[str]:
+    """Qwen3-MoE's layer pattern that maxpar's MoE cannot represent: dense layers listed by index, and dense
+    layers of another width than the experts (maxpar's have mlp_dim)."""
+    if hf.get("model_type") != "qwen3_moe":
+        return []
+    problems = []
+    if hf.get("mlp_only_layers"):
+        problems.append(f"mlp_only_layers={hf['mlp_only_layers']}: maxpar's dense layers are every layer but each "
+                        f"decoder_sparse_step-th (moe_layer_interval), never a list")
+    step, dense, expert = hf.get("decoder_sparse_step", 1), hf.get("intermediate_size"), hf.get("moe_intermediate_size")
+    if step not in (None, 1) and dense != expert:
+        problems.append(f"decoder_sparse_step={step} with intermediate_size={dense} != moe_intermediate_size="
+                        f"{expert}: maxpar's dense and expert MLPs share mlp_dim")
     return problems
 
 
@@ -217,5 +237,7 @@ def hf_config(config: Config, architecture: Architecture, dtype: str,
     hf["rope_parameters"] = {"rope_type": "default", **scaling, "rope_theta": config.rope_theta}
     hf["torch_dtype"] = hf["dtype"] = dtype
     result = {**(template or {}), **hf}
+    for key, source in architecture.hf_defaults.items():
+        result.setdefault(key, result[source])
     result.setdefault("max_position_embeddings", config.max_target_length)  # without a template: what it trained on
     return result

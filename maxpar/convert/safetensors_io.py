@@ -1,4 +1,5 @@
-"""Hugging Face safetensors checkpoints on local disk: read one slice, write shard by shard.
+"""Hugging Face safetensors checkpoints on local disk (a gs:// one is copied or staged by the caller): read
+one slice, write shard by shard.
 
 Reading memory-maps the files (safetensors' `safe_open`/`get_slice`), so a slice costs only its own
 bytes. bfloat16 reads as numpy arrays of ml_dtypes' bfloat16 (numpy has none of its own).
@@ -22,6 +23,7 @@ from maxpar.convert.hf_config import ConversionError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+TENSOR_FILES = (INDEX, "*.safetensors")  # what HFTensors reads of a checkpoint directory
 
 
 class HFTensors(contextlib.AbstractContextManager):

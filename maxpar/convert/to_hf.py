@@ -20,6 +20,7 @@ from maxpar.convert.architectures import ARCHITECTURES, Architecture, TensorRule
 from maxpar.convert.hf_config import ConversionError, architecture_of, hf_config, read_hf_config
 from maxpar.convert.layout import hf_tensor
 from maxpar.convert.safetensors_io import write_safetensors
+from maxpar.core import storage
 from maxpar.core.config import Config, config_from_dict, load_config
 from maxpar.io import checkpoint
 
@@ -37,7 +38,10 @@ def saved_config(saved: dict[str, Any], base_config: Path) -> Config:
 
 
 def default_architecture(config: Config) -> Architecture:
-    """Mixtral for a mixture of experts; else Mistral when the model has a sliding window (Llama has none), else Llama."""
+    """With QK-norm Qwen3 (Qwen3-MoE for a mixture of experts), the only family that has it; else Mixtral for a
+    mixture of experts, Mistral when the model has a sliding window (Llama has none), else Llama."""
+    if config.qk_norm:
+        return ARCHITECTURES["Qwen3MoeForCausalLM" if config.num_experts > 1 else "Qwen3ForCausalLM"]
     if config.num_experts > 1:
         return ARCHITECTURES["MixtralForCausalLM"]
     return ARCHITECTURES["MistralForCausalLM" if config.sliding_window else "LlamaForCausalLM"]
@@ -113,9 +117,11 @@ def convert_to_hf(checkpoint_path: str, out: Path, base_config: Path, architectu
         entry = stores[path][index].read().result() if index else stores[path].read().result()
         return hf_tensor(rules[path], np.asarray(entry)).astype(target)
 
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(hf_config(config, arch, dtype, template), indent=2) + "\n", encoding="utf-8")
-    files = write_safetensors(out, sizes, produce, max_shard_bytes)
+    with storage.staged_directory(out) as directory:  # safetensors writes local files; a gs:// OUT gets them after
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "config.json").write_text(json.dumps(hf_config(config, arch, dtype, template), indent=2) + "\n",
+                                               encoding="utf-8")
+        files = write_safetensors(directory, sizes, produce, max_shard_bytes)
     log(f"maxpar.convert: step {step} of {checkpoint_path} -> {arch.name} in {out} ({len(entries)} tensors, "
         f"{dtype}, {len(files)} safetensors file(s))")
     return out

@@ -45,6 +45,7 @@ def _key(doc: str, *, min: float | None = None, max: float | None = None,
 
 
 AxisRule = tuple[str, tuple[str, ...]]
+PIPELINE_SCHEDULES = ("auto", "gpipe", "circular", "1f1b")  # docs/pipelines.md
 
 
 class RopeScaling(typing.NamedTuple):
@@ -53,6 +54,23 @@ class RopeScaling(typing.NamedTuple):
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+# The data keys a source of dataset_mixture may set; the run's value stands for any it leaves out.
+SOURCE_KEYS = ("dataset_type", "dataset_path", "grain_file_type", "dataset_text_field", "hf_path", "hf_data_files",
+               "hf_train_split", "hf_eval_split")
+
+
+@dataclasses.dataclass(frozen=True)
+class MixtureSource:
+    """One source of `dataset_mixture`: its name (the metrics' `tokens/NAME`), its share of the training tokens,
+    and the data keys it sets, as sorted (key, value) pairs so that the config stays hashable."""
+    name: str
+    weight: float
+    keys: tuple[tuple[str, Any], ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "weight": self.weight, **dict(self.keys)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +116,7 @@ class Config:
                                                       min=1)
     normalization_layer_epsilon: float = _key("RMSNorm epsilon", min=0)
     logits_via_embedding: bool = _key("tie the output projection to the token embedding")
+    qk_norm: bool = _key("RMSNorm on each query and key head (over head_dim, own scales) before RoPE (Qwen3)")
     dtype: str = _key("activation/compute dtype", choices=DTYPES)
     weight_dtype: str = _key("parameter dtype (and the optimizer state's, unless optimizer_state_dtype is set)",
                              choices=DTYPES)
@@ -116,6 +135,8 @@ class Config:
     # Mixture of experts (maxpar/model/moe.py; docs/moe.md)
     num_experts: int = _key("experts per MoE layer (1 = dense SwiGLU MLP in every layer)", min=1)
     num_experts_per_tok: int = _key("experts each token is routed to (top-k); <= num_experts", min=1)
+    norm_topk_prob: bool = _key("renormalize the top-k routing weights to sum to 1 (Mixtral; Qwen3-MoE's "
+                                "norm_topk_prob); false = the softmax probabilities as they are")
     moe_layer_interval: int = _key("every k-th decoder layer (layers k, 2k, ...) is MoE, the others dense; "
                                    "1 = every layer; divides num_decoder_layers", min=1)
     capacity_factor: float = _key("0 = dropless; > 0 = an expert takes at most ceil(capacity_factor x row length "
@@ -123,12 +144,13 @@ class Config:
     load_balance_loss_weight: float = _key("weight of the load-balancing auxiliary loss added to the training "
                                            "objective", min=0)
     # Quantization (maxpar/model/fp8.py): the layer stack's projections and MLP matmuls
-    quantization: str = _key("'' = matmuls in dtype; fp8 = the attention q/k/v/out and MLP matmuls take float8 "
-                             "e4m3 operands and e5m2 gradients with per-tensor scales, float32 accumulation, output "
-                             "in dtype (embedding, logits, attention scores and MoE experts stay in dtype)",
+    quantization: str = _key("'' = matmuls in dtype; fp8 = the attention q/k/v/out, MLP and MoE expert matmuls take "
+                             "float8 e4m3 operands and e5m2 gradients with per-tensor scales, float32 accumulation, "
+                             "output in dtype (embedding, logits, attention scores and the MoE router stay in dtype)",
                              choices=QUANTIZATION)
-    fp8_scaling: str = _key("fp8 scale recipe: current (from each tensor's amax in this step) or delayed (from an "
-                            "amax history in the train state; not implemented yet)", choices=FP8_SCALING)
+    fp8_scaling: str = _key("fp8 scale recipe: current (from each tensor's amax in this step) or delayed (from the "
+                            "largest of its last fp8_amax_history_length amaxes, kept in the train state; not with "
+                            "pipeline stages)", choices=FP8_SCALING)
     fp8_amax_history_length: int = _key("fp8_scaling=delayed: steps of amax history kept per tensor", min=1)
     # Sampling (python -m maxpar.generate; docs/sampling.md)
     max_new_tokens: int = _key("tokens generated per prompt (fewer if it ends with EOS)", min=1)
@@ -148,6 +170,15 @@ class Config:
     enable_checkpointing: bool = _key("save checkpoints and resume from the newest one")
     async_checkpointing: bool = _key("write checkpoints in the background while training continues")
     max_checkpoints_to_keep: int = _key("newest checkpoints kept on disk (0 = all)", min=0)
+    save_attempts: int = _key("tries of a checkpoint save (storage refusing connections, a failed write) before the "
+                              "run stops with exit status 74", min=1)
+    save_retry_delay_s: float = _key("seconds to wait after a failed checkpoint save, doubled after each further "
+                                     "failure", min=0)
+    save_retry_max_delay_s: float = _key("longest wait between checkpoint save attempts", min=0)
+    local_checkpoint_directory: str = _key("node-local directory of a fast checkpoint tier, written every "
+                                           "local_checkpoint_period steps; each process keeps its own pieces there "
+                                           "('' = off; gs:// is refused: it must be node-local)")
+    local_checkpoint_period: int = _key("save to the local checkpoint tier every N steps", min=1)
     load_parameters_path: str = _key("start a new run from another run's parameters only: a checkpoint step dir "
                                      "RUN/checkpoints/STEP or a run dir (newest step); fresh optimizer, step 0")
     load_full_state_path: str = _key("start a new run from another run's parameters, optimizer state and step "
@@ -181,6 +212,9 @@ class Config:
     hf_eval_split: str = _key("dataset_type=hf: the split evaluated on ('' = hold out eval_fraction of the "
                               "training split's rows)")
     tokenizer_path: str = _key("'' = byte-level; a sentencepiece .model or a Hugging Face tokenizer.json")
+    dataset_mixture: tuple[MixtureSource, ...] = _key("weighted sources, mixed by tokens: a list of {name, weight, "
+                                                      "and data keys (dataset_type, dataset_path, hf_path, ...)}; "
+                                                      "[] = the single source of the keys above")
     # Sharding
     mesh_axes: tuple[str, ...] = _key("order of the physical mesh axes (a permutation of data, fsdp, tensor, expert, stage, "
                                   "context)")
@@ -209,6 +243,10 @@ class Config:
                                           "(-1 = the number of stages S)", min=1, allow=(-1,))
     num_pipeline_repeats: int = _key("pipeline repeats R: 1 = gPipe; R > 1 = circular, each stage runs R "
                                      "blocks of num_decoder_layers / (S x R) layers", min=1)
+    pipeline_schedule: str = _key("auto (gpipe when num_pipeline_repeats=1, else circular) | gpipe | circular | "
+                                  "1f1b (each stage alternates forward and backward: at most S microbatches' "
+                                  "stage inputs held, not M; stages x data parallelism only)",
+                                  choices=PIPELINE_SCHEDULES)
     pipeline_fsdp_ag_per_repeat: bool = _key("all-gather the FSDP-sharded stage weights once per pipeline repeat "
                                              "(a window of M iterations; two repeats' blocks held at a time), "
                                              "rematerialized in the backward pass: between the default and ag_once")
@@ -268,11 +306,59 @@ class Config:
         return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
 
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The keys the model reads, and only those: its architecture, how it computes, and how its layer stack is
+    stored (scan_layers and num_pipeline_repeats shape the parameter tree). Parallelism is not here: the model
+    takes every sharding decision from its `maxpar.core.layout.ModelLayout`. Hashable: a Flax module attribute."""
+
+    # architecture
+    emb_dim: int
+    num_query_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mlp_dim: int
+    num_decoder_layers: int
+    vocab_size: int
+    max_target_length: int        # the KV cache's length when sampling
+    normalization_layer_epsilon: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    sliding_window: int
+    logits_via_embedding: bool
+    qk_norm: bool
+    num_experts: int
+    num_experts_per_tok: int
+    norm_topk_prob: bool
+    moe_layer_interval: int
+    capacity_factor: float
+    # computation
+    dtype: str
+    weight_dtype: str
+    attention: str
+    attention_block_size: int     # the blockwise kernel's block without a context layout (one device)
+    quantization: str
+    fp8_scaling: str
+    fp8_amax_history_length: int
+    remat_policy: str
+    # the layer stack's storage
+    scan_layers: bool
+    num_pipeline_repeats: int
+
+
+def model_config(config: Config) -> ModelConfig:
+    """The model's keys of a run's config."""
+    return ModelConfig(**{f.name: getattr(config, f.name) for f in dataclasses.fields(ModelConfig)})
+
+
 FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(Config)}
 _HINTS = typing.get_type_hints(Config)
 
 
 def _plain(value: Any) -> Any:
+    if isinstance(value, MixtureSource):
+        return value.to_dict()
     if isinstance(value, (tuple, list)):
         return [_plain(v) for v in value]
     return value
@@ -308,7 +394,7 @@ def load_config(argv: Sequence[str]) -> Config:
     return config_from_dict(_merge([layer for _, layer in ordered]))
 
 
-DEFAULTS = Path(__file__).resolve().parents[1] / "configs" / "base.yml"
+DEFAULTS = Path(__file__).resolve().parents[2] / "configs" / "base.yml"
 
 
 def _defaults_for_saved(chain: Sequence[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
@@ -441,7 +527,43 @@ def _coerce(name: str, value: Any) -> Any:
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{name}={value!r}: expected a list of strings")
         return tuple(value)
+    if typing.get_args(hint) == (MixtureSource, ...):
+        return _coerce_mixture(name, value)
     return _coerce_rules(name, value)
+
+
+def _coerce_mixture(name: str, value: Any) -> tuple[MixtureSource, ...]:
+    """A list of {name, weight, data keys} mappings -> MixtureSources: each key typed by the schema, names unique,
+    weights positive (they are shares of the tokens); which sources can be read is checked when they are opened."""
+    example = "e.g. [{name: code, weight: 0.7, dataset_type: grain, dataset_path: 'code/*.jsonl'}, ...]"
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{name}={value!r}: expected a list of sources, {example}")
+    sources: list[MixtureSource] = []
+    for index, entry in enumerate(value):
+        where = f"{name}[{index}]"
+        if not isinstance(entry, Mapping) or not isinstance(entry.get("name"), str) or not entry["name"]:
+            raise ConfigError(f"{where}={entry!r}: each source is a mapping with a non-empty name, {example}")
+        where = f"{name} source {entry['name']!r}"
+        unknown = sorted(set(entry) - {"name", "weight", *SOURCE_KEYS})
+        if unknown:
+            raise ConfigError(f"{where}: unknown key {unknown[0]!r}; a source takes name, weight and "
+                              f"{', '.join(SOURCE_KEYS)}")
+        weight = entry.get("weight")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < math.inf:
+            raise ConfigError(f"{where}: weight={weight!r}; a weight must be a positive number (its share of the "
+                              f"training tokens)")
+        if entry["name"] in {s.name for s in sources}:
+            raise ConfigError(f"{where}: the name is used twice; every source needs its own name")
+        keys = tuple(sorted((key, _coerce(key, v)) for key, v in entry.items() if key in SOURCE_KEYS))
+        sources.append(MixtureSource(entry["name"], float(weight), keys))
+    return tuple(sources)
+
+
+def source_config(config: Config, source: MixtureSource) -> Config:
+    """The single-source config a mixture source reads: the run's keys with the source's data keys over them."""
+    return dataclasses.replace(config, dataset_mixture=(), **dict(source.keys))
 
 
 def _coerce_rules(name: str, value: Any) -> tuple[AxisRule, ...]:
@@ -475,6 +597,18 @@ def _coerce_rules(name: str, value: Any) -> tuple[AxisRule, ...]:
 
 
 # ---------------------------------------------------------------- validation
+
+def _validate_mixture(config: Config) -> None:
+    """Every source of dataset_mixture is a valid text, grain or hf source on its own."""
+    for source in config.dataset_mixture:
+        try:
+            validate(source_config(config, source))
+        except ConfigError as e:
+            raise ConfigError(f"dataset_mixture source {source.name!r}: {e}") from None
+        if source_config(config, source).dataset_type == "synthetic":
+            raise ConfigError(f"dataset_mixture source {source.name!r}: dataset_type=synthetic cannot be mixed; "
+                              f"a source is text, grain or hf")
+
 
 def validate(config: Config) -> None:
     """Ranges, choices and cross-key rules that need no devices."""
@@ -510,7 +644,6 @@ def validate(config: Config) -> None:
         raise ConfigError(f"vocab_size={config.vocab_size}: dataset_type=synthetic draws tokens from "
                           f"[{SYNTHETIC_FIRST_TOKEN}, vocab_size), so it must be > {SYNTHETIC_FIRST_TOKEN}")
     _validate_moe(config)
-    _validate_quantization(config)
     _validate_rope_scaling(config)
     if config.dataset_type == "text" and not config.dataset_path:
         raise ConfigError("dataset_type=text needs dataset_path (a glob of text files)")
@@ -522,9 +655,14 @@ def validate(config: Config) -> None:
                           f"dataset_text_field and hf_train_split (got hf_path={config.hf_path!r}, "
                           f"dataset_text_field={config.dataset_text_field!r}, "
                           f"hf_train_split={config.hf_train_split!r})")
+    _validate_mixture(config)
     _validate_attention(config)
     _validate_pipeline(config)
     _validate_profiler(config)
+    if storage.is_remote(config.local_checkpoint_directory):
+        raise ConfigError(f"local_checkpoint_directory={config.local_checkpoint_directory!r}: must be a node-local "
+                          f"path (a local disk of each host), not a bucket; checkpoint_period's persistent tier goes "
+                          f"to base_output_directory")
     if config.load_parameters_path and config.load_full_state_path:
         raise ConfigError(f"load_parameters_path={config.load_parameters_path!r} and load_full_state_path="
                           f"{config.load_full_state_path!r}: set at most one (parameters only, or the full state)")
@@ -544,13 +682,6 @@ def _validate_rope_scaling(config: Config) -> None:
         raise ConfigError(f"rope_low_freq_factor={config.rope_low_freq_factor}, rope_high_freq_factor="
                           f"{config.rope_high_freq_factor}: rope_scaling_type=llama3 needs "
                           f"0 < rope_low_freq_factor < rope_high_freq_factor (Llama 3.1 uses 1 and 4)")
-
-
-def _validate_quantization(config: Config) -> None:
-    """fp8 recipes that exist: delayed scaling needs an amax history in the train state, not built yet."""
-    if config.quantization == "fp8" and config.fp8_scaling == "delayed":
-        raise ConfigError("quantization=fp8 with fp8_scaling=delayed: delayed scaling is not implemented yet; "
-                          "use fp8_scaling=current (each tensor scaled by its own amax in the step)")
 
 
 def _validate_moe(config: Config) -> None:
@@ -596,6 +727,20 @@ def _validate_pipeline(config: Config) -> None:
     if repeats > 1 and not config.scan_layers:
         raise ConfigError(f"num_pipeline_repeats={repeats} needs scan_layers=true (pipelining runs the scanned "
                           f"layer stack)")
+    _validate_pipeline_schedule(config)
+
+
+def _validate_pipeline_schedule(config: Config) -> None:
+    """pipeline_schedule against num_pipeline_repeats (circular is R > 1) and what 1f1b runs (dense layers)."""
+    kind, repeats = config.pipeline_schedule, config.num_pipeline_repeats
+    if kind == "circular" and repeats == 1:
+        raise ConfigError("pipeline_schedule=circular needs num_pipeline_repeats > 1 (the blocks each stage runs)")
+    if kind in ("gpipe", "1f1b") and repeats > 1:
+        raise ConfigError(f"pipeline_schedule={kind} with num_pipeline_repeats={repeats}: {kind} runs one block per "
+                          f"stage; set num_pipeline_repeats=1, or pipeline_schedule=circular")
+    if kind == "1f1b" and config.num_experts > 1:
+        raise ConfigError(f"pipeline_schedule=1f1b with num_experts={config.num_experts}: the 1F1B executor runs "
+                          f"dense layers only; use pipeline_schedule=gpipe or circular for MoE")
 
 
 def to_yaml(config: Config) -> str:

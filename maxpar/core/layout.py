@@ -23,7 +23,7 @@ from maxpar.core.axes import ATTN_KV, ATTN_Q, BATCH_INPUT, CONTEXT_AXIS, RESIDUA
 from maxpar.core.config import CUDNN_ATTENTION, AxisRule, Config, ConfigError
 from maxpar.core.mesh import MeshShape
 from maxpar.core.schedule import Schedule
-from maxpar.core.sharding import (check_divisible, entry_axes, mesh_axes, mesh_shardings, mesh_specs,
+from maxpar.core.sharding import (check_divisible, constrain, entry_axes, mesh_axes, mesh_shardings, mesh_specs,
                                   shard_optimizer_state, with_zero_axis)
 
 Axes = tuple[str, ...]
@@ -68,8 +68,8 @@ def merge_microbatches(x: jax.Array) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class MeshAxes:
     """The mesh the model is traced on, hashable (a Flax module attribute): (name, size) per axis in mesh order,
-    and the axes an enclosing shard_map (the pipeline loop) made manual. Every shard_map of the model is given
-    `abstract()`, so that it never reads axis sizes or types off the ambient mesh."""
+    and the axes an enclosing shard_map (the pipeline loop) made manual. Every shard_map and sharding constraint of
+    the model is given `abstract()`, so that nothing reads axis sizes or types off an ambient mesh."""
 
     axes: tuple[tuple[str, int], ...]
     manual: Axes = ()
@@ -79,13 +79,12 @@ class MeshAxes:
         return dict(self.axes)
 
     def abstract(self) -> AbstractMesh:
-        """This mesh for `jax.shard_map(mesh=...)`, which must equal the mesh the step is traced under: the Auto axes
-        of a `jax.sharding.Mesh`, Manual inside the pipeline loop. Only the device kind comes from that mesh: the
-        layout is resolved before any device, and shard_map checks that the rest matches."""
+        """This mesh for `jax.shard_map(mesh=...)` and `NamedSharding`s: the Auto axes of a `jax.sharding.Mesh`,
+        Manual inside the pipeline loop. It names no device kind (the layout is resolved before any device): JAX
+        matches it to the devices of the jitted step's arguments."""
         names = tuple(name for name, _ in self.axes)
         types = tuple(AxisType.Manual if name in self.manual else AxisType.Auto for name in names)
-        device = jax.sharding.get_abstract_mesh().abstract_device
-        return AbstractMesh(tuple(size for _, size in self.axes), names, types, abstract_device=device)
+        return AbstractMesh(tuple(size for _, size in self.axes), names, types)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +178,10 @@ class ModelLayout:
     @property
     def pipelined(self) -> bool:
         return self.pipeline is not None
+
+    def constrain(self, x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+        """`x` constrained to these logical axes by this layout's rules over its mesh (manual axes included)."""
+        return constrain(x, logical, self.rules, self.mesh.abstract())
 
     def in_pipeline_loop(self, rules: Sequence[AxisRule], manual: Axes) -> ModelLayout:
         """The layout a pipeline stage's layers run under (`maxpar.pipeline.spmd`): the loop's rules, the mesh
@@ -426,6 +429,8 @@ def resolve_layout(config: Config, mesh: MeshShape, state: TracedState, *, check
     abstract_mesh = AbstractMesh(mesh.shape, mesh.axis_names)
     shardings = mesh_shardings(state.specs, abstract_mesh, rules)
     check_divisible(state.abstract, shardings)
+    if schedule is not None and config.pipeline_schedule == "1f1b":
+        check_one_f_one_b(sizes, loop_batch_axes(rules, input_axes[0]), shardings.params)
     update_specs = None
     if config.shard_optimizer_over_data:  # ZeRO-1: the moments, gradients and updates also split over data
         shardings = shard_optimizer_state(state.abstract, shardings)
@@ -469,7 +474,7 @@ def check_batch_split(config: Config, batch: BatchShape, input_axes: tuple[Axes,
 
 # Keys that only a pipelined run may set, with their values for a run without stages.
 PIPELINE_ONLY_KEYS = {"num_pipeline_repeats": 1, "num_pipeline_microbatches": -1, "pipeline_fsdp_ag_once": False,
-                      "pipeline_fsdp_ag_per_repeat": False}
+                      "pipeline_fsdp_ag_per_repeat": False, "pipeline_schedule": "auto"}
 
 
 def check_pipeline(config: Config, stages: int) -> None:
@@ -487,6 +492,10 @@ def check_pipeline(config: Config, stages: int) -> None:
     if not config.scan_layers:
         raise ConfigError(f"{stage_keys} needs scan_layers=true: the pipeline runs the scanned layer stack "
                           f"(scan_layers=false is not supported with pipelining)")
+    if config.quantization == "fp8" and config.fp8_scaling == "delayed":
+        # The loop would add up, not max, the amaxes its microbatches report (maxpar.model.fp8).
+        raise ConfigError(f"fp8_scaling=delayed with {stage_keys}: delayed scaling is not built for pipelines "
+                          f"yet; use fp8_scaling=current")
     if stages > layers:
         raise ConfigError(f"{stage_keys} exceeds num_decoder_layers={layers}: every stage needs at least one layer")
     if layers % (stages * repeats):
@@ -512,6 +521,20 @@ def pipeline_schedule(config: Config, sizes: dict[str, int], rules: Sequence[Axi
     micro = config.num_pipeline_microbatches
     return Schedule(num_stages=stages, num_microbatches=stages if micro == -1 else micro,
                     num_repeats=config.num_pipeline_repeats, num_layers=config.num_decoder_layers)
+
+
+def check_one_f_one_b(sizes: dict[str, int], batch_axes: Axes, param_shardings: Any) -> None:
+    """pipeline_schedule=1f1b runs each device's stage block whole, on its replica's rows
+    (`maxpar.pipeline.one_f_one_b`): every mesh axis but the stages must split only the batch, and no parameter
+    may be split over any axis but the stages (no FSDP, tensor, expert or context parallelism)."""
+    split = {a for s in jax.tree.leaves(param_shardings) for a in spec_axes(s.spec) if sizes.get(a, 1) > 1}
+    bad = sorted({a for a, n in sizes.items() if n > 1 and a != STAGE_AXIS and a not in batch_axes}
+                 | (split - {STAGE_AXIS}))
+    if bad:
+        degrees = ", ".join(f"{a}={sizes[a]}" for a in bad)
+        raise ConfigError(f"pipeline_schedule=1f1b with mesh axes {degrees}: besides the stages 1f1b splits only the "
+                          f"batch (data parallelism); set ici_{bad[0]}_parallelism=1 and dcn_{bad[0]}_parallelism=1 "
+                          f"(moving the degree to data), or pipeline_schedule=gpipe")
 
 
 def check_pipeline_batch(schedule: Schedule, microbatch_rows: int, loop_shards: int) -> None:

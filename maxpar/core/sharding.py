@@ -13,7 +13,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from maxpar.core.axes import BATCH_INPUT, ZERO_AXIS, unknown_logical
 from maxpar.core.config import AxisRule, ConfigError
@@ -35,14 +35,19 @@ def mesh_axes(logical: Sequence[str | None], rules: Sequence[AxisRule]) -> list[
     return [entry_axes(entry) for entry in spec + (None,) * (len(logical) - len(spec))]
 
 
-def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
-    """Sharding constraint by logical axes (under the mesh and rules in context); an unknown name is an error,
-    never a silently unsharded dimension."""
+def constrain(x: jax.Array, logical: Sequence[str | None], rules: Sequence[AxisRule],
+              mesh: Mesh | AbstractMesh | None) -> jax.Array:
+    """Sharding constraint by logical axes over `mesh` with `rules`, both given (as MaxText's
+    `maybe_shard_with_logical`): nothing ambient is read while tracing, so no mesh or rules context is needed.
+    mesh None (no mesh: one device) leaves `x` as it is. An unknown name is an error, never a silently
+    unsharded dimension."""
     unknown = unknown_logical(logical)
     if unknown:
         raise ValueError(f"unknown logical axis name(s) {unknown}: define them in maxpar.core.axes.Logical")
-    return nn.with_logical_constraint(x, tuple(logical))
-
+    if mesh is None:
+        return x
+    spec = nn.logical_to_mesh_axes(tuple(logical), list(rules))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
 def logical_specs(boxed_tree: Any) -> Any:
@@ -59,6 +64,13 @@ def mesh_specs(logical_spec_tree: Any, rules: Sequence[AxisRule]) -> Any:
 def mesh_shardings(logical_spec_tree: Any, mesh: Mesh, rules: Sequence[AxisRule]) -> Any:
     """NamedShardings for a tree of logical PartitionSpecs."""
     return nn.logical_to_mesh_sharding(logical_spec_tree, mesh, list(rules))
+
+
+def named_shardings(spec_tree: Any, mesh: Mesh | AbstractMesh) -> Any:
+    """NamedShardings over `mesh` for a tree of mesh PartitionSpecs: a sharding constraint that needs no ambient
+    mesh."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), spec_tree,
+                        is_leaf=lambda s: isinstance(s, PartitionSpec))
 
 
 def batch_sharding(mesh: Mesh, rules: Sequence[AxisRule]) -> NamedSharding:

@@ -2,27 +2,36 @@
 
 Why one module: `pathlib.Path("gs://b/run")` silently means the local folder `gs:/b/run`, so every user path goes
 through `path()` (an `etils.epath.Path`, which reaches gs:// through gcsfs and hands Orbax/TensorStore the same
-URL). Files that need a local file system (appended logs, TensorBoard events, traces) are written to a
-`LocalMirror` and copied up. `STORAGE_EMULATOR_HOST` points every gs:// read and write at a GCS API server such
-as an emulator: `use_emulator` derives the variables TensorStore and gcsfs read from it.
+URL). Files that need a local file system (appended logs, TensorBoard events, traces, safetensors) are written
+to a `LocalMirror` or staging directory and copied up; files that a library opens only by local name (ArrayRecord
+shards, safetensors' memory map) are read from local copies; JSONL and Parquet shards through gcsfs file objects
+and ranged reads. `STORAGE_EMULATOR_HOST` points every gs:// read and write at a GCS API server such as an
+emulator: `use_emulator` derives the variables TensorStore and gcsfs read from it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import glob
+import hashlib
 import io
 import os
 import shutil
 import socket
+import sys
 import tempfile
+import time
 import urllib.parse
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from pathlib import Path
+from typing import IO, TypeVar
 
 from etils import epath
 
 REMOTE_SCHEMES = ("gs://",)
 EMULATOR = "STORAGE_EMULATOR_HOST"
+T = TypeVar("T")
 GCS_URL = "https://storage.googleapis.com"
 
 
@@ -56,13 +65,18 @@ def path(value: str | os.PathLike) -> epath.Path:
     return epath.Path(os.path.expanduser(str(value)))
 
 
+def _gcs():
+    """The gcsfs file system (it reads STORAGE_EMULATOR_HOST itself; `use_emulator` sets what else it needs)."""
+    use_emulator()
+    import fsspec
+    return fsspec.filesystem("gs")
+
+
 def glob_files(pattern: str) -> list[str]:
     """The files `pattern` matches (`**` recursive), sorted; a gs:// pattern is expanded by gcsfs."""
     if not is_remote(pattern):
         return sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
-    use_emulator()
-    import fsspec
-    found = fsspec.filesystem("gs").glob(pattern, detail=True)
+    found = _gcs().glob(pattern, detail=True)
     return sorted(f"gs://{name}" for name, info in found.items() if info.get("type") == "file")
 
 
@@ -73,6 +87,43 @@ def read_text(value: str) -> str:
         with open(value, encoding="utf-8", errors="replace") as f:
             return f.read()
     return io.TextIOWrapper(io.BytesIO(path(value).read_bytes()), encoding="utf-8", errors="replace").read()
+
+
+def open_binary(value: str) -> IO[bytes]:
+    """A seekable binary file object for reading, local or gs:// (gcsfs fetches the ranges read)."""
+    return _gcs().open(value, "rb") if is_remote(value) else open(value, "rb")
+
+
+def read_range(value: str, start: int, end: int) -> bytes:
+    """Bytes [start, end) of a file: one ranged request on gs://, not a whole-block read-ahead."""
+    if is_remote(value):
+        return _gcs().cat_file(value, start=start, end=end)
+    with open(value, "rb") as f:
+        f.seek(start)
+        return f.read(end - start)
+
+
+def cache_directory() -> Path:
+    """Node-local copies of objects that a library can open only as local files (ArrayRecord shards)."""
+    return Path(tempfile.gettempdir()) / f"maxpar-{os.getuid()}" / "cache"
+
+
+def local_copy(value: str, cache: Path | None = None) -> str:
+    """`value` itself when local; else the path of a node-local copy of the object, downloaded once. The copy is
+    named by the server, the URL and the object's generation, so a replaced object is fetched again, and written
+    under a temporary name first, so that processes sharing the node never see half of it."""
+    if not is_remote(value):
+        return value
+    info = _gcs().info(value)
+    generation = info.get("generation") or info.get("etag") or info.get("mtime")
+    version = f"{server_url()}/{value}@{generation}:{info.get('size')}"
+    target = (cache or cache_directory()) / hashlib.sha256(version.encode()).hexdigest()[:32] / Path(value).name
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+        _gcs().get_file(value, str(partial))
+        os.replace(partial, target)
+    return str(target)
 
 
 def absolute(value: epath.Path) -> epath.Path:
@@ -105,6 +156,132 @@ def copy_tree(source: Path, target: epath.Path) -> None:
         destination.write_bytes(file.read_bytes())
 
 
+@contextlib.contextmanager
+def local_directory(source: epath.Path, patterns: Sequence[str] = ("*",)) -> Iterator[Path]:
+    """`source` as a local directory while inside: itself when local; else a temporary copy of its top-level
+    files matching `patterns` (for libraries that open files by local name, such as safetensors' memory map)."""
+    if not is_remote(source):
+        yield Path(source)
+        return
+    directory = Path(tempfile.mkdtemp(prefix="maxpar-download-"))
+    try:
+        for pattern in patterns:
+            for file in source.glob(pattern):
+                if file.is_file():
+                    (directory / file.name).write_bytes(file.read_bytes())
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged_directory(target: epath.Path) -> Iterator[Path]:
+    """A local directory standing for `target` while inside: itself when local; else a temporary directory copied
+    up when the block succeeds, so that a failure leaves no half-written output in the bucket."""
+    if not is_remote(target):
+        yield Path(target)
+        return
+    directory = Path(tempfile.mkdtemp(prefix="maxpar-staging-"))
+    try:
+        yield directory
+        copy_tree(directory, target)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+class UploadPolicy:
+    """When a `LocalMirror` of growing files is copied up: whenever `due` says so (at most once every
+    `interval_s`), and whenever the caller must not lose what it has (a checkpoint save, the end of the run), which
+    it reports with `uploaded`. Each upload copies whole files, so uploading every row would cost quadratically in
+    the run's length; the clock starts when the mirror is seeded (it then equals its target)."""
+
+    def __init__(self, interval_s: float = 60.0, clock: Callable[[], float] = time.monotonic):
+        self.interval_s = interval_s
+        self._clock = clock
+        self._last = clock()
+
+    def due(self) -> bool:
+        return self._clock() - self._last >= self.interval_s
+
+    def uploaded(self) -> None:
+        self._last = self._clock()
+
+
+class Unreachable(OSError):
+    """The storage server refused the connection: failed at once, without the libraries' own retries."""
+
+
+def check_server(target: str | os.PathLike) -> None:
+    """Raise `Unreachable` when `target` is on an object store whose server takes no connection now.
+
+    gcsfs retries a refused connection for about half a minute (6 tries, 1 to 16 s apart) and TensorStore for
+    minutes before either raises; asking first lets a `RetryPolicy` decide how long an outage is waited out.
+    """
+    if is_remote(target):
+        problem = check_reachable(server_url(), timeout_s=2.0)
+        if problem is not None:
+            raise Unreachable(f"{problem} (server {server_url()})")
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryPolicy:
+    """How often a write to storage is tried, and how long to wait between tries: `base_delay_s` doubling after
+    every failure, at most `max_delay_s`. One object, so that every write that must survive a short outage (a
+    checkpoint save) waits out the same outage the same way."""
+
+    attempts: int = 4
+    base_delay_s: float = 2.0
+    max_delay_s: float = 60.0
+
+    def delays(self) -> list[float]:
+        """The waits after each failed attempt but the last."""
+        return [min(self.base_delay_s * 2 ** i, self.max_delay_s) for i in range(self.attempts - 1)]
+
+    def run(self, action: Callable[[], T], what: str, warn: Callable[[str], None],
+            sleep: Callable[[float], None] = time.sleep) -> T:
+        """`action()`, tried again after each failure while attempts are left, with a one-line warning naming
+        `what` (the step and the URL) and the error; the last failure raises `StorageError`."""
+        for attempt, delay in enumerate([*self.delays(), None], start=1):
+            try:
+                return action()
+            except Exception as e:  # any failure of a write may be the outage; the last one is reported
+                if delay is None:
+                    raise StorageError(f"{what} failed {self.attempts} time(s); last: {describe_error(e)}") from e
+                warn(f"{what} failed ({describe_error(e)}); attempt {attempt + 1} of {self.attempts} in {delay:g} s")
+                sleep(delay)
+        raise AssertionError("unreachable")  # the loop returns or raises
+
+
+class StorageError(OSError):
+    """A write to storage that failed for good (every attempt of its `RetryPolicy`, or a mirror's last copy); the
+    trainer prints it in one line and exits with status 74."""
+
+
+def describe_error(error: BaseException, limit: int = 300) -> str:
+    """One line: the root cause's type and the start of its first line.
+
+    The root cause says what is wrong ("Connect call failed", "Requested byte range ... is not valid for value
+    of size ..." for a truncated file); the outer errors of TensorStore and Orbax are a page of their spec.
+    """
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    text = text if len(text) <= limit else text[:limit] + " ..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def close_after(close: Callable[[], None], warn: Callable[[str], None]) -> None:
+    """`close()` at the end of a block (in a `finally`). When the block is already failing, a failure of `close`
+    (the storage unreachable) is a warning, so that the error that ended the block is the one reported."""
+    if sys.exc_info()[1] is None:
+        close()
+        return
+    try:
+        close()
+    except Exception as e:  # whatever closing raised, the first error is what the user must see
+        warn(f"while stopping: {describe_error(e)}")
+
+
 class LocalMirror:
     """A local directory that stands for `target`: `target` itself when it is local; else a temporary directory,
     seeded with `names` from `target` where they exist (so appends continue them), whose files `sync` copies up.
@@ -127,12 +304,16 @@ class LocalMirror:
 
     def sync(self) -> None:
         if self.remote:
+            check_server(self.target)
             copy_tree(self.directory, self.target)
 
     def close(self) -> None:
-        """Copy up a last time and remove the temporary directory."""
+        """Copy up a last time and remove the temporary directory; when that copy fails the directory is kept
+        (it holds the only copy) and the error names it."""
         if self.remote:
             try:
                 self.sync()
-            finally:
-                shutil.rmtree(self.directory, ignore_errors=True)
+            except Exception as e:
+                raise StorageError(f"could not copy {self.directory} up to {self.target} ({describe_error(e)}); the "
+                                   f"files are kept there") from e
+            shutil.rmtree(self.directory, ignore_errors=True)

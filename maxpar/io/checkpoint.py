@@ -25,7 +25,9 @@ because falling back would not help and silently training on would be wrong.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import sys
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -42,16 +44,18 @@ from maxpar.core import storage
 from maxpar.core.config import Config, ConfigError
 from maxpar.core.layout import RunLayout
 from maxpar.host import distributed
-from maxpar.io.data.pipeline import POSITION_KEYS
+from maxpar.io.data.pipeline import mixture_differences, position_keys
 from maxpar.model import stack
 from maxpar.training.train_step import TrainState
 
 LAYOUT = "maxpar/stacked-layers/v1"
 ARRAY_ITEMS = ("params", "opt_state")
+HISTORIES = "fp8_meta"  # fp8_scaling=delayed: the amax histories (TrainState.fp8_meta), an item of their own
 
 # Keys that change the parameter tree or its dtype: every kind of load needs them equal.
 MODEL_KEYS = ("emb_dim", "num_query_heads", "num_kv_heads", "head_dim", "mlp_dim", "num_decoder_layers",
-              "vocab_size", "weight_dtype", "logits_via_embedding", "num_experts", "moe_layer_interval")
+              "vocab_size", "weight_dtype", "logits_via_embedding", "qk_norm", "num_experts",
+              "moe_layer_interval")
 
 Warn = Callable[[str], None]
 
@@ -97,6 +101,7 @@ def _handlers() -> dict[str, Any]:
     return {
         "params": ocp.StandardCheckpointHandler(),
         "opt_state": ocp.StandardCheckpointHandler(),
+        HISTORIES: ocp.StandardCheckpointHandler(),
         "meta": ocp.JsonCheckpointHandler(),
         "data": grain.checkpoint.CheckpointHandler(),
         "config": ocp.JsonCheckpointHandler(),
@@ -119,10 +124,120 @@ def save(manager: ocp.CheckpointManager, step: int, state: Any, data_iterator: A
     manager.save(step, args=ocp.args.Composite(
         params=ocp.args.StandardSave(stack.to_canonical(state.params, config)),
         opt_state=ocp.args.StandardSave(stack.to_canonical(state.opt_state, config)),
+        **({HISTORIES: ocp.args.StandardSave(stack.to_canonical(state.fp8_meta, config))} if state.fp8_meta else {}),
         meta=ocp.args.JsonSave(checkpoint_meta(step, global_rows)),
         data=grain.checkpoint.CheckpointSave(data_iterator),
         config=ocp.args.JsonSave(config.to_dict()),
     ))
+
+
+# ---------------------------------------------------------------- saving through storage outages
+
+class SaveFailed(storage.StorageError):
+    """A checkpoint save failed on every attempt; the trainer prints it and exits with status 74."""
+
+
+def retry_policy(config: Config) -> storage.RetryPolicy:
+    return storage.RetryPolicy(config.save_attempts, config.save_retry_delay_s, config.save_retry_max_delay_s)
+
+
+def bound_tensorstore_retries(policy: storage.RetryPolicy) -> None:
+    """Give TensorStore's own retries of a GCS request the policy's attempts and delays.
+
+    By default TensorStore retries a request 32 times, up to 32 s apart: a save into a bucket that stays
+    unreachable would hang for a quarter of an hour before maxpar's policy got a say. Orbax builds every
+    TensorStore context from these module defaults and has no option for them.
+    """
+    from orbax.checkpoint._src.serialization import tensorstore_utils
+    retries = {"max_retries": policy.attempts, "initial_delay": f"{policy.base_delay_s}s",
+               "max_delay": f"{policy.max_delay_s}s"}
+    for context in (tensorstore_utils._BASE_TS_CONTEXT, tensorstore_utils._DEFAULT_OCDBT_TS_CONTEXT):
+        context["gcs_request_retries"] = retries
+
+
+class Saver:
+    """The run's checkpoint saves, kept going through short storage outages by a `RetryPolicy`.
+
+    An async save fails in Orbax's background thread, which shows only at the next save or at the end, when its
+    state is gone: the save that finds it (of the newer state) is then written synchronously under the policy,
+    as is every save whose state the caller gives up next (`wait`: the last step's, a preemption's). A step whose
+    save failed is never restored: Orbax lists a step only once complete (on gs:// it writes commit_success.txt
+    last; on a local disk it renames a temporary directory), removes leftovers when a run starts, and before a
+    retry the listing is reread and the step's leftover removed here.
+    """
+
+    def __init__(self, manager: ocp.CheckpointManager, policy: storage.RetryPolicy, warn: Warn = warn_stderr,
+                 sleep: Callable[[float], None] = time.sleep):
+        self.manager, self.policy, self.warn, self.sleep = manager, policy, warn, sleep
+        self.directory = epath.Path(manager.directory)
+        self._in_flight: int | None = None  # an async save not yet seen to complete
+        self._damaged = False  # a save failed: Orbax's listing and the step's directory need cleaning first
+        self._complete: int | None = None  # the newest step known complete, for the final error (no listing then)
+
+    @classmethod
+    def of(cls, manager: ocp.CheckpointManager, config: Config, warn: Warn = warn_stderr) -> Saver:
+        """The run's saver under the config's policy, which then also bounds TensorStore's own retries."""
+        policy = retry_policy(config)
+        bound_tensorstore_retries(policy)
+        return cls(manager, policy, warn)
+
+    def save(self, step: int, state: Any, data_iterator: Any, config: Config, global_rows: int,
+             wait: bool = False) -> None:
+        """Save `step` (see `save`), retried while the policy allows; `wait`: return once it is complete.
+        Raises SaveFailed when every attempt failed."""
+        if self._complete is None:
+            self._complete = self.manager.latest_step()  # what this run resumed from, or None
+        failed = self._wait_for_in_flight()
+        if failed is not None:
+            self.warn(f"checkpoint step {failed[0]} to {self.directory} failed ({failed[1]}); it is never "
+                      f"restored; writing step {step} now, synchronously")
+            wait = True
+        what = f"checkpoint step {step} to {self.directory}"
+        try:
+            self.policy.run(lambda: self._attempt(step, state, data_iterator, config, global_rows, wait), what,
+                            self.warn, self.sleep)
+        except storage.StorageError as e:
+            newest = "none (a rerun starts over)" if self._complete is None else f"step {self._complete}"
+            raise SaveFailed(f"{e}. The newest complete checkpoint is {newest}; rerun the same command once the "
+                             f"storage is reachable to resume from it") from e
+        if wait:
+            self._complete = step
+        else:
+            self._in_flight = step
+
+    def _wait_for_in_flight(self) -> tuple[int, str] | None:
+        """(step, why) when the async save in flight failed; None when it completed or there was none."""
+        step, self._in_flight = self._in_flight, None
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # the background save's own error, whatever the library raised
+            self._damaged = True
+            return step, describe_error(e)
+        if step is not None:
+            self._complete = step
+        return None
+
+    def _attempt(self, step: int, state: Any, data_iterator: Any, config: Config, global_rows: int,
+                 wait: bool) -> None:
+        storage.check_server(self.directory)
+        try:
+            if self._damaged:
+                self._clean(step)
+            save(self.manager, step, state, data_iterator, config, global_rows)
+            if wait:
+                self.manager.wait_until_finished()
+        except Exception:
+            self._damaged = True
+            raise
+
+    def _clean(self, step: int) -> None:
+        """Reread the listing (Orbax still counts a step whose save failed) and remove what a failed save of
+        `step` left, so that it can be written again."""
+        self.manager.reload()
+        leftover = self.directory / str(step)
+        if step not in self.manager.all_steps() and leftover.exists():
+            leftover.rmtree()
+        self._damaged = False
 
 
 # ---------------------------------------------------------------- what a run restores into
@@ -152,16 +267,35 @@ class Target:
         """A restored canonical `item` in this run's layer layout and shardings."""
         return jax.device_put(stack.from_canonical(restored, self.config), getattr(self.shardings, item))
 
-    def state(self, step: int, params: Any, opt_state: Any) -> Any:
+    def state(self, step: int, params: Any, opt_state: Any, fp8_meta: Any = None) -> Any:
+        """The restored train state; fp8_meta None: empty amax histories (`empty_histories`)."""
         step_array = jax.device_put(np.asarray(step, np.int32), self.shardings.step)
-        return self.abstract_state.replace(step=step_array, params=params, opt_state=opt_state)
+        return self.abstract_state.replace(step=step_array, params=params, opt_state=opt_state,
+                                           fp8_meta=self.empty_histories() if fp8_meta is None else fp8_meta)
+
+    def empty_histories(self) -> Any:
+        """All-zero fp8 amax histories in this run's shardings, as a new run starts with ({} without delayed
+        scaling): what a state restored without them gets (the first step then scales by current amaxes)."""
+        return jax.tree.map(lambda a, s: jnp.zeros(a.shape, a.dtype, device=s), self.abstract_state.fp8_meta,
+                            self.shardings.fp8_meta)
 
 
-def state_from_params(params: Any, tx: optax.GradientTransformation, shardings: Any) -> Any:
-    """A step-0 train state around loaded parameters, with fresh optimizer state (fine-tuning)."""
+def state_from_params(params: Any, tx: optax.GradientTransformation, target: Target) -> Any:
+    """A step-0 train state around loaded parameters, with fresh optimizer state and amax histories
+    (fine-tuning)."""
     def build(p):
         return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p))
-    return jax.jit(build, out_shardings=shardings)(params)
+    state = jax.jit(build, out_shardings=target.shardings.replace(fp8_meta={}))(params)
+    return state.replace(fp8_meta=target.empty_histories())
+
+
+def _with_histories(manager: ocp.CheckpointManager, step: int, target: Target, items: Sequence[str]
+                    ) -> tuple[str, ...]:
+    """`items`, and the fp8 amax histories with the training state (opt_state) when this run keeps them and
+    the checkpoint has them. A checkpoint without them (written under fp8_scaling=current or without fp8: the
+    quantization keys may change on resume) restores with empty histories, as a new run starts."""
+    wanted = "opt_state" in items and jax.tree.leaves(target.abstract_state.fp8_meta)
+    return (*items, HISTORIES) if wanted and HISTORIES in manager.item_metadata(step).keys() else tuple(items)
 
 
 # ---------------------------------------------------------------- compatibility
@@ -182,17 +316,20 @@ def _format_differences(differences: Sequence[tuple[str, Any, Any]]) -> str:
 def resume_keys(config: Config) -> tuple[str, ...]:
     """Keys a resumed run must share with its checkpoint: the model's, and those that give the saved data
     position its meaning (declared beside the data sources, maxpar/io/data/pipeline.py)."""
-    return tuple(dict.fromkeys(MODEL_KEYS + POSITION_KEYS[config.dataset_type]))
+    return tuple(dict.fromkeys(MODEL_KEYS + position_keys(config)))
 
 
-def check_config(saved: Mapping[str, Any], config: Config, keys: Sequence[str], where: str, advice: str) -> None:
-    differences = config_differences(saved, config, keys)
+def check_config(saved: Mapping[str, Any], config: Config, keys: Sequence[str], where: str, advice: str,
+                 sources: bool = False) -> None:
+    """Refuse a checkpoint whose `keys` differ from this config's (and, with `sources`, whose mixture sources'
+    data keys do: pipeline.mixture_differences)."""
+    differences = config_differences(saved, config, keys) + (mixture_differences(saved, config) if sources else [])
     if differences:
         raise IncompatibleCheckpoint(f"{where} does not fit this config; these keys differ:\n"
                                      f"{_format_differences(differences)}\n{advice}")
 
 
-def _path_names(path: tuple[Any, ...]) -> str:
+def path_names(path: tuple[Any, ...]) -> str:
     """A key path as 'a/0/b', the same for a restore target and Orbax's metadata tree."""
     names = []
     for key in path:
@@ -207,7 +344,7 @@ def _array_table(tree: Any, floats_as_one: bool = False) -> dict[str, tuple[tupl
     def dtype(leaf: Any) -> str:
         name = str(np.dtype(leaf.dtype))
         return "floating" if floats_as_one and jnp.issubdtype(leaf.dtype, jnp.floating) else name
-    return {_path_names(path): (tuple(leaf.shape), dtype(leaf))
+    return {path_names(path): (tuple(leaf.shape), dtype(leaf))
             for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
@@ -300,7 +437,7 @@ def _restore_arrays(manager: ocp.CheckpointManager, step: int, target: Target, i
     return {item: target.in_memory(item, restored[item]) for item in items}
 
 
-def _read_data_state(manager: ocp.CheckpointManager, step: int, data_iterator: Any) -> dict[str, Any]:
+def read_data_state(manager: ocp.CheckpointManager, step: int, data_iterator: Any) -> dict[str, Any]:
     """This process's iterator state at `step`, re-split if another number of processes saved it."""
     try:
         return distributed.read_data_state(_step_dir(manager, step) / "data", data_iterator.get_state(),
@@ -325,6 +462,17 @@ def _suggest_batch(rows: Any, target: Target) -> str:
     return f"{per_device:g}"
 
 
+def check_resumable(manager: ocp.CheckpointManager, step: int, target: Target, where: str) -> dict[str, Any]:
+    """The meta of `step` after checking that its config and batch layout fit this run (IncompatibleCheckpoint)."""
+    meta, saved_config = _read_json_items(manager, step)
+    check_config(saved_config, target.config, resume_keys(target.config), where,
+                 "Changing only parallelism (mesh degrees, logical_axis_rules), scan_layers, dtype, remat or the "
+                 "optimizer settings is fine. Use the checkpoint's values, or a new run_name for a fresh run "
+                 "(load_parameters_path= / load_full_state_path= start one from this checkpoint).", sources=True)
+    _check_batch_layout(meta, target, where)
+    return meta
+
+
 def resume_step(manager: ocp.CheckpointManager, step: int, target: Target, data_iterator: Any) -> Any:
     """Restore this run's checkpoint `step` (state and data position) or raise.
 
@@ -332,32 +480,18 @@ def resume_step(manager: ocp.CheckpointManager, step: int, target: Target, data_
     moved once everything else has been read.
     """
     where = f"checkpoint step {step} in {manager.directory}"
-    meta, saved_config = _read_json_items(manager, step)
-    check_config(saved_config, target.config, resume_keys(target.config), where,
-                 "Changing only parallelism (mesh degrees, logical_axis_rules), scan_layers, dtype, remat or the "
-                 "optimizer settings is fine. Use the checkpoint's values, or a new run_name for a fresh run "
-                 "(load_parameters_path= / load_full_state_path= start one from this checkpoint).")
-    _check_batch_layout(meta, target, where)
-    data_state = _read_data_state(manager, step, data_iterator)
-    _check_structure(manager, step, target, ARRAY_ITEMS, where)
-    arrays = _restore_arrays(manager, step, target, ARRAY_ITEMS)
+    meta = check_resumable(manager, step, target, where)
+    data_state = read_data_state(manager, step, data_iterator)
+    items = _with_histories(manager, step, target, ARRAY_ITEMS)
+    _check_structure(manager, step, target, items, where)
+    arrays = _restore_arrays(manager, step, target, items)
     data_iterator.set_state(data_state)
-    return target.state(step, arrays["params"], arrays["opt_state"])
+    return target.state(step, arrays["params"], arrays["opt_state"], arrays.get(HISTORIES))
 
 
 # ---------------------------------------------------------------- choosing a step, with fallback
 
-def describe_error(error: BaseException, limit: int = 300) -> str:
-    """One line: the root cause's type and the start of its first line.
-
-    The root cause says what is wrong ("Requested byte range ... is not valid for value of
-    size ..." for a truncated file); the outer TensorStore error is a page of its spec.
-    """
-    while error.__cause__ is not None:
-        error = error.__cause__
-    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    text = text if len(text) <= limit else text[:limit] + " ..."
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+describe_error = storage.describe_error  # one line naming a failure's root cause
 
 
 def _ok_everywhere(ok: bool) -> bool:
@@ -366,6 +500,20 @@ def _ok_everywhere(ok: bool) -> bool:
         return ok
     from jax.experimental import multihost_utils
     return bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))
+
+
+def load_everywhere(load: Callable[[int], Any], step: int) -> tuple[Any, str | None]:
+    """(what `load` returned, None) when every process loaded `step`, else (None or this process's result, the
+    problem): all processes must restore the same step. An IncompatibleCheckpoint is raised at once."""
+    try:
+        loaded, problem = load(step), None
+    except IncompatibleCheckpoint:
+        raise
+    except Exception as e:  # any read failure means this step cannot be trusted
+        loaded, problem = None, describe_error(e)
+    if not _ok_everywhere(problem is None):
+        problem = problem or "unreadable on another process"
+    return loaded, problem
 
 
 def first_usable(steps: Sequence[int], load: Callable[[int], Any], where: str, warn: Warn
@@ -378,14 +526,7 @@ def first_usable(steps: Sequence[int], load: Callable[[int], Any], where: str, w
     """
     problems: list[tuple[int, str]] = []
     for step in steps:
-        try:
-            loaded, problem = load(step), None
-        except IncompatibleCheckpoint:
-            raise
-        except Exception as e:  # any read failure means this step cannot be trusted
-            loaded, problem = None, describe_error(e)
-        if not _ok_everywhere(problem is None):
-            problem = problem or "unreadable on another process"
+        loaded, problem = load_everywhere(load, step)
         if problem is None:
             return step, loaded, [s for s, _ in problems]
         older = [s for s in steps if s < step]
@@ -461,8 +602,9 @@ def _load_from(key: str, value: str, target: Target, items: Sequence[str], warn:
             _, saved_config = _read_json_items(manager, s)
             check_config(saved_config, target.config, MODEL_KEYS, where,
                          "Loading needs the same model shape; everything else may change.")
-            _check_structure(manager, s, target, items, where)
-            return _restore_arrays(manager, s, target, items)
+            restored = _with_histories(manager, s, target, items)
+            _check_structure(manager, s, target, restored, where)
+            return _restore_arrays(manager, s, target, restored)
 
         found = first_usable(steps, load, str(directory), warn)
         if found is None:
@@ -475,7 +617,7 @@ def _load_from(key: str, value: str, target: Target, items: Sequence[str], warn:
 def load_full_state(value: str, target: Target, warn: Warn = warn_stderr) -> Any:
     """Parameters, optimizer state and step of another run's checkpoint; the data starts afresh."""
     step, arrays = _load_from("load_full_state_path", value, target, ARRAY_ITEMS, warn)
-    return target.state(step, arrays["params"], arrays["opt_state"])
+    return target.state(step, arrays["params"], arrays["opt_state"], arrays.get(HISTORIES))
 
 
 def load_parameters(value: str, target: Target, warn: Warn = warn_stderr) -> Any:

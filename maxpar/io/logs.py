@@ -80,7 +80,8 @@ def library_logs(path: Path | epath.Path, log_level: str, mode: str = "a") -> It
         root.setLevel(saved_level)
         to_file.close()
         if mirror:
-            mirror.close()
+            storage.close_after(mirror.close, lambda message: print(f"maxpar: warning: {path.name}: {message}",
+                                                                    file=sys.stderr, flush=True))
 
 
 def log_unraisable(unraisable: "sys.UnraisableHookArgs") -> None:

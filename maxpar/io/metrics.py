@@ -13,6 +13,7 @@ from etils import epath
 
 from maxpar.core import storage
 from maxpar.core.config import Config
+from maxpar.model.roles import Block, ParamRole, param_role, path_keys
 
 # Peak dense bf16 FLOP/s per device (no sparsity), from the vendors' spec sheets.
 # Matched against jax's device_kind; the longest matching key wins.
@@ -36,7 +37,7 @@ METRIC_KEYS = ("step", "loss", "eval_loss", "learning_rate", "grad_norm", "step_
                "tokens_per_s_per_device", "tflops_per_device", "mfu",
                # mixture of experts (null for a dense model; maxpar/training/train_step.py moe_metrics)
                "moe_load_balance_loss", "moe_dropped_tokens", "moe_dropped_fraction")
-EXPERT_WEIGHTS = ("wi_gate", "wi_up", "wo")  # leaves of a `moe` block with a leading [..., experts] dim
+PER_SOURCE = ("tokens/", "eval_loss/")  # a dataset_mixture's figures per source: tokens/NAME, eval_loss/NAME
 
 
 def peak_flops(device_kind: str, configured: float = 0.0) -> float | None:
@@ -93,10 +94,10 @@ def parameter_counts(abstract_params: Any, experts_per_token: int = 1) -> dict[s
     for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_params):
         size = math.prod(leaf.shape)
         total += size
-        name = jax.tree_util.keystr(path)
-        if "token_embedding" in name:
+        role = param_role(path_keys(path))
+        if role is ParamRole.EMBEDDING:
             embedding += size
-        if "['moe']" in name and name.endswith(tuple(f"['{w}']" for w in EXPERT_WEIGHTS)):
+        if role is not None and role.block is Block.EXPERTS:  # [..., experts, in, out]
             experts = leaf.shape[-3]
             inactive += size // experts * (experts - experts_per_token)
     return {"total": total, "embedding": embedding, "non_embedding": total - embedding, "active": total - inactive}
@@ -119,15 +120,17 @@ class MetricsWriter:
     """metrics.jsonl (one object per logged step) and TensorBoard events; process 0 only.
 
     Both are appended to local files: in the run directory, or, for a run on an object store, in a
-    `storage.LocalMirror` copied up after every row (objects cannot be appended to).
+    `storage.LocalMirror` (objects cannot be appended to), copied up as `upload_policy` allows, whenever the
+    loop calls `upload` (at each checkpoint save: the rows a resume keeps) and at `close`.
     """
 
-    def __init__(self, run_dir: epath.Path, enabled: bool):
+    def __init__(self, run_dir: epath.Path, enabled: bool, upload_policy: storage.UploadPolicy | None = None):
         self.enabled = enabled
         if not enabled:
             return
         if not storage.is_remote(run_dir):
             run_dir.mkdir(parents=True, exist_ok=True)
+        self._policy = upload_policy or storage.UploadPolicy()
         self._mirror = storage.LocalMirror(run_dir, names=["metrics.jsonl"])
         self._jsonl = open(self._mirror.directory / "metrics.jsonl", "a", encoding="utf-8")
         self._tensorboard = _summary_writer_class()(str(self._mirror.directory / "tensorboard"))
@@ -135,14 +138,31 @@ class MetricsWriter:
     def write(self, row: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        record = {key: row.get(key) for key in METRIC_KEYS}
+        record = {**{key: row.get(key) for key in METRIC_KEYS},
+                  **{key: value for key, value in row.items() if key.startswith(PER_SOURCE)}}
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
         for key, value in record.items():
             if key != "step" and value is not None:
                 self._tensorboard.add_scalar(key, value, row["step"])
         self._tensorboard.flush()
-        self._mirror.sync()
+        if self._policy.due():
+            self.upload()
+
+    def upload(self) -> None:
+        """Copy the files up now (a no-op for a local run). A failed upload (the storage unreachable after gcsfs's
+        own retries, or refusing connections) is a warning: the files stay in the local mirror and the next upload
+        copies them whole, so the run never stops for its metrics."""
+        if not self.enabled:
+            return
+        try:
+            self._mirror.sync()
+        except OSError as e:
+            print(f"maxpar: warning: metrics upload to {self._mirror.target} failed ({storage.describe_error(e)}); "
+                  f"the rows are kept in {self._mirror.directory} and go up with the next upload", file=sys.stderr,
+                  flush=True)
+            return
+        self._policy.uploaded()
 
     def close(self) -> None:
         if self.enabled:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from maxpar.core.config import CUDNN_ATTENTION, Config
+from maxpar.core.config import CUDNN_ATTENTION, ModelConfig
 from maxpar.core.layout import ContextLayout
 from maxpar.model.context_parallel import context_attention
 
@@ -125,11 +125,11 @@ def fused_attention(q: Array, k: Array, v: Array, segment_ids: Array, implementa
 
 
 def attend(q: Array, k: Array, v: Array, segment_ids: Array, choice: str, window: int = 0,
-           config: Config | None = None, context: ContextLayout | None = None) -> Array:
+           config: ModelConfig | None = None, context: ContextLayout | None = None) -> Array:
     """The attention core named by `choice` (a value of `config.attention`); `window` 0 = no sliding window.
 
-    blockwise also reads its block size and context-parallel keys from `config`, and runs over the
-    context shards of the layout's `context` (None: no mesh, the whole arrays).
+    blockwise runs over the context shards of the layout's `context`, which holds the context-parallel
+    choices (None: no mesh, the whole arrays in blocks of `config.attention_block_size`).
     """
     if choice == "blockwise":
         return context_attention(q, k, v, segment_ids, config, context)

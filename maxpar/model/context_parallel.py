@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxpar.core.axes import CONTEXT_AXIS
-from maxpar.core.config import Config
+from maxpar.core.config import ModelConfig
 from maxpar.core.layout import ContextLayout, ModelLayout
 from maxpar.model.blockwise import (accumulate, backward, block_pairs, blockwise_attention, finish, flash,
                                     init_carry, output_delta, padded_schedules)
@@ -60,13 +60,13 @@ def reorder_batch(batch: dict[str, Array], layout: ModelLayout | None) -> dict[s
     return {key: jnp.take(value, order, axis=1) for key, value in batch.items()}
 
 
-def context_attention(q: Array, k: Array, v: Array, segment_ids: Array, config: Config,
+def context_attention(q: Array, k: Array, v: Array, segment_ids: Array, config: ModelConfig,
                       context: ContextLayout | None) -> Array:
     """attention=blockwise: q [B, L, H, D] (pre-scaled), k/v [B, L, KV, D].
 
-    Without a layout (no mesh) it is the blockwise kernel on the whole arrays. With one it runs per
-    device under shard_map (batch and heads split as the layout says), and across the `context`
-    shards per `context_parallel_strategy`.
+    Without a context layout (no mesh) it is the blockwise kernel on the whole arrays, in blocks of the model's
+    attention_block_size. With one it runs per device under shard_map (batch and heads split as the layout
+    says), and across the `context` shards by the layout's strategy, load balance and block size.
     """
     window = config.sliding_window
     if context is None:

@@ -3,7 +3,8 @@
 Forward operands go to float8_e4m3fn (3 mantissa bits, range +-448) and gradients to float8_e5m2 (2 mantissa
 bits, range +-57344: gradients span more decades than they need digits). A tensor's scale maps its absolute
 maximum (amax) onto the format's largest finite value, so the whole tensor uses the format's range; `quantize`
-divides by the scale, clips and casts, `dequantize` casts back and multiplies by it.
+divides by the scale, clips and casts, `dequantize` casts back and multiplies by it. The amax is the tensor's own
+(current scaling) or the largest of its recent ones, kept in an amax history (delayed scaling, below).
 
 The dequantize is written as XLA's GPU GEMM rewriter expects it: a convert from fp8 to the compute dtype
 followed by a multiply with a broadcast scalar, feeding the dot. On Hopper the rewriter folds that pattern
@@ -13,6 +14,10 @@ the scale, so the numerics are the fp8 GEMM's up to the accumulation order.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,9 +40,16 @@ def scale_from_amax(amax: Array, fmt: jnp.dtype) -> Array:
     return jnp.where(usable, amax / largest(fmt), 1.0)
 
 
-def current_scale(x: Array, fmt: jnp.dtype) -> Array:
-    """Current scaling: the scale of this tensor's own amax (one reduction; a max-all-reduce when sharded)."""
-    return scale_from_amax(jnp.max(jnp.abs(x)), fmt)
+def amax_of(x: Array, axes: tuple[str, ...] = ()) -> Array:
+    """max |x| in float32 (a max-all-reduce when jit shards x); under shard_map, of the whole tensor whose shard
+    x is: a max over the mesh `axes` that split it."""
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    return jax.lax.pmax(amax, axes) if axes else amax
+
+
+def current_scale(x: Array, fmt: jnp.dtype, axes: tuple[str, ...] = ()) -> Array:
+    """Current scaling: the scale of this tensor's own amax (`amax_of`)."""
+    return scale_from_amax(amax_of(x, axes), fmt)
 
 
 def quantize(x: Array, fmt: jnp.dtype, scale: Array) -> Array:
@@ -55,3 +67,92 @@ def quantize_current(x: Array, fmt: jnp.dtype) -> tuple[Array, Array]:
     """(fp8 tensor, its float32 scale) with the tensor's current scale."""
     scale = current_scale(x, fmt)
     return quantize(x, fmt, scale), scale
+
+
+# ---------------------------------------------------------------- fp8 round trips (the MoE experts' matmuls)
+#
+# The experts' grouped and batched matmuls (maxpar.model.moe_dispatch) run on one device's shard under shard_map,
+# through jax's own gradients of ragged_dot and einsum: there fp8 is a round trip of each operand to e4m3 (the
+# gradient passes straight through it) and of the output's incoming gradient to e5m2, which gives the products of
+# the fp8 matmul above. `axes` are the mesh axes the shard_map splits the tensors over: the amax is a max over them.
+
+def round_trip(x: Array, fmt: jnp.dtype, axes: tuple[str, ...]) -> Array:
+    """x rounded to `fmt` with its current scale (of the whole tensor: `amax_of`), back in x's dtype."""
+    scale = current_scale(x, fmt, axes)
+    return dequantize(quantize(x, fmt, scale), scale, x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def as_e4m3(x: Array, axes: tuple[str, ...]) -> Array:
+    """A matmul operand in e4m3; its gradient passes straight through (the matmul's own is then the fp8 one)."""
+    return round_trip(x, E4M3, axes)
+
+
+as_e4m3.defvjp(lambda x, axes: (round_trip(x, E4M3, axes), None), lambda axes, _, g: (g,))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def e5m2_gradient(y: Array, axes: tuple[str, ...]) -> Array:
+    """y unchanged; its incoming gradient rounded to e5m2, as both gradient matmuls take it."""
+    return y
+
+
+e5m2_gradient.defvjp(lambda y, axes: (y, None), lambda axes, _, g: (round_trip(g, E5M2, axes),))
+
+
+def fp8_product(dot: Callable[[Array, Array], Array], x: Array, w: Array, axes: tuple[str, ...]) -> Array:
+    """dot(x, w) with both operands in e4m3 and the gradient of its output in e5m2 (current global scales)."""
+    return e5m2_gradient(dot(as_e4m3(x, axes), as_e4m3(w, axes)), axes)
+
+
+# ---------------------------------------------------------------- delayed scaling (fp8_scaling=delayed)
+#
+# A matmul's amax history is one float32 array [len(OPERANDS), history_length] (stacked layers: [units, ...,
+# OPERANDS, length]), newest amax first, kept in the train state's FP8_META collection beside the parameters.
+# The matmul reads its scales from it and reports what it observed as the history's cotangent (column 0, the
+# rest zeros): the backward pass is the only place the gradient's amax exists, and a cotangent is how a value
+# leaves it. The train step then pushes the observed amaxes into the history (`push_amax`), never the optimizer.
+
+FP8_META = "fp8_meta"             # the variable collection of the amax histories
+OPERANDS = ("x", "w", "g")        # the history's rows: the input, the weight, the incoming gradient
+FORMATS = (E4M3, E4M3, E5M2)      # the format each row's tensor is quantized to
+
+
+def delayed_scale(x: Array, history: Array, fmt: jnp.dtype) -> tuple[Array, Array]:
+    """(scale, x's amax): the scale of the largest amax in `history` (one row), so it is known before x is;
+    x's own amax where the history is still empty (all zeros: the first step), which is current scaling.
+    A tensor larger than its history saturates at the format's largest value until the history catches up."""
+    amax = amax_of(x)
+    past = jnp.max(history)
+    return scale_from_amax(jnp.where(past > 0, past, amax), fmt), amax
+
+
+def quantize_delayed(x: Array, history: Array, fmt: jnp.dtype) -> tuple[Array, Array, Array]:
+    """(fp8 tensor, its scale, x's amax to record) with the delayed scale of `history` (one row)."""
+    scale, amax = delayed_scale(x, history, fmt)
+    return quantize(x, fmt, scale), scale, amax
+
+
+def report(history: Array, amaxes: Sequence[Array]) -> Array:
+    """The history's cotangent: the observed amax of each operand in column 0, zeros elsewhere (`observed`)."""
+    return jnp.zeros_like(history).at[:, 0].set(jnp.stack(amaxes))
+
+
+def observed(cotangent: Array) -> Array:
+    """The amaxes a step observed, from its histories' cotangent: [..., OPERANDS]."""
+    return cotangent[..., 0]
+
+
+def push_amax(history: Array, amax: Array) -> Array:
+    """The history after one step: `amax` [..., OPERANDS] in front, the oldest entry dropped."""
+    return jnp.concatenate([amax[..., None].astype(history.dtype), history[..., :-1]], axis=-1)
+
+
+def update_histories(meta: Any, cotangents: Any) -> Any:
+    """Every matmul's history after the step whose histories' cotangents (what the matmuls observed) are given."""
+    return jax.tree.map(lambda h, c: push_amax(h, observed(c)), meta, cotangents)
+
+
+def combine_observed(a: Any, b: Any) -> Any:
+    """Two microbatches' observations of the same step: amaxes combine by max (a cotangent sum would add them)."""
+    return jax.tree.map(jnp.maximum, a, b)

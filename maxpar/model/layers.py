@@ -13,11 +13,12 @@ import jax
 import jax.numpy as jnp
 
 from maxpar.core.axes import ATTN_KV, ATTN_Q, MLP_HIDDEN, MLP_IO, RESIDUAL, Logical
-from maxpar.core.config import Config, RopeScaling
+from maxpar.core.config import ModelConfig, RopeScaling
 from maxpar.core.layout import ModelLayout
 from maxpar.core.sharding import constrain
 from maxpar.model.activations import swiglu
 from maxpar.model.attention import attend, cached_attention
+from maxpar.model import fp8
 from maxpar.model.matmul import project
 
 Array = jax.Array
@@ -28,10 +29,11 @@ CACHE = "cache"  # the KV-cache collection: decoding applies the model with it m
 
 
 class ModelModule(nn.Module):
-    """A module of the model: the run's config, the layout it runs under (None: one device, no mesh), and
-    the dtypes it computes in (`dtype`) and stores its parameters in (`weight_dtype`)."""
+    """A module of the model: the model's keys of the run's config (`maxpar.core.config.model_config`), the
+    layout it runs under (None: one device, no mesh), and the dtypes it computes in (`dtype`) and stores its
+    parameters in (`weight_dtype`)."""
 
-    config: Config
+    config: ModelConfig
     layout: ModelLayout | None = None
 
     @property
@@ -41,6 +43,30 @@ class ModelModule(nn.Module):
     @property
     def weight_dtype(self) -> jnp.dtype:
         return jnp.dtype(self.config.weight_dtype)
+
+    def constrain(self, x: Array, logical: Sequence[str | None]) -> Array:
+        """`x` constrained to these logical axes by the layout's rules over its mesh; no layout (one device, no
+        mesh): the names are still checked, `x` stays as it is."""
+        return self.layout.constrain(x, logical) if self.layout else constrain(x, logical, (), None)
+
+    def project(self, spec: str, x: Array, w: Array, name: str) -> Array:
+        """The weight projection `spec` of x and the module's weight `name`, in `dtype` and `quantization`; under
+        fp8_scaling=delayed its scales come from the weight's amax history (`amax_history`)."""
+        return project(spec, x, w, self.dtype, quantization=self.config.quantization,
+                       history=amax_history(self, name))
+
+
+def amax_history(module: nn.Module, name: str) -> Array | None:
+    """The fp8 amax history [OPERANDS, fp8_amax_history_length] of the module's projection `name` (created
+    empty at init, in the FP8_META collection), or None: no delayed scaling, or applied without the collection
+    (evaluation, sampling), where current scaling needs no history."""
+    config = module.config
+    if config.quantization != "fp8" or config.fp8_scaling != "delayed":
+        return None
+    if not module.is_initializing() and not module.has_variable(fp8.FP8_META, name):
+        return None
+    shape = (len(fp8.OPERANDS), config.fp8_amax_history_length)
+    return module.variable(fp8.FP8_META, name, jnp.zeros, shape, jnp.float32).value
 
 
 def kernel(module: ModelModule, name: str, shape: Sequence[int], axes: Sequence[str],
@@ -53,12 +79,15 @@ def kernel(module: ModelModule, name: str, shape: Sequence[int], axes: Sequence[
 
 
 class RMSNorm(ModelModule):
-    """Root-mean-square norm, computed in float32."""
+    """Root-mean-square norm over the last dim, computed in float32. `axis` names the scale's logical axis: the
+    residual's norms use `norm`, Qwen3's per-head q/k norms `head_dim` (maxpar/model/roles.py)."""
+
+    axis: str = Logical.NORM
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
         cfg = self.config
-        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, (Logical.NORM,)),
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, (self.axis,)),
                            (x.shape[-1],), self.weight_dtype)
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.normalization_layer_epsilon)
@@ -98,7 +127,7 @@ class Attention(ModelModule):
 
     @nn.compact
     def __call__(self, x: Array, positions: Array, segment_ids: Array) -> Array:
-        cfg, dt, qt = self.config, self.dtype, self.config.quantization
+        cfg, dt = self.config, self.dtype
         e, h, kv, d = cfg.emb_dim, cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim
         wq = kernel(self, "query", (e, h, d), (Logical.EMBED, Logical.HEADS, Logical.HEAD_DIM), (0,))
         wk = kernel(self, "key", (e, kv, d), (Logical.EMBED, Logical.KV_HEADS, Logical.HEAD_DIM), (0,))
@@ -107,21 +136,24 @@ class Attention(ModelModule):
 
         # Positions and segment ids follow q's length sharding: under TP-sequence the [B, L] inputs are
         # gathered once (int32) rather than their rotary sin/cos and mask (float, per use) by the partitioner.
-        positions, segment_ids = constrain(positions, ATTN_Q[:2]), constrain(segment_ids, ATTN_Q[:2])
-        q = constrain(project("ble,ehd->blhd", x, wq, dt, quantization=qt), ATTN_Q)
-        k = constrain(project("ble,ehd->blhd", x, wk, dt, quantization=qt), ATTN_KV)
-        v = constrain(project("ble,ehd->blhd", x, wv, dt, quantization=qt), ATTN_KV)
+        positions, segment_ids = self.constrain(positions, ATTN_Q[:2]), self.constrain(segment_ids, ATTN_Q[:2])
+        q = self.constrain(self.project("ble,ehd->blhd", x, wq, "query"), ATTN_Q)
+        k = self.constrain(self.project("ble,ehd->blhd", x, wk, "key"), ATTN_KV)
+        v = self.constrain(self.project("ble,ehd->blhd", x, wv, "value"), ATTN_KV)
+        if cfg.qk_norm:  # Qwen3: each head's q and k normalized over head_dim, before the rotation
+            q = RMSNorm(cfg, self.layout, axis=Logical.HEAD_DIM, name="query_norm")(q)
+            k = RMSNorm(cfg, self.layout, axis=Logical.HEAD_DIM, name="key_norm")(k)
         q = apply_rope(q, positions, cfg.rope_theta, cfg.rope_scaling) * jnp.asarray(d ** -0.5, dt)
         k = apply_rope(k, positions, cfg.rope_theta, cfg.rope_scaling)
 
         if self.is_mutable_collection(CACHE) and not self.is_initializing():
-            out = constrain(self._attend_cached(q, k, v, positions), ATTN_Q)
-            return constrain(project("blhd,hde->ble", out, wo, dt, quantization=qt), RESIDUAL)
+            out = self.constrain(self._attend_cached(q, k, v, positions), ATTN_Q)
+            return self.constrain(self.project("blhd,hde->ble", out, wo, "out"), RESIDUAL)
         # Init only needs shapes: the portable core keeps it (and the planner's abstract init) off the GPU.
         choice = "dot_product" if self.is_initializing() else cfg.attention
         context = self.layout.context if self.layout else None
-        out = constrain(attend(q, k, v, segment_ids, choice, cfg.sliding_window, cfg, context), ATTN_Q)
-        return constrain(project("blhd,hde->ble", out, wo, dt, quantization=qt), RESIDUAL)
+        out = self.constrain(attend(q, k, v, segment_ids, choice, cfg.sliding_window, cfg, context), ATTN_Q)
+        return self.constrain(self.project("blhd,hde->ble", out, wo, "out"), RESIDUAL)
 
 
     def _attend_cached(self, q: Array, k: Array, v: Array, positions: Array) -> Array:
@@ -133,8 +165,8 @@ class Attention(ModelModule):
         k_cache = self.variable(CACHE, "key", jnp.zeros, shape, k.dtype)
         v_cache = self.variable(CACHE, "value", jnp.zeros, shape, v.dtype)
         write = jax.vmap(lambda cache, new, start: jax.lax.dynamic_update_slice(cache, new, (start, 0, 0)))
-        k_cache.value = constrain(write(k_cache.value, k, positions[:, 0]), ATTN_KV)
-        v_cache.value = constrain(write(v_cache.value, v, positions[:, 0]), ATTN_KV)
+        k_cache.value = self.constrain(write(k_cache.value, k, positions[:, 0]), ATTN_KV)
+        v_cache.value = self.constrain(write(v_cache.value, v, positions[:, 0]), ATTN_KV)
         return cached_attention(q, k_cache.value, v_cache.value, positions, self.config.sliding_window)
 
 
@@ -143,15 +175,15 @@ class Mlp(ModelModule):
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        cfg, dt, qt = self.config, self.dtype, self.config.quantization
+        cfg = self.config
         e, m = cfg.emb_dim, cfg.mlp_dim
         # `mlp_embed`: the feed-forward weights' embed dim has its own name, so that a preset can shard it
         # apart from the other weights' (TP-transpose, configs/tp_transpose.yml); by default it follows `embed`.
         w_gate = kernel(self, "wi_gate", (e, m), (Logical.MLP_EMBED, Logical.MLP), (0,))
         w_up = kernel(self, "wi_up", (e, m), (Logical.MLP_EMBED, Logical.MLP), (0,))
         w_down = kernel(self, "wo", (m, e), (Logical.MLP, Logical.MLP_EMBED), (0,))
-        x = constrain(x, MLP_IO)
-        gate = constrain(project("ble,em->blm", x, w_gate, dt, quantization=qt), MLP_HIDDEN)
-        up = constrain(project("ble,em->blm", x, w_up, dt, quantization=qt), MLP_HIDDEN)
-        down = project("blm,me->ble", swiglu(gate, up), w_down, dt, quantization=qt)
-        return constrain(constrain(down, MLP_IO), RESIDUAL)
+        x = self.constrain(x, MLP_IO)
+        gate = self.constrain(self.project("ble,em->blm", x, w_gate, "wi_gate"), MLP_HIDDEN)
+        up = self.constrain(self.project("ble,em->blm", x, w_up, "wi_up"), MLP_HIDDEN)
+        down = self.project("blm,me->ble", swiglu(gate, up), w_down, "wo")
+        return self.constrain(self.constrain(down, MLP_IO), RESIDUAL)

@@ -14,7 +14,9 @@ The logits use `matmul` (float32 out); the attention core has its own VJP (maxpa
 
 `quantization="fp8"` (config `quantization`) swaps in the fp8 matmul: both operands quantized to e4m3 with
 per-tensor current scales, the backward's cotangent to e5m2 with its own, each dot fed by a dequantize that the
-GPU compiler folds into an fp8 GEMM (maxpar.model.fp8); accumulation and output dtypes as above.
+GPU compiler folds into an fp8 GEMM (maxpar.model.fp8); accumulation and output dtypes as above. With an amax
+`history` (fp8_scaling=delayed) the scales come from it instead, and the history's cotangent reports the amaxes
+the matmul observed.
 
 `project` is the same for a weight projection (q, k, v, attention output, the MLP's gate/up/down, the MoE
 router), whose output it names `PROJECTION` for `remat_policy=minimal` to save.
@@ -114,16 +116,48 @@ _fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
 QUANTIZED = {"": _matmul, "fp8": _fp8_matmul}  # config key `quantization` -> the matmul it selects
 
 
+def _fp8_delayed_fwd(spec, dtype, out_dtype, x, w, history):
+    (xq, x_scale, x_amax), (wq, w_scale, w_amax) = (fp8.quantize_delayed(t, row, fp8.E4M3)
+                                                    for t, row in ((x, history[0]), (w, history[1])))
+    y = _accumulate(spec, fp8.dequantize(xq, x_scale, dtype), fp8.dequantize(wq, w_scale, dtype))
+    return y.astype(out_dtype), (xq, x_scale, wq, w_scale, jnp.zeros((0,), w.dtype), history, x_amax, w_amax)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _fp8_delayed_matmul(spec: str, dtype: jnp.dtype, out_dtype: jnp.dtype, x: Array, w: Array,
+                        history: Array) -> Array:
+    """The fp8 matmul with delayed scales read from `history` [OPERANDS, length] (maxpar.model.fp8)."""
+    return _fp8_delayed_fwd(spec, dtype, out_dtype, x, w, history)[0]
+
+
+def _fp8_delayed_bwd(spec, dtype, out_dtype, residuals, g):
+    """As `_fp8_matmul_bwd`, the cotangent scaled by its history; the history's cotangent reports the three
+    amaxes this matmul observed (fp8.report), for the train step to push into the history."""
+    xq, x_scale, wq, w_scale, w_like, history, x_amax, w_amax = residuals
+    gq, g_scale, g_amax = fp8.quantize_delayed(g, history[2], fp8.E5M2)
+    dx, dw = _gradients(spec, fp8.dequantize(xq, x_scale, dtype), fp8.dequantize(wq, w_scale, dtype),
+                        fp8.dequantize(gq, g_scale, dtype), w_like.dtype)
+    return dx, dw, fp8.report(history, (x_amax, w_amax, g_amax))
+
+
+_fp8_delayed_matmul.defvjp(_fp8_delayed_fwd, _fp8_delayed_bwd)
+
+
 def matmul(spec: str, x: Array, w: Array, dtype: jnp.dtype, out_dtype: jnp.dtype | None = None,
-           quantization: str = "") -> Array:
+           quantization: str = "", history: Array | None = None) -> Array:
     """einsum(spec, x, w) with `dtype` operands and float32 accumulation, in `out_dtype` (default `dtype`);
-    `quantization="fp8"`: the operands in fp8 with per-tensor scales (maxpar.model.fp8) instead."""
+    `quantization="fp8"`: the operands in fp8 with per-tensor scales (maxpar.model.fp8) instead, current ones,
+    or delayed ones from `history` (fp8_scaling=delayed; None: current)."""
     _operands(spec)
-    dtype = jnp.dtype(dtype)
-    return QUANTIZED[quantization](spec, dtype, jnp.dtype(out_dtype or dtype), x.astype(dtype), w)
+    dtype, out_dtype = jnp.dtype(dtype), jnp.dtype(out_dtype or dtype)
+    if history is not None:
+        if quantization != "fp8":
+            raise ValueError(f"an amax history needs quantization='fp8', got {quantization!r}")
+        return _fp8_delayed_matmul(spec, dtype, out_dtype, x.astype(dtype), w, history)
+    return QUANTIZED[quantization](spec, dtype, out_dtype, x.astype(dtype), w)
 
 
 def project(spec: str, x: Array, w: Array, dtype: jnp.dtype, out_dtype: jnp.dtype | None = None,
-            quantization: str = "") -> Array:
+            quantization: str = "", history: Array | None = None) -> Array:
     """A weight projection: `matmul`, its output named for remat_policy=minimal to save."""
-    return checkpoint_name(matmul(spec, x, w, dtype, out_dtype, quantization), PROJECTION)
+    return checkpoint_name(matmul(spec, x, w, dtype, out_dtype, quantization, history), PROJECTION)

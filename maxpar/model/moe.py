@@ -21,7 +21,6 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxpar.core.axes import RESIDUAL, Logical
-from maxpar.core.sharding import constrain
 from maxpar.model.layers import ModelModule, kernel
 from maxpar.model.matmul import PROJECTION
 from maxpar.model.moe_dispatch import capacity_local, dropless_local, expert_parallel, on_token_shards
@@ -53,26 +52,27 @@ class MoeBlock(ModelModule):
 
         logits = checkpoint_name(jnp.einsum("ble,ex->blx", x, router.astype(dt), preferred_element_type=jnp.float32),
                                  PROJECTION)  # saved by remat_policy=minimal
-        routing = on_token_shards(functools.partial(route, k=k), axes, logits)
+        routing = on_token_shards(functools.partial(route, k=k, renormalize=cfg.norm_topk_prob), axes, logits)
         weights = (w_gate.astype(dt), w_up.astype(dt), w_down.astype(dt))
         routed = jnp.sum(valid).astype(jnp.float32) * k
+        fp8 = cfg.quantization == "fp8"  # the experts' matmuls, with current scales whatever fp8_scaling says
         if cfg.capacity_factor > 0:
             capacity = expert_capacity(x.shape[1], k, n, cfg.capacity_factor)
             slots, kept = on_token_shards(functools.partial(capacity_slots, num_experts=n, capacity=capacity),
                                           axes, routing.experts, valid)
             combine = jnp.where(kept, routing.weights, 0.0)
             y = expert_parallel(capacity_local, axes, x, (routing.experts, slots, combine), *weights, flat_tokens=False,
-                                num_experts=n, capacity=capacity)
+                                fp8=fp8, num_experts=n, capacity=capacity)
             dropped = routed - jnp.sum(kept).astype(jnp.float32)
         else:
             y = expert_parallel(dropless_local, axes, x, (routing.experts, routing.weights), *weights, flat_tokens=True,
-                                num_experts=n)
+                                fp8=fp8, num_experts=n)
             dropped = jnp.zeros((), jnp.float32)
         for name, value in zip(BALANCE_SUMS, balance_sums(routing, valid)):
             self.sow(MOE_STATS, name, value)
         self.sow(MOE_STATS, "dropped", dropped)
         self.sow(MOE_STATS, "routed", routed)
-        return constrain(y, RESIDUAL)
+        return self.constrain(y, RESIDUAL)
 
 
 def moe_totals(stats: Any) -> dict[str, Array]:

@@ -25,6 +25,7 @@ physical axis name is written here.
 from __future__ import annotations
 
 from collections.abc import Callable
+import functools
 from typing import Any
 
 import jax
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from maxpar.core.layout import EXPERT_DOWN, EXPERT_GATE, ExpertAxes
+from maxpar.model import fp8 as fp8_matmuls
 from maxpar.model.activations import swiglu
 
 Array = jax.Array
@@ -40,18 +42,26 @@ Axes = tuple[str, ...]
 
 # ---------------------------------------------------------------- the experts' SwiGLU
 
-def _swiglu_grouped(rows: Array, w_gate: Array, w_up: Array, w_down: Array, group_sizes: Array) -> Array:
+def _product(dot: Callable[[Array, Array], Array], x: Array, w: Array, fp8_axes: Axes | None) -> Array:
+    """dot(x, w); in fp8 (maxpar.model.fp8.fp8_product, amaxes over `fp8_axes`) unless fp8_axes is None."""
+    return dot(x, w) if fp8_axes is None else fp8_matmuls.fp8_product(dot, x, w, fp8_axes)
+
+
+def _swiglu_grouped(rows: Array, w_gate: Array, w_up: Array, w_down: Array, group_sizes: Array,
+                    fp8_axes: Axes | None = None) -> Array:
     """SwiGLU of rows sorted by expert: group g uses expert g's weights. Rows past the groups give zeros."""
-    gate = jax.lax.ragged_dot(rows, w_gate, group_sizes)
-    up = jax.lax.ragged_dot(rows, w_up, group_sizes)
-    return jax.lax.ragged_dot(swiglu(gate, up), w_down, group_sizes)
+    def dot(a, b):
+        return jax.lax.ragged_dot(a, b, group_sizes)
+    gate, up = _product(dot, rows, w_gate, fp8_axes), _product(dot, rows, w_up, fp8_axes)
+    return _product(dot, swiglu(gate, up), w_down, fp8_axes)
 
 
-def _swiglu_batched(buffers: Array, w_gate: Array, w_up: Array, w_down: Array) -> Array:
+def _swiglu_batched(buffers: Array, w_gate: Array, w_up: Array, w_down: Array, fp8_axes: Axes | None = None
+                    ) -> Array:
     """SwiGLU of per-expert buffers [experts, slots, emb]."""
-    gate = jnp.einsum("xte,xem->xtm", buffers, w_gate)
-    up = jnp.einsum("xte,xem->xtm", buffers, w_up)
-    return jnp.einsum("xtm,xme->xte", swiglu(gate, up), w_down)
+    up_dot, down_dot = functools.partial(jnp.einsum, "xte,xem->xtm"), functools.partial(jnp.einsum, "xtm,xme->xte")
+    gate, up = _product(up_dot, buffers, w_gate, fp8_axes), _product(up_dot, buffers, w_up, fp8_axes)
+    return _product(down_dot, swiglu(gate, up), w_down, fp8_axes)
 
 
 def _all_to_all(x: Array, axes: Axes, split_axis: int, concat_axis: int) -> Array:
@@ -61,7 +71,7 @@ def _all_to_all(x: Array, axes: Axes, split_axis: int, concat_axis: int) -> Arra
 # ---------------------------------------------------------------- dropless
 
 def dropless_local(x: Array, experts: Array, weights: Array, w_gate: Array, w_up: Array, w_down: Array, *,
-                   num_experts: int, ep_axes: Axes = (), ep_size: int = 1) -> Array:
+                   num_experts: int, ep_axes: Axes = (), ep_size: int = 1, fp8_axes: Axes | None = None) -> Array:
     """Every token copy computed by its expert; x [T, emb], experts/weights [T, k] -> [T, emb] (float32).
 
     The copies are sorted by expert (so also by the device holding it), sent in
@@ -76,7 +86,7 @@ def dropless_local(x: Array, experts: Array, weights: Array, w_gate: Array, w_up
     rows = x[order // k]
     counts = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     if ep_size == 1:
-        out = _swiglu_grouped(rows, w_gate, w_up, w_down, counts)
+        out = _swiglu_grouped(rows, w_gate, w_up, w_down, counts, fp8_axes)
     else:
         chunk = tokens * min(k, local_experts)    # the most copies one device can send one peer
         device = flat[order] // local_experts
@@ -90,7 +100,7 @@ def dropless_local(x: Array, experts: Array, weights: Array, w_gate: Array, w_up
         expert_of = jax.vmap(lambda e: jnp.searchsorted(e, jnp.arange(chunk), side="right"))(ends).reshape(-1)
         arrival = jnp.argsort(expert_of, stable=True)                     # by local expert; padding last
         computed = _swiglu_grouped(received.reshape(-1, x.shape[-1])[arrival], w_gate, w_up, w_down,
-                                   received_counts.sum(0))
+                                   received_counts.sum(0), fp8_axes)
         computed = jnp.where((expert_of[arrival] < local_experts)[:, None], computed, 0)
         results = jnp.zeros_like(computed).at[arrival].set(computed).reshape(ep_size, chunk, -1)
         out = _all_to_all(results, ep_axes, 0, 0)[device, offset]
@@ -101,7 +111,8 @@ def dropless_local(x: Array, experts: Array, weights: Array, w_gate: Array, w_up
 # ---------------------------------------------------------------- capacity
 
 def capacity_local(x: Array, experts: Array, slots: Array, weights: Array, w_gate: Array, w_up: Array,
-                   w_down: Array, *, num_experts: int, capacity: int, ep_axes: Axes = (), ep_size: int = 1) -> Array:
+                   w_down: Array, *, num_experts: int, capacity: int, ep_axes: Axes = (), ep_size: int = 1,
+                   fp8_axes: Axes | None = None) -> Array:
     """Fixed per-expert buffers of `capacity` slots per row; x [B, L, emb], experts/slots/weights [B, L, k].
 
     A dropped copy has slot == capacity: it is written nowhere and reads back
@@ -114,7 +125,7 @@ def capacity_local(x: Array, experts: Array, slots: Array, weights: Array, w_gat
     buffers = jnp.zeros((num_experts, rows, capacity, x.shape[-1]), x.dtype)
     buffers = buffers.at[experts, row_index, slots].set(copies, mode="drop").reshape(num_experts, -1, x.shape[-1])
     buffers = _all_to_all(buffers, ep_axes, 0, 1)          # [local experts, sources x rows x capacity, emb]
-    out = _all_to_all(_swiglu_batched(buffers, w_gate, w_up, w_down), ep_axes, 1, 0)
+    out = _all_to_all(_swiglu_batched(buffers, w_gate, w_up, w_down, fp8_axes), ep_axes, 1, 0)
     out = out.reshape(num_experts, rows, capacity, -1)
     gathered = out.at[experts, row_index, slots].get(mode="fill", fill_value=0)
     return jnp.einsum("blke,blk->ble", gathered.astype(jnp.float32), weights)
@@ -136,13 +147,15 @@ def on_token_shards(fn: Callable[..., Any], axes: ExpertAxes | None, *arrays: Ar
 
 
 def expert_parallel(local: Callable[..., Array], axes: ExpertAxes | None, x: Array, per_token: tuple[Array, ...],
-                    w_gate: Array, w_up: Array, w_down: Array, *, flat_tokens: bool, **static) -> Array:
+                    w_gate: Array, w_up: Array, w_down: Array, *, flat_tokens: bool, fp8: bool = False,
+                    **static) -> Array:
     """Run a dispatch function on every device's tokens with its experts; [B, L, emb] in x's dtype.
 
     With axes None (model.init, a single-device reference) it runs on the whole
     arrays. With the layout's axes: tokens split over the `activation_batch` axes,
     expert weights over `exp` (EP) and `mlp` (TP), their other dims all-gathered
     here (FSDP; the gradient is reduce-scattered back), TP partial sums added.
+    fp8: the experts' matmuls in fp8, each amax a max over the mesh axes that split its tensor.
     """
     batch, length, emb = x.shape
 
@@ -154,7 +167,7 @@ def expert_parallel(local: Callable[..., Array], axes: ExpertAxes | None, x: Arr
         return y.reshape(-1, length, emb).astype(x.dtype)
 
     if axes is None:
-        return run(x, per_token, w_gate, w_up, w_down)
+        return run(x, per_token, w_gate, w_up, w_down, fp8_axes=() if fp8 else None)
     # Axes of size 1 are left out: they split nothing, and shard_map would count them as varying.
     token_spec = PartitionSpec(axes.live(axes.tokens) or None)
     gate_spec = PartitionSpec(*(axes.live(a) or None for a in axes.gate))
@@ -175,7 +188,9 @@ def expert_parallel(local: Callable[..., Array], axes: ExpertAxes | None, x: Arr
         ep, hidden = axes.live(axes.experts), axes.live(axes.hidden)
         if hidden:  # TP: one all-reduce of the input gradient in the backward pass, not one per use
             x = jax.lax.pcast(x, hidden, to="varying")
-        y = run(x, per_token, w_gate, w_up, w_down, ep_axes=ep, ep_size=axes.degree(ep))
+        split = axes.live(tuple(dict.fromkeys(axes.tokens + axes.experts + axes.hidden)))
+        y = run(x, per_token, w_gate, w_up, w_down, ep_axes=ep, ep_size=axes.degree(ep),
+                fp8_axes=split if fp8 else None)
         return jax.lax.psum(y, hidden) if hidden else y
 
     # Inside a pipeline stage (maxpar.pipeline.spmd) this runs under jax.vmap(spmd_axis_name=stage), whose

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Sequence
+from typing import Any
 
 from maxpar.core.axes import Logical
 
@@ -46,6 +47,7 @@ class ParamRole(enum.StrEnum):
     EMBEDDING = "embedding"                 # the token table (also the output projection with logits_via_embedding)
     OUTPUT = "output"                       # the output projection to the vocabulary
     NORM = "norm"                           # an RMSNorm scale
+    QK_NORM = "qk_norm"                     # the RMSNorm scale of each query/key head (qk_norm: Qwen3)
 
     @property
     def block(self) -> Block:
@@ -81,6 +83,7 @@ _DECLARED = {
     ParamRole.OUTPUT: _Declaration(Block.OUTPUT, (_L.EMBED, _L.VOCAB), (("", "output"),)),
     ParamRole.NORM: _Declaration(Block.NORM, (_L.NORM,), (("pre_attention_norm", "scale"), ("pre_mlp_norm", "scale"),
                                                          ("final_norm", "scale"))),
+    ParamRole.QK_NORM: _Declaration(Block.NORM, (_L.HEAD_DIM,), (("query_norm", "scale"), ("key_norm", "scale"))),
 }
 _BY_NAME = {name: role for role, declared in _DECLARED.items() for name in declared.names}
 
@@ -89,3 +92,9 @@ def param_role(path: Sequence[str]) -> ParamRole | None:
     """The role of the parameter at `path` (its keys in the model's parameter tree), None if undeclared."""
     parent = path[-2] if len(path) > 1 else ""
     return _BY_NAME.get((parent, path[-1])) if path else None
+
+
+def path_keys(key_path: Sequence[Any]) -> tuple[str, ...]:
+    """The keys of a parameter tree's key path as `jax.tree_util.tree_leaves_with_path` gives it, for
+    `param_role`."""
+    return tuple(str(getattr(key, "key", key)) for key in key_path)

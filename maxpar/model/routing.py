@@ -21,17 +21,20 @@ class Routing(NamedTuple):
 
     probs: Array    # [..., num_experts] float32: softmax over all expert logits
     experts: Array  # [..., k] int32: chosen experts, most probable first
-    weights: Array  # [..., k] float32: their probabilities renormalized to sum to 1
+    weights: Array  # [..., k] float32: their probabilities (renormalized to sum to 1 by default)
 
 
-def route(logits: Array, k: int) -> Routing:
+def route(logits: Array, k: int, renormalize: bool = True) -> Routing:
     """Mixtral's routing: softmax over all experts, keep the top k, renormalize those k weights to sum to 1.
+    `renormalize=False` (Qwen3-MoE's norm_topk_prob=false) keeps the k probabilities as they are, so a token's
+    expert outputs are scaled by less than 1 in all.
 
     Ties go to the lower expert index (`jax.lax.top_k`).
     """
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     top, experts = jax.lax.top_k(probs, k)
-    return Routing(probs, experts.astype(jnp.int32), top / jnp.sum(top, axis=-1, keepdims=True))
+    weights = top / jnp.sum(top, axis=-1, keepdims=True) if renormalize else top
+    return Routing(probs, experts.astype(jnp.int32), weights)
 
 
 def load_balance_loss(routing: Routing, valid: Array) -> Array:

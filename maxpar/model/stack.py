@@ -24,7 +24,10 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from maxpar.core.axes import Logical
-from maxpar.core.config import Config
+from maxpar.core.config import Config, ModelConfig
+
+# A run's config or its model config: the keys of the layer stack's storage are the same.
+StackConfig = Config | ModelConfig
 
 STACKED = str(Logical.LAYERS)        # the stacked entry's name (and its leading axis's logical name)
 _UNROLLED = re.compile(r"layers_(\d+)")
@@ -34,7 +37,7 @@ def unrolled_name(index: int) -> str:
     return f"layers_{index}"
 
 
-def num_units(config: Config) -> int:
+def num_units(config: StackConfig) -> int:
     """How many repeated units the decoder stacks: layers, or blocks of moe_layer_interval layers."""
     if config.num_experts > 1 and config.moe_layer_interval > 1:
         return config.num_decoder_layers // config.moe_layer_interval
@@ -125,7 +128,7 @@ def _merge_any(leaf: Any) -> Any:
     return jax.ShapeDtypeStruct((leaf.shape[0] * leaf.shape[1], *leaf.shape[2:]), leaf.dtype, sharding=sharding)
 
 
-def to_canonical(tree: Any, config: Config, stack: Callable[[Sequence[Any]], Any] = jnp.stack) -> Any:
+def to_canonical(tree: Any, config: StackConfig, stack: Callable[[Sequence[Any]], Any] = jnp.stack) -> Any:
     """A tree in `config`'s layer layout -> the canonical (stacked) layout.
 
     Unrolled `layers_i` entries are stacked with `stack` (`stack_abstract` for restore targets); a
@@ -147,7 +150,7 @@ def to_canonical(tree: Any, config: Config, stack: Callable[[Sequence[Any]], Any
     return jax.tree.map(convert, tree, is_leaf=lambda node: _is_unrolled(node) or _is_stacked(node))
 
 
-def from_canonical(tree: Any, config: Config) -> Any:
+def from_canonical(tree: Any, config: StackConfig) -> Any:
     """The inverse of `to_canonical`: a canonical tree in `config`'s layer layout."""
     repeats = config.num_pipeline_repeats
 

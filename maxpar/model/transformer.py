@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 
 from maxpar.core.axes import LOGITS, RESIDUAL, Logical
-from maxpar.core.config import Config
-from maxpar.core.sharding import constrain
+from maxpar.core.config import ModelConfig
 from maxpar.model.layers import CACHE, Attention, Mlp, ModelModule, RMSNorm
+from maxpar.model.fp8 import FP8_META
 from maxpar.model.matmul import PROJECTION, matmul
 from maxpar.model.moe import MOE_STATS, MoeBlock
 from maxpar.model.stack import STACKED, layer_stack, num_units, unrolled_name
@@ -39,7 +39,7 @@ class DecoderLayer(ModelModule):
     @nn.compact
     def __call__(self, x: Array, positions: Array, segment_ids: Array) -> tuple[Array, None]:
         cfg, layout = self.config, self.layout
-        x = constrain(x, RESIDUAL)
+        x = self.constrain(x, RESIDUAL)
         x = x + Attention(cfg, layout, name="attention")(
             RMSNorm(cfg, layout, name="pre_attention_norm")(x), positions, segment_ids)
         normed = RMSNorm(cfg, layout, name="pre_mlp_norm")(x)
@@ -62,7 +62,7 @@ class DecoderBlock(ModelModule):
         return x, None
 
 
-def decoder_unit(config: Config) -> tuple[type[nn.Module], dict[str, bool]]:
+def decoder_unit(config: ModelConfig) -> tuple[type[nn.Module], dict[str, bool]]:
     """(module, its keyword arguments) of the layer stack's repeated unit: one layer (dense, or MoE in
     every layer), else a block of moe_layer_interval layers."""
     if config.num_experts > 1 and config.moe_layer_interval > 1:
@@ -70,7 +70,7 @@ def decoder_unit(config: Config) -> tuple[type[nn.Module], dict[str, bool]]:
     return DecoderLayer, {"moe": config.num_experts > 1}
 
 
-def _rematerialized(cfg: Config, unit: type[nn.Module]) -> type[nn.Module]:
+def _rematerialized(cfg: ModelConfig, unit: type[nn.Module]) -> type[nn.Module]:
     """The stack's unit, rematerialized per `remat_policy`. `minimal` saves what is named, so it saves the
     same tensors under the pipeline's vmap over stages (which gives every matmul a batch dimension)."""
     if cfg.remat_policy == "none":
@@ -91,7 +91,7 @@ class Decoder(ModelModule):
             for i in range(num_units(cfg)):
                 x, _ = layer(cfg, layout, name=unrolled_name(i), **kwargs)(x, positions, segment_ids)
             return x
-        stack = layer_stack(layer, num_units(cfg), cfg.num_pipeline_repeats, collections=(MOE_STATS, CACHE))
+        stack = layer_stack(layer, num_units(cfg), cfg.num_pipeline_repeats, collections=(MOE_STATS, CACHE, FP8_META))
         if layout is None or not layout.pipelined or self.is_initializing():  # creating the parameters: in order
             x, _ = stack(cfg, layout, name=STACKED, **kwargs)(x, positions, segment_ids)
             return x
@@ -128,8 +128,8 @@ class Transformer(ModelModule):
         table = self.param("token_embedding", nn.with_logical_partitioning(
             nn.initializers.normal(stddev=1.0), (Logical.VOCAB, Logical.EMBED)), (cfg.vocab_size, cfg.emb_dim), wdt)
         gather_table = layout is None or layout.gather_lookup_table  # maxpar.core.layout.ModelLayout says why
-        lookup_table = constrain(table, (Logical.VOCAB, None)) if gather_table else table
-        x = constrain(jnp.take(lookup_table, tokens, axis=0).astype(dt), RESIDUAL)
+        lookup_table = self.constrain(table, (Logical.VOCAB, None)) if gather_table else table
+        x = self.constrain(jnp.take(lookup_table, tokens, axis=0).astype(dt), RESIDUAL)
         x = Decoder(cfg, layout, name=DECODER)(x, positions, segment_ids)
         x = RMSNorm(cfg, layout, name="final_norm")(x)
         if cfg.logits_via_embedding:
@@ -139,4 +139,4 @@ class Transformer(ModelModule):
                 nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal"), (Logical.EMBED, Logical.VOCAB)),
                 (cfg.emb_dim, cfg.vocab_size), wdt)
             logits = matmul("ble,ev->blv", x, out, dt, jnp.float32)
-        return constrain(logits, LOGITS)
+        return self.constrain(logits, LOGITS)

@@ -45,7 +45,6 @@ from functools import partial
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
@@ -53,7 +52,7 @@ from jax.sharding import PartitionSpec
 from maxpar.core.axes import Logical
 from maxpar.core.layout import ModelLayout, merge_microbatches, split_microbatches
 from maxpar.core.schedule import Schedule, stage_task
-from maxpar.core.sharding import constrain
+from maxpar.core.sharding import named_shardings
 
 STAGED = Logical.LAYERS  # the stages are the stacked layers' axis, and the loop's activations follow it
 
@@ -71,18 +70,20 @@ def pipeline(stage_fn: StageFn, params: Any, x: Array, side: Sequence[Array], *,
 
     params: the stacked unit's parameters (their specs, manual axes and gather mode are the layout's).
     x: [B, ...] activations with logical axes `x_axes`; side: per-row inputs every block reads
-    (e.g. positions), [B, ...] with logical axes `side_axes`. Traced under the mesh of `layout.mesh`.
+    (e.g. positions), [B, ...] with logical axes `side_axes`. Every constraint and shard_map names its mesh
+    (`layout.mesh`; `inner.mesh` inside the loop), so nothing ambient is needed while it is traced.
     """
     pipe = layout.pipeline
     manual, inner = pipe.manual, pipe.inner
     gathered = pipe.gathered_weight_specs()
     if gathered is not None:
-        params = jax.lax.with_sharding_constraint(params, gathered)
+        params = jax.lax.with_sharding_constraint(params, named_shardings(gathered, layout.mesh.abstract()))
+    block_specs = pipe.gathered_block_specs()
+    block_shardings = None if block_specs is None else named_shardings(block_specs, inner.mesh.abstract())
 
     def loop(params: Any, x: Array, *side: Array) -> tuple[Array, Any]:
-        with nn.logical_axis_rules(inner.rules):
-            x, stats = _loop(partial(stage_fn, layout=inner), params, x, side, pipe.schedule, pipe.stage_axes,
-                             x_axes, side_axes, pipe.gathered_block_specs())
+        x, stats = _loop(partial(stage_fn, layout=inner), params, x, side, pipe.schedule, pipe.stage_axes,
+                         inner, x_axes, side_axes, block_shardings)
         return x, (jax.lax.psum(stats, manual) if manual else stats)  # each replica summed its own rows
 
     if not manual:
@@ -102,18 +103,18 @@ def _blocks(params: Any, schedule: Schedule) -> Any:
 
 
 def _loop(stage_fn: StageFn, params: Any, x: Array, side: Sequence[Array], schedule: Schedule,
-          stage_axes: tuple[str, ...], x_axes: Sequence[str], side_axes: Sequence[str],
-          block_specs: Any = None) -> Array:
-    """The M x R + S - 1 iterations, under rules that name no manual axis.
+          stage_axes: tuple[str, ...], inner: ModelLayout, x_axes: Sequence[str], side_axes: Sequence[str],
+          block_shardings: Any = None) -> Array:
+    """The M x R + S - 1 iterations, constrained by `inner`: rules that name no manual axis, over the loop's mesh.
 
-    block_specs: gather each repeat's blocks once per window (`FsdpGather.PER_REPEAT`) into these mesh specs.
+    block_shardings: gather each repeat's blocks once per window (`FsdpGather.PER_REPEAT`) into these shardings.
     """
     s_count, m_count, r_count = schedule.num_stages, schedule.num_microbatches, schedule.num_repeats
     blocks = _blocks(params, schedule)
-    micro_x = constrain(split_microbatches(x, m_count), (None, *x_axes))
-    micro_side = [constrain(split_microbatches(a, m_count), (None, *side_axes)) for a in side]
-    buffer = constrain(jnp.broadcast_to(micro_x, (s_count, *micro_x.shape)), (STAGED, None, *x_axes))
-    state = constrain(jnp.zeros((s_count, *micro_x.shape[1:]), x.dtype), (STAGED, *x_axes))
+    micro_x = inner.constrain(split_microbatches(x, m_count), (None, *x_axes))
+    micro_side = [inner.constrain(split_microbatches(a, m_count), (None, *side_axes)) for a in side]
+    buffer = inner.constrain(jnp.broadcast_to(micro_x, (s_count, *micro_x.shape)), (STAGED, None, *x_axes))
+    state = inner.constrain(jnp.zeros((s_count, *micro_x.shape[1:]), x.dtype), (STAGED, *x_axes))
     stages = jnp.arange(s_count)
     run_stages = jax.vmap(stage_fn, spmd_axis_name=stage_axes)
     pick_repeat = jax.vmap(lambda block, r: jax.tree.map(lambda p: p[r], block), in_axes=(1, 0),
@@ -140,9 +141,9 @@ def _loop(stage_fn: StageFn, params: Any, x: Array, side: Sequence[Array], sched
         # they are loop-invariant (gPipe): whether XLA would hoist the gather otherwise depends on dtype
         # and remat. Gathering once before the loop is what pipeline_fsdp_ag_once asks for.
         weights, inputs = jax.lax.optimization_barrier((weights, inputs))
-        side_now = [constrain(a[task.microbatch], (STAGED, *side_axes)) for a in micro_side]
+        side_now = [inner.constrain(a[task.microbatch], (STAGED, *side_axes)) for a in micro_side]
         outputs, block_stats = run_stages(weights, inputs, *side_now)
-        outputs = constrain(outputs, (STAGED, *x_axes))
+        outputs = inner.constrain(outputs, (STAGED, *x_axes))
         # Block (repeat, stage) of each active stage adds this iteration's sums; idle stages add nothing.
         slot = ((jnp.arange(r_count)[:, None] == task.repeat[None, :]) & task.active[None, :]).astype(jnp.float32)
         stats = jax.tree.map(lambda acc, new: acc + slot.reshape(*slot.shape, *([1] * (new.ndim - 1))) * new[None],
@@ -154,15 +155,15 @@ def _loop(stage_fn: StageFn, params: Any, x: Array, side: Sequence[Array], sched
                                                      last.microbatch, axis=1)
         return (passed, buffer, stats), None
 
-    first_side = [constrain(a[0], side_axes) for a in micro_side]
+    first_side = [inner.constrain(a[0], side_axes) for a in micro_side]
     stats_shape = jax.eval_shape(lambda: run_stages(default_weights(stage_task(0, stages, m_count, r_count)),
                                                     state, *(jnp.broadcast_to(a, (s_count, *a.shape))
                                                              for a in first_side))[1])
     stats = jax.tree.map(lambda leaf: jnp.zeros((r_count, *leaf.shape), jnp.float32), stats_shape)
-    if block_specs is None:
+    if block_shardings is None:
         (_, buffer, stats), _ = jax.lax.scan(make_iteration(default_weights), (state, buffer, stats),
                                              jnp.arange(schedule.num_iterations))
-        return constrain(merge_microbatches(buffer[0]), tuple(x_axes)), stats
+        return inner.constrain(merge_microbatches(buffer[0]), tuple(x_axes)), stats
 
     # FsdpGather.PER_REPEAT: window w runs iterations [w M, (w + 1) M) (the last one the S - 1 after them), in which
     # stage s runs repeat w - 1 for its first s iterations and repeat w after (repeats past R - 1: idle). Each
@@ -173,16 +174,16 @@ def _loop(stage_fn: StageFn, params: Any, x: Array, side: Sequence[Array], sched
         needed = tuple(sorted({min(max(window - 1, 0), r_count - 1), min(window, r_count - 1)}))
         length = m_count if window < r_count else s_count - 1
         if length:
-            carry = _window(make_iteration, blocks, carry, block_specs, needed, window * m_count, length, per_stage)
-    return constrain(merge_microbatches(carry[1][0]), tuple(x_axes)), carry[2]
+            carry = _window(make_iteration, blocks, carry, block_shardings, needed, window * m_count, length, per_stage)
+    return inner.constrain(merge_microbatches(carry[1][0]), tuple(x_axes)), carry[2]
 
 
-def _window(make_iteration: Callable, blocks: Any, carry: tuple[Array, Array, Any], block_specs: Any,
+def _window(make_iteration: Callable, blocks: Any, carry: tuple[Array, Array, Any], block_shardings: Any,
             repeats: tuple[int, ...], start: int, length: int, per_stage: Callable) -> tuple[Array, Array, Any]:
     """`length` pipeline iterations from `start` with the blocks of `repeats` gathered once for all of them."""
     @jax.checkpoint
     def run(blocks: Any, carry: tuple[Array, Array, Any]) -> tuple[Array, Array, Any]:
-        gathered = [jax.lax.with_sharding_constraint(jax.tree.map(lambda p, r=r: p[r], blocks), block_specs)
+        gathered = [jax.lax.with_sharding_constraint(jax.tree.map(lambda p, r=r: p[r], blocks), block_shardings)
                     for r in repeats]
 
         def weights_of(task: Any) -> Any:  # a stage still on the earlier repeat takes the earlier block

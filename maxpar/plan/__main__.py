@@ -15,11 +15,13 @@ from collections.abc import Sequence
 import jax
 
 from maxpar.core.config import Config, ConfigError, load_config
+from maxpar.core.layout import TracedState
 from maxpar.core.mesh import num_slices_for, resolve_mesh_shape
 from maxpar.host.preflight import apply_simulated_devices
 from maxpar.plan import report, verify
 from maxpar.plan.hardware import available, default_num_slices, hardware_for_device_kind, load_hardware
-from maxpar.plan.predict import Target, make_plan, plan_layout
+from maxpar.plan.layout import Layout
+from maxpar.plan.predict import Plan, Target, make_plan, plan_layout
 from maxpar.plan.recommend import recommend
 from maxpar.training.train_step import trace_state
 
@@ -88,6 +90,46 @@ def resolve_target(config: Config, local_kind: str | None, local_count: int | No
     return Target(hardware=hardware, num_devices=num_devices, num_slices=slices, note=note)
 
 
+def local_devices(config: Config, verifying: bool) -> tuple[list[jax.Device] | None, tuple]:
+    """The local devices and their (kind, count, slices): looked at only when --verify compiles on them or the
+    config leaves the target to them."""
+    if not verifying and config.hardware and config.num_devices:
+        return None, (None, None, None)
+    devices = jax.devices()
+    local = (devices[0].device_kind, len(devices), num_slices_for(config, devices))
+    if verifying and config.num_devices not in (0, len(devices)):
+        raise ConfigError(f"--verify compiles on the local devices: num_devices={config.num_devices} but there are "
+                          f"{len(devices)} (set num_devices=0, or XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+    return devices, local
+
+
+def planned(config: Config, target: Target, state: TracedState, recommending: bool
+            ) -> tuple[Plan | None, Layout | None, dict[str, object], str]:
+    """(plan, its layout, JSON result, text) of the configured mesh. One that cannot run raises, but under
+    --recommend alone it is reported: the search may still find a mesh that can."""
+    try:
+        layout = plan_layout(config, target, state)
+        plan = make_plan(config, target, state, layout)
+        return plan, layout, dict(plan.report), report.render_plan(plan)
+    except ConfigError as e:
+        if not recommending:
+            raise
+        return (None, None, {"error": str(e), "hardware": target.hardware.name, "num_devices": target.num_devices},
+                f"maxpar plan: the configured mesh cannot run: {e}")
+
+
+def verified(config: Config, target: Target, devices: list[jax.Device], plan: Plan, layout: Layout,
+             dump_hlo: str | None) -> tuple[dict[str, object], list[str]]:
+    """(--verify's result, its text): the plan held against the train step compiled on the local devices."""
+    verify.check_verifiable(resolve_mesh_shape(config, target.num_devices, target.num_slices))
+    compiled = verify.compile_train_step(config, devices)
+    text = []
+    if dump_hlo:
+        text.append(f"\ncompiled HLO written to {verify.dump_hlo(compiled.text, dump_hlo)}")
+    result = verify.compare(plan, layout, compiled, config)
+    return result, [*text, "\n" + report.render_verify(result)]
+
+
 def run(argv: Sequence[str]) -> tuple[dict[str, object], str, int]:
     """(JSON result, human text, exit status) of one invocation."""
     flags, rest = parse_flags(argv)
@@ -95,41 +137,20 @@ def run(argv: Sequence[str]) -> tuple[dict[str, object], str, int]:
         raise ConfigError(USAGE)
     config = load_config(rest)
     apply_simulated_devices(config)  # num_simulated_devices=N: before the local devices are looked at
-    devices = None
-    if flags["verify"] or not config.hardware or not config.num_devices:  # only then look at local devices
-        devices = jax.devices()
-        local = (devices[0].device_kind, len(devices), num_slices_for(config, devices))
-    else:
-        local = (None, None, None)
-    if flags["verify"] and config.num_devices not in (0, len(devices)):
-        raise ConfigError(f"--verify compiles on the local devices: num_devices={config.num_devices} but there are "
-                          f"{len(devices)} (set num_devices=0, or XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+    devices, local = local_devices(config, flags["verify"])
     target = resolve_target(config, *local)
     state = trace_state(config)
-    try:
-        layout = plan_layout(config, target, state)
-        result = make_plan(config, target, state, layout)
-        text = [report.render_plan(result)]
-    except ConfigError as e:
-        if not flags["recommend"] or flags["verify"]:
-            raise
-        # The configured mesh cannot run this model; the search below may still find one that can.
-        result = {"error": str(e), "hardware": target.hardware.name, "num_devices": target.num_devices}
-        text = [f"maxpar plan: the configured mesh cannot run: {e}"]
-    status = 0
+    plan, layout, result, first = planned(config, target, state, flags["recommend"] and not flags["verify"])
+    text, status = [first], 0
     if flags["recommend"]:
         result["recommendations"] = recommend(config, target, state, top=flags["top"])
         text.append(report.render_recommendations(result["recommendations"]))
         if "error" in result and not result["recommendations"]["best"]:
             status = 2
     if flags["verify"]:
-        verify.check_verifiable(resolve_mesh_shape(config, target.num_devices, target.num_slices))
-        compiled = verify.compile_train_step(config, devices)
-        if flags["dump_hlo"]:
-            path = verify.dump_hlo(compiled.text, str(flags["dump_hlo"]))
-            text.append(f"\ncompiled HLO written to {path}")
-        result["verify"] = verify.compare(result, layout, compiled, config)
-        text.append("\n" + report.render_verify(result["verify"]))
+        dump_hlo = str(flags["dump_hlo"]) if flags["dump_hlo"] else None
+        result["verify"], lines = verified(config, target, devices, plan, layout, dump_hlo)
+        text += lines
         status = 0 if result["verify"]["passed"] else 1
     return report.public(result), "\n".join(text), status
 

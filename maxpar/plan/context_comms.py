@@ -11,7 +11,7 @@ and microbatch (remat re-runs the forward ones in the backward pass):
   beside them for C hops (the last brings them home).
 
 The weights' `embed` dim is sharded over `context` like FSDP; those gathers and gradient
-reduce-scatters come from `maxpar.plan.comms.weight_comms` like any other weight axis.
+reduce-scatters come from `maxpar.plan.weight_comms` like any other weight axis.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from maxpar.core.mesh import MeshShape
 from maxpar.core.schedule import Schedule
 from maxpar.core.sharding import entry_axes
 from maxpar.model import stack
-from maxpar.model.roles import Block, ParamRole, param_role
+from maxpar.model.roles import Block, ParamRole, param_role, path_keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +97,10 @@ class Layout:
 
     def degree(self, axis: str) -> int:
         return self.mesh.degree(axis)
+
+    def group_degree(self, axes: Iterable[str]) -> int:
+        """How many shards these axes together split a dimension into."""
+        return math.prod(self.degree(a) for a in axes)
 
     def ici(self, axis: str) -> int:
         return self.mesh.ici[self.mesh.axis_names.index(axis)]
@@ -180,7 +184,7 @@ class Layout:
 
 def _declared_role(path: tuple, logical: tuple[str | None, ...]) -> ParamRole:
     """A parameter's role, checked against the logical axes the model declares for it (`maxpar.model.roles`)."""
-    keys = tuple(str(getattr(key, "key", key)) for key in path)
+    keys = path_keys(path)
     role = param_role(keys)
     per_layer = tuple(n for n in logical if n not in (Logical.LAYERS, Logical.REPEATS))
     if role is None or per_layer != role.axes:

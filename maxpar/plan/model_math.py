@@ -7,7 +7,6 @@ shardings, so they follow the model code and the logical axis rules as they are.
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 
@@ -36,20 +35,15 @@ def attention_flops_per_token(config: Config) -> float:
 
 def fp8_matmul_params(config: Config) -> int:
     """Weights per token that quantization=fp8 runs in fp8 matmuls: every matmul weight but the output projection
-    and the MoE layers' router and experts (maxpar.model.layers: q, k, v, out and the dense MLP); 0 without fp8."""
+    and the MoE layers' router (q, k, v, out, the dense MLP and the experts' active weights); 0 without fp8."""
     if config.quantization != "fp8":
         return 0
-    moe = config.num_moe_layers * (3 * config.num_experts_per_tok * config.emb_dim * config.mlp_dim
-                                   + config.emb_dim * config.num_experts)
-    return matmul_params(config) - config.emb_dim * config.vocab_size - moe
+    router = config.num_moe_layers * config.emb_dim * config.num_experts
+    return matmul_params(config) - config.emb_dim * config.vocab_size - router
 
 
 def dtype_bytes(name: str) -> int:
     return np.dtype(name).itemsize
-
-
-def _degree(layout: Layout, axes) -> int:
-    return math.prod(layout.degree(a) for a in axes)
 
 
 def tp_degrees(layout: Layout) -> dict[str, int]:
@@ -57,15 +51,15 @@ def tp_degrees(layout: Layout) -> dict[str, int]:
     def of(tensor: Tensor | None, logical: str) -> int:
         if tensor is None:
             return 1
-        return _degree(layout, [a for a in tensor.dim_axes(logical) if a not in layout.batch_axes])
+        return layout.group_degree([a for a in tensor.dim_axes(logical) if a not in layout.batch_axes])
     # The feed-forward's hidden layer: the dense MLPs', else (every layer MoE) the experts'.
     mlp = layout.param(ParamRole.MLP_GATE) or layout.param(ParamRole.EXPERT_GATE)
     return {"heads": of(layout.param(ParamRole.QUERY), Logical.HEADS),
             "kv_heads": of(layout.param(ParamRole.KEY), Logical.KV_HEADS),
             "mlp": of(mlp, Logical.MLP),
             "vocab": of(layout.param(ParamRole.OUTPUT) or layout.param(ParamRole.EMBEDDING), Logical.VOCAB),
-            "length": _degree(layout, [a for a in layout.residual_axes[1] if a not in layout.batch_axes]),
-            "embed": _degree(layout, [a for a in layout.residual_axes[2] if a not in layout.batch_axes])}
+            "length": layout.group_degree([a for a in layout.residual_axes[1] if a not in layout.batch_axes]),
+            "embed": layout.group_degree([a for a in layout.residual_axes[2] if a not in layout.batch_axes])}
 
 
 def activation_bytes_per_token(config: Config, layout: Layout) -> dict[str, float]:
@@ -112,7 +106,7 @@ def moe_rows_per_token(config: Config, layout: Layout) -> float:
         capacity = expert_capacity(config.max_target_length, k, n, config.capacity_factor)
         return n * capacity / config.max_target_length
     experts = layout.params(Block.EXPERTS)[0]
-    ep = _degree(layout, experts.dim_axes(Logical.EXP))
+    ep = layout.group_degree(experts.dim_axes(Logical.EXP))
     return k if ep == 1 else ep * min(k, n // ep)
 
 
@@ -138,7 +132,7 @@ def moe_activation_bytes_per_token(config: Config, layout: Layout, masked_ragged
     masked = 0.0
     if masked_ragged_dot and config.capacity_factor == 0:
         experts = layout.params(Block.EXPERTS)[0]
-        masked = n / _degree(layout, experts.dim_axes(Logical.EXP)) * rows * (2 * e + m) * a
+        masked = n / layout.group_degree(experts.dim_axes(Logical.EXP)) * rows * (2 * e + m) * a
     return {"none": none + masked - 4 * m * a, "minimal": n * 4 - 2 * m * a, "full": 0.0, "working": masked}
 
 
@@ -146,7 +140,7 @@ def layer_split(layout: Layout) -> int:
     """Into how many pieces the mesh splits the layer stack (the `stage` axis under the default rules)."""
     for t in layout.params():
         if Logical.LAYERS in t.logical:
-            return _degree(layout, t.dim_axes(Logical.LAYERS))
+            return layout.group_degree(t.dim_axes(Logical.LAYERS))
     return 1
 
 
@@ -181,7 +175,7 @@ def gathered_weight_bytes(config: Config, layout: Layout) -> float:
                          for a in axes if a in batch and layout.degree(a) > 1]
         if not gathered_axes or (t.block == Block.EMBEDDING and not layout.table_gathered):
             continue  # nothing to gather
-        kept = _degree(layout, [a for dim, axes in zip(t.logical, t.mesh_axes) if dim != Logical.LAYERS
+        kept = layout.group_degree([a for dim, axes in zip(t.logical, t.mesh_axes) if dim != Logical.LAYERS
                                 for a in axes if a not in batch or dim == Logical.EXP])
         # The table is gathered in its own dtype, and so are the stage weights gathered before the pipeline loop.
         size = t.dtype if t.block == Block.EMBEDDING or ((whole_stage or per_repeat) and t.layered) else config.dtype
@@ -229,6 +223,23 @@ def _pipelined_activation_bytes(config: Config, layout: Layout, tokens_per_micro
     return saved, working
 
 
+def _one_f_one_b_activation_bytes(config: Config, layout: Layout, tokens_per_microbatch: float
+                                  ) -> tuple[float, float]:
+    """(saved, working) activation bytes of pipeline_schedule=1f1b (`maxpar.pipeline.one_f_one_b`): a stage keeps
+    at most min(S, M) stage inputs and as many waiting cotangents (one pipeline microbatch each), and the loop's
+    input and its cotangent (all M); a backward re-runs the stage's block on one microbatch (the block's saved
+    activations and one layer's re-run, transient), whatever M."""
+    pipe = layout.pipeline
+    per_token = activation_bytes_per_token(config, layout)
+    loop_tokens = tokens_per_microbatch * pipe.num_stages  # in the loop every stage sees its shard's rows
+    run_tokens = loop_tokens / pipe.num_microbatches
+    residual = config.emb_dim * dtype_bytes(config.dtype)  # per token: a stage input, or its cotangent
+    saved = (2 * min(pipe.num_stages, pipe.num_microbatches) * run_tokens + 2 * loop_tokens) * residual
+    working = run_tokens * (per_token[config.remat_policy] * pipe.layers_per_block
+                            + _rerun_layer_bytes(config, per_token))
+    return saved, working
+
+
 def _rerun_layer_bytes(config: Config, per_token: dict[str, float]) -> float:
     """Per token: one layer re-run (or kept) in the backward pass; under `minimal` its projections are already saved."""
     return per_token["none"] - (per_token["projections"] if config.remat_policy == "minimal" else 0.0)
@@ -238,6 +249,8 @@ def layer_activation_bytes(config: Config, layout: Layout, tokens_per_microbatch
                            masked_ragged_dot: bool) -> tuple[float, float]:
     """(saved, working): the activations the layers keep for the backward pass, and the one layer's re-run (or
     kept) at a time, dense and MoE."""
+    if layout.pipeline and config.pipeline_schedule == "1f1b":
+        return _one_f_one_b_activation_bytes(config, layout, tokens_per_microbatch)
     if layout.pipeline:
         return _pipelined_activation_bytes(config, layout, tokens_per_microbatch, masked_ragged_dot)
     per_token = activation_bytes_per_token(config, layout)

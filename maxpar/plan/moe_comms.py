@@ -24,7 +24,6 @@ Remat recomputes the forward all-gathers and all-to-alls in the backward pass
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from maxpar.core.axes import Logical
 from maxpar.core.config import Config
@@ -53,7 +52,7 @@ def expert_weight_comms(layout: Layout, microbatches: int) -> list[Comm]:
     for t in layout.params(Block.EXPERTS):
         size = layout.local_bytes(t) / dtype_bytes(t.dtype) * dtype_bytes(config.dtype)
         gather = gathered_axes(layout, t)
-        full = size * _degree(layout, gather)
+        full = size * layout.group_degree(gather)
         common = dict(dtype=config.dtype, scales=False, tensor=t.name)
         looped = microbatches * loop.per_iteration
         comms += hierarchical(layout, "MoE expert-weight all-gather (forward)", gather, "all-gather", size,
@@ -78,10 +77,6 @@ def _explicit(comm: Comm) -> Comm:
     return dataclasses.replace(comm, explicit=True)
 
 
-def _degree(layout: Layout, axes: tuple[str, ...]) -> int:
-    return math.prod(layout.degree(a) for a in axes)
-
-
 def dispatch_bytes(config: Config, tokens: float, ep: int) -> float:
     """Operand bytes of one all-to-all moving token copies to their experts' devices (or back)."""
     a = dtype_bytes(config.dtype)
@@ -95,7 +90,7 @@ def dispatch_bytes(config: Config, tokens: float, ep: int) -> float:
 
 
 def predict_moe_comms(layout: Layout, tokens_per_shard: float, microbatches: int) -> list[Comm]:
-    """Every predicted collective of the MoE layers (`comms.predict_comms` has the rest of the model)."""
+    """Every predicted collective of the MoE layers (`predict.step_comms` has the rest of the model)."""
     return expert_weight_comms(layout, microbatches) + expert_activation_comms(layout, tokens_per_shard, microbatches)
 
 
@@ -117,7 +112,7 @@ def expert_activation_comms(layout: Layout, tokens: float, microbatches: int) ->
     recomputed = 0 if config.remat_policy == "none" else 2
     comms: list[Comm] = []
     if ep_axes:
-        size = dispatch_bytes(config, tokens, _degree(layout, ep_axes))
+        size = dispatch_bytes(config, tokens, layout.group_degree(ep_axes))
         for phase, n in ((FORWARD, 2), (BACKWARD, 2 + recomputed)):
             comms += hierarchical(layout, f"EP token all-to-all ({phase})", ep_axes, "all-to-all", size,
                                   count=count * n, phase=phase, dtype=config.dtype, scales=True)

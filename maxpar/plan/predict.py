@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from maxpar.core.axes import Physical
@@ -25,13 +26,17 @@ from maxpar.core.mesh import MeshShape, resolve_mesh_shape
 from maxpar.io.metrics import matmul_params, training_flops_per_token
 from maxpar.model.roles import Block
 from maxpar.plan import rooflines
-from maxpar.plan.comms import BACKWARD, FORWARD, Comm, predict_comms
+from maxpar.plan.comms import BACKWARD, FORWARD, Comm, layer_runs
 from maxpar.plan.context_comms import cp_intensity, predict_context_comms
 from maxpar.plan.hardware import Hardware, ici_axis_shares, slice_shape_exists, torus_shape
 from maxpar.plan.layout import Layout, build_layout
 from maxpar.plan.model_math import (attention_flops_per_token, dtype_bytes, fp8_matmul_params,
                                     memory_per_device, param_breakdown, state_bytes, tp_degrees)
 from maxpar.plan.moe_comms import predict_moe_comms
+from maxpar.plan.pipeline_comms import pipeline_comms
+from maxpar.plan.tensor_comms import lookup_comms, tensor_comms
+from maxpar.plan.weight_comms import weight_comms
+from maxpar.plan.zero_comms import zero_comms
 from maxpar.training.train_step import trace_state
 
 PHASES = (FORWARD, BACKWARD)
@@ -230,9 +235,17 @@ def plan_layout(config: Config, target: Target, state: TracedState | None = None
 
 
 def step_comms(layout: Layout, batch: Batch) -> list[Comm]:
-    """Every predicted collective of one step: the partitioner's, the MoE dispatch's and context attention's."""
-    args = (layout, batch.tokens_per_shard, batch.microbatches)
-    return predict_comms(*args) + predict_moe_comms(*args) + predict_context_comms(*args)
+    """Every predicted collective of one step, strategy by strategy: the partitioner's (the weights', the
+    activations', the token lookup's), the MoE dispatch's and context attention's."""
+    microbatches = batch.microbatches
+    local = batch.tokens_per_shard / layout.context_degree  # context parallelism: each device holds 1/C of the tokens
+    runs = layer_runs(layout, local, microbatches)
+    args = (layout, batch.tokens_per_shard, microbatches)
+    return (zero_comms(layout, weight_comms(layout, microbatches))
+            + tensor_comms(layout, runs, local, microbatches)
+            + pipeline_comms(layout, local, runs, microbatches)
+            + lookup_comms(layout, local, microbatches)
+            + predict_moe_comms(*args) + predict_context_comms(*args))
 
 
 def network_seconds(comms: list[Comm], times: list[float]) -> dict[tuple[str, str], float]:
@@ -288,40 +301,86 @@ def target_warnings(config: Config, target: Target, batch: Batch) -> list[str]:
     return warnings
 
 
-def evaluate(config: Config, target: Target, state: TracedState) -> dict[str, Any]:
-    """Everything but the searches (TP limit, recommendations): one config on one target."""
-    return evaluate_layout(plan_layout(config, target, state), target, state)
+@dataclasses.dataclass(frozen=True)
+class Plan(Mapping[str, Any]):
+    """One config on one target. Read by key (`plan["mfu"]`) it is `report`, the JSON-ready figures the command
+    prints; what only code reads is typed beside them: every predicted collective (which `--verify` holds
+    against the compiled step) and the batch they were predicted for."""
+
+    report: dict[str, Any]
+    collectives: list[Comm]             # every one, per weight and pattern (`report["comms"]` sums them by pattern)
+    batch: Batch
+
+    def __getitem__(self, key: str) -> Any:
+        return self.report[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.report)
+
+    def __len__(self) -> int:
+        return len(self.report)
 
 
-def evaluate_layout(layout: Layout, target: Target, state: TracedState) -> dict[str, Any]:
-    """`evaluate` on a run layout already built for the target."""
-    config, hardware, mesh = layout.config, target.hardware, layout.mesh
-    batch = plan_batch(config, layout)
-    tokens_per_device = batch.tokens / target.num_devices
-    comms = step_comms(layout, batch)
-    shares = ici_axis_shares(hardware, mesh.axis_names, dict(zip(mesh.axis_names, mesh.ici)),
-                             target.num_devices // target.num_slices)
-    times = [c.bytes_per_device / comm_bandwidth(c, hardware, shares) for c in comms]
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """Where one step's time goes on the target (the module's timing model), per phase and device."""
+
+    flops: dict[str, float]                 # `compute_flops`: model FLOPs, hardware FLOPs per phase
+    compute: dict[str, float]               # matmul seconds per phase
+    hbm: dict[str, float]                   # HBM seconds per phase, and the optimizer's
+    network: dict[tuple[str, str], float]   # collective seconds per (phase, network)
+    bubble: float
+    seconds: float
+
+    @property
+    def totals(self) -> dict[str, float]:
+        """Seconds per step of each resource, summed over the phases."""
+        return {"compute": sum(self.compute.values()),
+                "memory": sum(self.hbm[p] for p in PHASES) + self.hbm["optimizer"],
+                "communication": sum(comm_seconds(self.network, p) for p in PHASES)}
+
+    @property
+    def comm_bound_phases(self) -> list[str]:
+        """The phases whose collectives outlast their matmuls."""
+        return [p for p in PHASES if comm_seconds(self.network, p) > self.compute[p]]
+
+
+def step_time(layout: Layout, hardware: Hardware, batch: Batch, network: dict[tuple[str, str], float],
+              tokens_per_device: float) -> StepTime:
+    """Matmul, HBM and collective time per phase, and the step they make with the pipeline bubble."""
+    config = layout.config
     flops = compute_flops(config, tokens_per_device)
     compute = compute_seconds(flops, fp8_flops(config, tokens_per_device), hardware)
     hbm = hbm_seconds(layout, batch.microbatches, hardware)
-    network = network_seconds(comms, times)
-    pipe = layout.pipeline
-    bubble = pipe.bubble if pipe else 0.0
-    step = step_seconds(compute, hbm, network, bubble)
-    memory = memory_fit(layout, batch, hardware)
-    axes = _axis_table(comms, times, flops, compute, tokens_per_device, hardware, shares)
-    totals = {"compute": sum(compute.values()), "memory": sum(hbm[p] for p in PHASES) + hbm["optimizer"],
-              "communication": sum(comm_seconds(network, p) for p in PHASES)}
-    bound = limiting_resource(compute, hbm, network)
-    per_token = training_flops_per_token(config)
+    bubble = layout.pipeline.bubble if layout.pipeline else 0.0
+    return StepTime(flops=flops, compute=compute, hbm=hbm, network=network, bubble=bubble,
+                    seconds=step_seconds(compute, hbm, network, bubble))
+
+
+def ici_shares(layout: Layout, target: Target) -> dict[str, float]:
+    """How many torus axes' ICI bandwidth each mesh axis gets in one slice of the target."""
+    mesh = layout.mesh
+    return ici_axis_shares(target.hardware, mesh.axis_names, dict(zip(mesh.axis_names, mesh.ici)),
+                           target.num_devices // target.num_slices)
+
+
+def target_figures(layout: Layout, target: Target, shares: dict[str, float]) -> dict[str, Any]:
+    """The report's model, hardware and mesh."""
+    mesh = layout.mesh
     return {
-        "model_name": config.model_name or "custom",
-        "hardware": hardware.name, "hardware_note": target.note, "num_devices": target.num_devices,
+        "model_name": layout.config.model_name or "custom",
+        "hardware": target.hardware.name, "hardware_note": target.note, "num_devices": target.num_devices,
         "num_slices": target.num_slices,
         "mesh": {a: {"ici": i, "dcn": d} for a, i, d in zip(mesh.axis_names, mesh.ici, mesh.dcn)},
         "mesh_description": mesh.describe(),
         "torus_axes_per_mesh_axis": {a: s for a, s in shares.items() if s > 0},
+    }
+
+
+def workload_figures(state: TracedState, layout: Layout, batch: Batch, tokens_per_device: float) -> dict[str, Any]:
+    """The report's parameters, FLOPs and batch."""
+    per_token = training_flops_per_token(layout.config)
+    return {
         "params": param_breakdown(state, layout),
         "flops_per_token": per_token,
         "flops_per_step": per_token * batch.tokens,
@@ -330,31 +389,56 @@ def evaluate_layout(layout: Layout, target: Target, state: TracedState) -> dict[
         "tokens_per_device": tokens_per_device,
         "microbatches": batch.microbatches,
         "batch_shardable": batch.shardable,
-        "memory_per_device_bytes": memory,
-        "state_bytes": state_bytes(layout),
-        "comms": comm_rows(comms, times),
-        "compute_time_s": sum(compute.values()),
-        "compute_time_by_phase_s": compute,
-        "hbm_time_by_phase_s": hbm,
-        "comm_time_by_phase_s": {f"{p}/{n}": v for (p, n), v in network.items()},
-        "axes": axes,
-        "pipeline_bubble": bubble,
-        "pipeline": pipe.describe() if pipe else None,
-        "step_time_s": step,
-        "mfu": flops["model"] / (step * hardware.peak_flops),
-        "bound": bound,
-        "bound_reason": _reason(bound, totals, axes, tokens_per_device, hardware, memory, batch,
-                                [p for p in PHASES if comm_seconds(network, p) > compute[p]]),
-        "warnings": target_warnings(config, target, batch),
-        "assumptions": assumptions(config),
-        "_comms": comms,
-        "_batch": batch,
     }
 
 
-def _reason(bound: str, totals: dict[str, float], axes: list[dict[str, Any]], tokens_per_device: float,
-            hardware: Hardware, memory: dict[str, Any], batch: Batch, comm_bound_phases: list[str]) -> str:
+def time_figures(layout: Layout, hardware: Hardware, batch: Batch, time: StepTime, axes: list[dict[str, Any]],
+                 memory: dict[str, Any], tokens_per_device: float) -> dict[str, Any]:
+    """The report's step time, MFU and what bounds them."""
+    bound = limiting_resource(time.compute, time.hbm, time.network)
+    pipe = layout.pipeline
+    return {
+        "compute_time_s": sum(time.compute.values()),
+        "compute_time_by_phase_s": time.compute,
+        "hbm_time_by_phase_s": time.hbm,
+        "comm_time_by_phase_s": {f"{p}/{n}": v for (p, n), v in time.network.items()},
+        "axes": axes,
+        "pipeline_bubble": time.bubble,
+        "pipeline": pipe.describe() if pipe else None,
+        "step_time_s": time.seconds,
+        "mfu": time.flops["model"] / (time.seconds * hardware.peak_flops),
+        "bound": bound,
+        "bound_reason": _reason(bound, time, axes, tokens_per_device, hardware, memory, batch),
+    }
+
+
+def evaluate(config: Config, target: Target, state: TracedState) -> Plan:
+    """Everything but the searches (TP limit, recommendations): one config on one target."""
+    return evaluate_layout(plan_layout(config, target, state), target, state)
+
+
+def evaluate_layout(layout: Layout, target: Target, state: TracedState) -> Plan:
+    """`evaluate` on a run layout already built for the target."""
+    hardware = target.hardware
+    batch = plan_batch(layout.config, layout)
+    tokens_per_device = batch.tokens / target.num_devices
+    comms = step_comms(layout, batch)
+    shares = ici_shares(layout, target)
+    times = [c.bytes_per_device / comm_bandwidth(c, hardware, shares) for c in comms]
+    time = step_time(layout, hardware, batch, network_seconds(comms, times), tokens_per_device)
+    memory = memory_fit(layout, batch, hardware)
+    axes = _axis_table(comms, times, time.flops, time.compute, tokens_per_device, hardware, shares)
+    report = {**target_figures(layout, target, shares), **workload_figures(state, layout, batch, tokens_per_device),
+              "memory_per_device_bytes": memory, "state_bytes": state_bytes(layout), "comms": comm_rows(comms, times),
+              **time_figures(layout, hardware, batch, time, axes, memory, tokens_per_device),
+              "warnings": target_warnings(layout.config, target, batch), "assumptions": assumptions(layout.config)}
+    return Plan(report=report, collectives=comms, batch=batch)
+
+
+def _reason(bound: str, time: StepTime, axes: list[dict[str, Any]], tokens_per_device: float, hardware: Hardware,
+            memory: dict[str, Any], batch: Batch) -> str:
     """One sentence on what limits the step."""
+    totals = time.totals
     worst = max(axes, key=lambda r: r["time_s"]) if axes else None
     if bound == "communication" and worst is not None:
         critical = worst["critical_batch_tokens_per_device"]
@@ -370,8 +454,9 @@ def _reason(bound: str, totals: dict[str, float], axes: list[dict[str, Any]], to
                 f"per batch shard is below C / HBM bandwidth = {hardware.hbm_intensity:,.0f}")
     else:
         hidden = f"; the busiest axis ({worst['axis']}) needs {worst['time_s']:.3g} s and is hidden" if worst else ""
-        if comm_bound_phases:
-            hidden += f", except in the {' and '.join(comm_bound_phases)} pass, where collectives outlast the matmuls"
+        if time.comm_bound_phases:
+            hidden += (f", except in the {' and '.join(time.comm_bound_phases)} pass, where collectives outlast the "
+                       "matmuls")
         text = f"compute-bound: matmuls take {totals['compute']:.3g} s per step{hidden}"
     if not memory["fits"]:
         text += (f" -- and it does not fit: {memory['total'] / 1e9:,.1f} GB per device needed, "
@@ -387,8 +472,9 @@ def tensor_parallelism_limit(config: Config, target: Target, state: TracedState,
     for degree in sorted(d for d in range(1, product + 1) if product % d == 0):
         if degree > 1024:
             break
+        kept = {f"ici_{a}_parallelism": ici[a] for a in (Physical.DATA, Physical.EXPERT, Physical.STAGE)}
         candidate = dataclasses.replace(config, ici_tensor_parallelism=degree, ici_fsdp_parallelism=product // degree,
-                                        **{f"ici_{a}_parallelism": ici[a] for a in (Physical.DATA, Physical.EXPERT, Physical.STAGE)})
+                                        **kept)
         try:
             result = evaluate(candidate, target, state)
         except ConfigError:
@@ -401,7 +487,7 @@ def tensor_parallelism_limit(config: Config, target: Target, state: TracedState,
     return best
 
 
-def rules_of_thumb(config: Config, hardware: Hardware, result: dict[str, Any], layout: Layout) -> dict[str, float]:
+def rules_of_thumb(config: Config, hardware: Hardware, result: Mapping[str, Any], layout: Layout) -> dict[str, float]:
     """The seeds' closed forms at this hardware, model width and batch (see rooflines.py).
 
     FSDP takes all torus axes but one and TP one (the seed's M_X M_Y = 2 on a 3D torus).
@@ -431,13 +517,14 @@ def rules_of_thumb(config: Config, hardware: Hardware, result: dict[str, Any], l
 
 
 def make_plan(config: Config, target: Target, state: TracedState | None = None,
-              layout: Layout | None = None) -> dict[str, Any]:
-    """The full plan of one config on one target, as a JSON-ready dict (private `_` keys excepted); `layout`:
-    the `plan_layout` of the config on the target, if the caller already has it (verify needs it too)."""
+              layout: Layout | None = None) -> Plan:
+    """The full plan of one config on one target; `layout`: the `plan_layout` of the config on the target, if the
+    caller already has it (verify needs it too)."""
     state = state or trace_state(config)
     layout = layout or plan_layout(config, target, state)
-    result = evaluate_layout(layout, target, state)
-    result["tensor_parallelism_limit"] = tensor_parallelism_limit(config, target, state, layout.mesh)
-    result["rules_of_thumb"] = rules_of_thumb(config, target.hardware, result, layout)
-    result["tp_degrees"] = tp_degrees(layout)
-    return result
+    plan = evaluate_layout(layout, target, state)
+    return dataclasses.replace(plan, report={
+        **plan.report,
+        "tensor_parallelism_limit": tensor_parallelism_limit(config, target, state, layout.mesh),
+        "rules_of_thumb": rules_of_thumb(config, target.hardware, plan, layout),
+        "tp_degrees": tp_degrees(layout)})

@@ -62,10 +62,27 @@ def candidate_overrides(config: Config, target: Target) -> list[dict[str, Any]]:
     return found
 
 
+def pasted(overrides: dict[str, Any]) -> str:
+    """Overrides as they are pasted after the config on the command line."""
+    return " ".join(f"{k}={v}" for k, v in overrides.items())
+
+
+def why_none(target: Target, rejected: int, smallest: tuple[float, dict[str, Any], bool] | None) -> str:
+    """Why no candidate is feasible, from the smallest footprint met (total bytes, overrides, batch shardable)."""
+    if smallest is None:
+        return f"every mesh split of the slice is rejected ({rejected} candidates): the model's dims do not divide"
+    total, overrides, shardable = smallest
+    return (f"nothing fits; the smallest footprint is {total / 1e9:,.1f} GB per device of "
+            f"{target.hardware.hbm_bytes / 1e9:,.1f} GB (" + pasted(overrides)
+            + ("" if shardable else "; its batch does not shard either")
+            + "): use more devices, a smaller per_device_batch_size or max_target_length")
+
+
 def recommend(config: Config, target: Target, state: TracedState, top: int = 5) -> dict[str, Any]:
     """The `top` fastest feasible candidates, with ready-to-paste overrides."""
     mesh = resolve_mesh_shape(config, target.num_devices, target.num_slices)
-    fixed = {f"ici_{a}_parallelism": d for a, d in zip(mesh.axis_names, mesh.ici) if a in (Physical.EXPERT, Physical.STAGE)}
+    fixed = {f"ici_{a}_parallelism": d for a, d in zip(mesh.axis_names, mesh.ici)
+             if a in (Physical.EXPERT, Physical.STAGE)}
     fixed.update({f"dcn_{a}_parallelism": d for a, d in zip(mesh.axis_names, mesh.dcn)})
     feasible, rejected, smallest = [], 0, None
     candidates = candidate_overrides(config, target)
@@ -81,21 +98,10 @@ def recommend(config: Config, target: Target, state: TracedState, top: int = 5) 
             smallest = (memory["total"], overrides, result["batch_shardable"])
         if not memory["fits"] or not result["batch_shardable"]:
             continue
-        paste = " ".join(f"{k}={v}" for k, v in overrides.items())
-        feasible.append({"overrides": paste, "step_time_s": result["step_time_s"], "mfu": result["mfu"],
+        feasible.append({"overrides": pasted(overrides), "step_time_s": result["step_time_s"], "mfu": result["mfu"],
                          "memory_total_bytes": memory["total"], "bound": result["bound"],
                          "mesh": result["mesh_description"]})
     feasible.sort(key=lambda r: (r["step_time_s"], r["memory_total_bytes"]))
-    why = ""
-    if not feasible:
-        if smallest is None:
-            why = f"every mesh split of the slice is rejected ({rejected} candidates): the model's dims do not divide"
-        else:
-            total, overrides, shardable = smallest
-            why = (f"nothing fits; the smallest footprint is {total / 1e9:,.1f} GB per device of "
-                   f"{target.hardware.hbm_bytes / 1e9:,.1f} GB ("
-                   + " ".join(f"{k}={v}" for k, v in overrides.items())
-                   + ("" if shardable else "; its batch does not shard either")
-                   + "): use more devices, a smaller per_device_batch_size or max_target_length")
     return {"hardware": target.hardware.name, "num_devices": target.num_devices, "searched": len(candidates),
-            "rejected_by_shapes": rejected, "feasible": len(feasible), "best": feasible[:top], "why_none": why}
+            "rejected_by_shapes": rejected, "feasible": len(feasible), "best": feasible[:top],
+            "why_none": "" if feasible else why_none(target, rejected, smallest)}

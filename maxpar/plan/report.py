@@ -7,10 +7,10 @@ from typing import Any
 
 
 def public(result: dict[str, Any]) -> dict[str, Any]:
-    """The JSON-ready part of a result: private `_` keys dropped, infinities as null."""
+    """A result as strict JSON: infinities (an axis that is never compute-bound) as null."""
     def clean(value: Any) -> Any:
         if isinstance(value, dict):
-            return {k: clean(v) for k, v in value.items() if not str(k).startswith("_")}
+            return {k: clean(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
             return [clean(v) for v in value]
         if isinstance(value, float) and not math.isfinite(value):

@@ -30,14 +30,15 @@ from typing import Any
 
 import jax
 
-from maxpar.core.config import Config, ConfigError
+from maxpar.core.config import Config, ConfigError, model_config
 from maxpar.core.layout import RunLayout, check_devices
 from maxpar.core.mesh import MeshShape, build_mesh, local_mesh_shape
 from maxpar.model import Transformer
 from maxpar.plan import hlo
-from maxpar.plan.comms import Comm, sequence_parallel
+from maxpar.plan.comms import Comm
 from maxpar.plan.layout import Layout
-from maxpar.plan.model_math import dtype_bytes, memory_per_device
+from maxpar.plan.model_math import dtype_bytes, memory_per_device, sequence_parallel
+from maxpar.plan.predict import Plan
 from maxpar.training import train_step
 from maxpar.training.optimizer import make_optimizer
 from maxpar.training.train_step import run_layout
@@ -64,7 +65,8 @@ def compile_train_step(config: Config, devices: Sequence[jax.Device]) -> Compile
     layout = run_layout(config, local_mesh_shape(config, devices))
     check_devices(config, devices)
     mesh = build_mesh(layout.mesh, devices)
-    compiled = train_step.compile_train_step(Transformer(config, layout.model), make_optimizer(config), layout, mesh)
+    model = Transformer(model_config(config), layout.model)
+    compiled = train_step.compile_train_step(model, make_optimizer(config), layout, mesh)
     shards = math.prod(layout.axis_sizes[a] for a in layout.input_axes[0])
     per_device = len(train_step.BATCH_KEYS) * layout.batch.global_rows * config.max_target_length * 4 / shards
     return Compiled(text=compiled.as_text(), memory=compiled.memory_analysis(), layout=layout,
@@ -122,6 +124,10 @@ def known_mispredictions(config: Config, tp_sequence: bool, pipelined: bool) -> 
         known.append("known misprediction: pipeline_fsdp_ag_per_repeat on XLA:CPU: the temporaries come out about "
                      "1.8x the estimate, which counts one window's gathered blocks alive at a time; XLA:CPU's "
                      "schedule keeps more of them (the collectives match)")
+    if config.pipeline_schedule == "1f1b" and pipelined:
+        known.append("known misprediction: pipeline_schedule=1f1b: the plan's pipeline collectives are gPipe's; the "
+                     "executor's two permutes per tick, its input gathered over the stages and the input's "
+                     "cotangent moved back from stage 0 are not modelled (its memory is)")
     return known
 
 
@@ -163,12 +169,12 @@ def bucket_rows(predicted: dict[tuple[str, str], dict[str, Any]], measured: list
     return buckets, failures
 
 
-def compare(plan: dict[str, Any], layout: Layout, compiled: Compiled, config: Config) -> dict[str, Any]:
+def compare(plan: Plan, layout: Layout, compiled: Compiled, config: Config) -> dict[str, Any]:
     """Predicted vs measured collectives and memory; `passed` is False on any difference over tolerance.
     `layout`: the one the plan was made on (`predict.plan_layout`)."""
     measured = measure(compiled.text, compiled.layout.axis_sizes)
     notes: list[str] = []
-    predicted, backend_notes = predicted_buckets(plan["_comms"], compiled.platform)
+    predicted, backend_notes = predicted_buckets(plan.collectives, compiled.platform)
     buckets, failures = bucket_rows(predicted, measured)
     memory = memory_rows(plan, layout, compiled)
     failures += [f"memory {m['what']}: predicted {m['predicted_bytes']:,.0f}, measured {m['measured_bytes']:,.0f}"
@@ -191,14 +197,14 @@ def compare(plan: dict[str, Any], layout: Layout, compiled: Compiled, config: Co
     }
 
 
-def memory_rows(plan: dict[str, Any], layout: Layout, compiled: Compiled) -> list[dict[str, Any]]:
+def memory_rows(plan: Plan, layout: Layout, compiled: Compiled) -> list[dict[str, Any]]:
     """Train state vs the compiled arguments, and the transient estimate vs XLA's temporaries."""
     mem = plan["memory_per_device_bytes"]
     if compiled.platform == "cpu" and (layout.config.dtype in ("bfloat16", "float16") or layout.config.num_moe_layers):
         # XLA:CPU keeps bf16/f16 activations in float32, and lowers ragged_dot as masked dense dots.
         config = dataclasses.replace(layout.config, dtype="float32")
         cpu_layout = dataclasses.replace(layout, run=dataclasses.replace(layout.run, config=config))
-        mem = memory_per_device(config, cpu_layout, plan["_batch"].tokens_per_shard,
+        mem = memory_per_device(config, cpu_layout, plan.batch.tokens_per_shard,
                                 masked_ragged_dot=True)
     analysis = compiled.memory
     state_measured = analysis.argument_size_in_bytes - compiled.batch_bytes_per_device

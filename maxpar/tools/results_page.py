@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from maxpar.tools.bench_checkpoint import table as checkpoint_table
+from maxpar.tools.bench_checkpoint import tiers_table
 from maxpar.tools.records import REPO, REQUIRED, RESULTS
 
 PAGE = REPO / "docs" / "performance.md"
@@ -41,6 +42,7 @@ read each figure next to its load average, and compare rows of one run rather th
 | CPU strategies | `python -m maxpar.tools.bench --record docs/results` |
 | GPU levers | `python -m maxpar.tools.bench --gpu --record docs/results` (one GPU; `--setting LEVERS` for one row) |
 | checkpoint saves | `python -m maxpar.tools.bench_checkpoint --checkpoint --record docs/results` |
+| checkpoint tiers | `python -m maxpar.tools.bench_checkpoint --tiers --record docs/results` (starts gcp-storage-emulator, the `test` extra) |
 | convergence | `python end_to_end/convergence.py --record docs/results` |
 | levers kept and dropped | interleaved runs of the benchmark worker or the trainer, one lever against the baseline |
 | other measurements | the command in each record (`end_to_end/long_context.py`, `bench_moe.py`, `data_throughput.py`, `generate.py` take `--record` too) |
@@ -229,6 +231,21 @@ def checkpoint_section(records: Sequence[Record]) -> str:
             f"alternately, so both see the same load).\n\n{checkpoint_table(figures)}\n\n{provenance(runs[0])}\n")
 
 
+def tiers_section(records: Sequence[Record]) -> str:
+    runs = named(records, "bench_checkpoint_tiers")
+    if not runs:
+        return "## Checkpoint tiers\n\nNo record yet.\n"
+    figures = runs[0]["figures"]
+    block = figures["models"][0]
+    return (f"## Checkpoint tiers\n\nA synchronous save and a full restore (every array read back, as a resume "
+            f"validates one) of the training state (parameters and AdamW moments, float32) to local disk and to a "
+            f"bucket on gcp-storage-emulator on loopback (objects on the same disk: it measures the client side and "
+            f"an HTTP server in Python, not Cloud Storage's throughput), and what async saves cost the loop: the "
+            f"time of a block of {block['block steps']} steps that starts with an async save and ends when it is "
+            f"complete, as a ratio to a block without one (medians of {block['rounds']} rounds, the blocks "
+            f"interleaved).\n\n{tiers_table(figures['models'], figures['tiers'])}\n\n{provenance(runs[0])}\n")
+
+
 CONVERGENCE_COLUMNS: tuple[Column, ...] = (
     ("date", key("date")), ("commit", key("commit")), ("Python", key("python")), ("steps", key("steps")),
     ("held-out loss", fixed("final_eval_loss", 2)), ("train loss", fixed("final_train_loss", 2)),
@@ -285,7 +302,8 @@ def other_section(records: Sequence[Record], shown: set[str]) -> str:
     return "\n".join(parts)
 
 
-SHOWN = {"bench_maxtext", "bench_cpu", "bench_gpu", "bench_checkpoint", "convergence", "levers"}
+SHOWN = {"bench_maxtext", "bench_cpu", "bench_gpu", "bench_checkpoint", "bench_checkpoint_tiers", "convergence",
+         "levers"}
 
 
 def render(records: Sequence[Record]) -> str:
@@ -298,6 +316,7 @@ def render(records: Sequence[Record]) -> str:
                      "No GPU record yet: nothing here says what MFU maxpar reaches on a GPU. Run "
                      "`python -m maxpar.tools.bench --gpu --record docs/results` on one."),
         checkpoint_section(records),
+        tiers_section(records),
         convergence_section(records),
         levers_section(records),
         other_section(records, SHOWN),

@@ -54,6 +54,10 @@ STRATEGIES: dict[str, tuple[str, list[str]]] = {
                                    "ici_fsdp_parallelism=2"]),
     "cp4_fsdp2_ring": ("base.yml", ["ici_context_parallelism=4", "ici_fsdp_parallelism=2", "attention=blockwise",
                                     "context_parallel_strategy=ring"]),
+    # Qwen3-MoE's shape: QK-norm scales (head_dim) beside heads split by TP, experts by EP.
+    "qwen3_moe_ep2_fsdp2_tp2": ("base.yml", ["qk_norm=true", "num_experts=8", "num_experts_per_tok=2",
+                                             "ici_expert_parallelism=2", "ici_fsdp_parallelism=2",
+                                             "ici_tensor_parallelism=2"]),
 }
 
 

@@ -34,6 +34,7 @@ class Due:
     log: bool          # a metrics line (and TensorBoard scalars)
     eval: bool         # an evaluation, logged on that line
     save: bool         # a checkpoint
+    save_local: bool   # a checkpoint to the local tier only (never on a step that `save` covers)
     stop: bool         # preempted: save (if checkpointing) and stop
     last: bool         # the run's last step
     check_losses: bool  # look for NaN/Inf among the losses not checked yet, before any of the above
@@ -43,7 +44,7 @@ class Due:
         """Only logged: the step's metrics may be read after the next step is dispatched, so that writing the line
         overlaps the device's work. Evaluating, saving and stopping need this step's state, which the next step
         consumes; the last step has no next."""
-        return self.log and not (self.eval or self.save or self.stop or self.last)
+        return self.log and not (self.eval or self.save or self.save_local or self.stop or self.last)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,7 @@ class Cadence:
     eval: Every
     save: Every
     checkpointing: bool
+    save_local: Every = NEVER
 
     def after(self, step: int, stop: bool = False) -> Due:
         """Due after `step`; `stop` = a preemption was requested. Every logged step also evaluates when an
@@ -59,20 +61,24 @@ class Cadence:
         evaluate = self.eval(step)
         log = self.log(step) or evaluate
         save = self.checkpointing and (self.save(step) or stop)
-        return Due(log=log, eval=evaluate, save=save, stop=stop, last=step == self.log.last,
-                   check_losses=log or save or stop)
+        save_local = self.checkpointing and not save and self.save_local(step)
+        return Due(log=log, eval=evaluate, save=save, save_local=save_local, stop=stop, last=step == self.log.last,
+                   check_losses=log or save or save_local or stop)
 
 
 def cadence(config: Config, *, has_eval_data: bool, checkpointing: bool) -> Cadence:
     """The loop's policies from the config: log every log_period steps; evaluate every eval_interval steps
     (0: only at the end, -1: never) when data is held out; save every checkpoint_period steps; all three at the
-    last step."""
+    last step. With a local tier, also save there every local_checkpoint_period steps that the persistent tier
+    does not save (the last step always goes to the persistent tier)."""
     last = config.steps
     evaluates = has_eval_data and config.eval_interval >= 0
     return Cadence(log=Every(config.log_period, last),
                    eval=Every(config.eval_interval, last) if evaluates else NEVER,
                    save=Every(config.checkpoint_period, last) if checkpointing else NEVER,
-                   checkpointing=checkpointing)
+                   checkpointing=checkpointing,
+                   save_local=Every(config.local_checkpoint_period, last, at_last=False)
+                   if checkpointing and config.local_checkpoint_directory else NEVER)
 
 
 class StepTimer:

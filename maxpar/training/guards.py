@@ -24,6 +24,9 @@ import jax
 # Exit status after a SIGTERM or SIGINT that stopped the run with a checkpoint written (sysexits' EX_TEMPFAIL:
 # a temporary failure, retry): rerun the same command to resume exactly.
 PREEMPTED_EXIT_STATUS = 75
+# Exit status when a write to storage failed for good: a checkpoint save on every attempt of its retry policy (sysexits'
+# EX_IOERR). The newest complete checkpoint is intact: rerun the same command once the storage is reachable.
+STORAGE_EXIT_STATUS = 74
 # Exit status after a second Ctrl-C, which ends the process at once (the shell's convention for SIGINT).
 INTERRUPTED_EXIT_STATUS = 128 + signal.SIGINT
 

@@ -96,6 +96,7 @@ def summary_lines(run_dir: epath.Path, totals: RunTotals, rows: Sequence[dict[st
         if evals:
             losses += f", eval loss {evals[-1]['eval_loss']:.4f} (step {evals[-1]['step']})"
         lines.append(f"  {losses}")
+        lines += source_lines(last, evals[-1] if evals else None)
     checkpoint = newest_checkpoint(run_dir)
     lines.append(f"  checkpoint: {checkpoint if checkpoint else 'none (enable_checkpointing=false)'}")
     if checkpoint and (run_dir / "config.yml").exists():
@@ -103,6 +104,21 @@ def summary_lines(run_dir: epath.Path, totals: RunTotals, rows: Sequence[dict[st
     metrics = run_dir / "metrics.jsonl"
     lines.append(f"  metrics: {metrics if metrics.exists() else 'none'}; loss curve: {curve}")
     return lines
+
+
+def source_lines(last: dict[str, Any], last_eval: dict[str, Any] | None) -> list[str]:
+    """A dataset_mixture's line: the tokens trained on from each source, their shares (to hold against the weights)
+    and each source's newest eval loss; none for a single source."""
+    tokens = {key.split("/", 1)[1]: value for key, value in last.items() if key.startswith("tokens/")}
+    if not tokens:
+        return []
+    total = sum(tokens.values()) or 1
+
+    def figures(name: str, count: int) -> str:
+        loss = (last_eval or {}).get(f"eval_loss/{name}")
+        return f"{name} {count:,} tokens ({count / total:.1%})" + ("" if loss is None else f", eval loss {loss:.4f}")
+
+    return ["  per source: " + "; ".join(figures(name, count) for name, count in tokens.items())]
 
 
 def generate_command(run_dir: epath.Path, checkpoint: epath.Path, overrides: Sequence[str]) -> str:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -15,13 +14,15 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from maxpar.core.config import AxisRule, Config
+from maxpar.core.config import Config, model_config
 from maxpar.core.layout import RunLayout, TracedState, resolve_layout, split_microbatches
 from maxpar.core.mesh import MeshShape
-from maxpar.core.sharding import logical_specs, replicated
+from maxpar.core.sharding import logical_specs, named_shardings, replicated
 from maxpar.model import Transformer
 from maxpar.model.context_parallel import reorder_batch
+from maxpar.model.fp8 import FP8_META, combine_observed, update_histories
 from maxpar.model.moe import MOE_STATS, moe_totals
+from maxpar.model.staged import staged_value_and_grad
 from maxpar.model.transformer import stacked_layers
 from maxpar.training.optimizer import learning_rate_schedule, make_optimizer
 
@@ -34,32 +35,18 @@ class TrainState:
     step: jax.Array
     params: Any
     opt_state: Any
-
-
-@contextlib.contextmanager
-def sharding_context(mesh: Mesh, rules: Sequence[AxisRule]) -> Iterator[None]:
-    """Mesh and logical rules that model tracing needs for its sharding constraints.
-
-    Without them flax turns every activation constraint into a silent no-op.
-    """
-    with jax.set_mesh(mesh), nn.logical_axis_rules(list(rules)):
-        yield
-
-
-def traced_under(fn: Callable, mesh: Mesh, rules: Sequence[AxisRule]) -> Callable:
-    """`fn` that enters the (abstract) mesh and rules while it is traced, whoever calls it."""
-    @functools.wraps(fn)
-    def wrapped(*args):
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(list(rules)):
-            return fn(*args)
-    return wrapped
+    # fp8_scaling=delayed: the projections' amax histories (the model's FP8_META collection), updated by the step
+    # from what it observed, not by the optimizer; {} otherwise.
+    fp8_meta: Any = flax.struct.field(default_factory=dict)
 
 
 def init_state(model: nn.Module, tx: optax.GradientTransformation, config: Config, rng: jax.Array) -> TrainState:
-    """Parameters and optimizer state, still boxed with their logical axes."""
+    """Parameters, optimizer state and empty fp8 amax histories, still boxed with their logical axes."""
     tokens = jnp.zeros((1, config.max_target_length), jnp.int32)
-    params = model.init(rng, tokens, tokens, tokens)["params"]
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+    variables = model.init(rng, tokens, tokens, tokens)
+    params = variables["params"]
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                      fp8_meta=variables.get(FP8_META, {}))
 
 
 def trace_state(config: Config, tx: optax.GradientTransformation | None = None) -> TracedState:
@@ -68,7 +55,7 @@ def trace_state(config: Config, tx: optax.GradientTransformation | None = None) 
     Initialization runs the layers in order whatever the layout, so the model needs none here.
     """
     tx = make_optimizer(config) if tx is None else tx
-    boxed = jax.eval_shape(partial(init_state, Transformer(config), tx, config), jax.random.key(0))
+    boxed = jax.eval_shape(partial(init_state, Transformer(model_config(config)), tx, config), jax.random.key(0))
     specs = logical_specs(boxed)
     return TracedState(abstract=nn.unbox(boxed), specs=specs, stack_specs=stacked_layers(specs.params))
 
@@ -90,7 +77,7 @@ def layout_check(config: Config, tx: optax.GradientTransformation | None = None,
 def create_state(model: nn.Module, tx: optax.GradientTransformation, layout: RunLayout, mesh: Mesh) -> TrainState:
     """Initialize directly into the sharded layout: no device ever holds the full model."""
     config = layout.config
-    init = jax.jit(traced_under(lambda rng: nn.unbox(init_state(model, tx, config, rng)), mesh, layout.rules),
+    init = jax.jit(lambda rng: nn.unbox(init_state(model, tx, config, rng)),
                    out_shardings=layout.state_shardings(mesh))
     return init(jax.random.key(config.seed))
 
@@ -101,13 +88,29 @@ def _cross_entropy(logits: jax.Array, batch: Batch) -> tuple[jax.Array, jax.Arra
     return jnp.sum(jnp.where(mask, losses, 0.0)), jnp.sum(mask).astype(jnp.float32)
 
 
-def loss_sum_and_count(params: Any, model: nn.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:
+def _token_losses(logits: jax.Array, targets: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, dict]:
+    """A microbatch's summed cross-entropy and the metric sums, from its logits: the loss head of a schedule that
+    runs the backward itself (`maxpar.model.staged`)."""
+    loss_sum, count = _cross_entropy(logits, {"targets": targets, "segment_ids": segment_ids})
+    return loss_sum, {"loss_sum": loss_sum, "tokens": count}
+
+
+def model_variables(params: Any, fp8_meta: Any = None) -> dict[str, Any]:
+    """What the model is applied with: the parameters, and the fp8 amax histories when the run keeps them (without
+    them a delayed-scaling model scales by current amaxes: evaluation and sampling)."""
+    return {"params": params, FP8_META: fp8_meta} if fp8_meta else {"params": params}
+
+
+def loss_sum_and_count(params: Any, model: nn.Module, batch: Batch, fp8_meta: Any = None
+                       ) -> tuple[jax.Array, jax.Array]:
     """Summed float32 cross-entropy over real (non-padding) targets, and their count."""
-    logits = model.apply({"params": params}, batch["inputs"], batch["positions"], batch["segment_ids"])
+    logits = model.apply(model_variables(params, fp8_meta), batch["inputs"], batch["positions"],
+                         batch["segment_ids"])
     return _cross_entropy(logits, batch)
 
 
-def objective(params: Any, batch: Batch, *, model: nn.Module, config: Config) -> tuple[jax.Array, dict[str, jax.Array]]:
+def objective(params: Any, fp8_meta: Any, batch: Batch, *, model: nn.Module, config: Config
+              ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(what the gradient is taken of, the sums the metrics need) for one microbatch.
 
     Dense: the summed cross-entropy. MoE: plus load_balance_loss_weight x the
@@ -116,10 +119,10 @@ def objective(params: Any, batch: Batch, *, model: nn.Module, config: Config) ->
     token-averaged balance loss to the mean cross-entropy.
     """
     if config.num_experts == 1:
-        loss_sum, count = loss_sum_and_count(params, model, batch)
+        loss_sum, count = loss_sum_and_count(params, model, batch, fp8_meta)
         return loss_sum, {"loss_sum": loss_sum, "tokens": count}
-    logits, variables = model.apply({"params": params}, batch["inputs"], batch["positions"], batch["segment_ids"],
-                                    mutable=[MOE_STATS])
+    logits, variables = model.apply(model_variables(params, fp8_meta), batch["inputs"], batch["positions"],
+                                    batch["segment_ids"], mutable=[MOE_STATS])
     loss_sum, count = _cross_entropy(logits, batch)
     totals = moe_totals(variables[MOE_STATS])
     balance = totals["load_balance_loss"] / config.num_moe_layers
@@ -128,26 +131,32 @@ def objective(params: Any, batch: Batch, *, model: nn.Module, config: Config) ->
     return loss_sum + config.load_balance_loss_weight * balance * count, sums
 
 
-def _grads(params: Any, model: nn.Module, batch: Batch, config: Config) -> tuple[Any, dict[str, jax.Array]]:
-    """Gradient of the summed objective and the metric sums, accumulated over microbatches with a scan."""
+def _grads(params: Any, fp8_meta: Any, model: nn.Module, batch: Batch, config: Config
+           ) -> tuple[Any, Any, dict[str, jax.Array]]:
+    """Gradient of the summed objective, the amaxes the fp8 matmuls observed (the amax histories' cotangents:
+    maxpar.model.fp8) and the metric sums, accumulated over microbatches with a scan (the amaxes by max)."""
     batch = reorder_batch(batch, model.layout)
-    grad_fn = jax.value_and_grad(partial(objective, model=model, config=config), has_aux=True)
+    if config.pipeline_schedule == "1f1b":  # the schedule runs the backward itself: maxpar.model.staged
+        grad_fn = staged_value_and_grad(model, _token_losses)
+    else:
+        grad_fn = jax.value_and_grad(partial(objective, model=model, config=config), argnums=(0, 1), has_aux=True)
     if config.gradient_accumulation_steps == 1:
-        (_, sums), grads = grad_fn(params, batch)
-        return grads, sums
+        (_, sums), (grads, seen) = grad_fn(params, fp8_meta, batch)
+        return grads, seen, sums
 
     def accumulate(carry, micro):
-        grads_acc, sums_acc = carry
-        (_, sums), grads = grad_fn(params, micro)
+        grads_acc, seen_acc, sums_acc = carry
+        (_, sums), (grads, seen) = grad_fn(params, fp8_meta, micro)
         grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
-        return (grads_acc, jax.tree.map(jnp.add, sums_acc, sums)), None
+        return (grads_acc, combine_observed(seen_acc, seen), jax.tree.map(jnp.add, sums_acc, sums)), None
 
     micro = jax.tree.map(lambda x: split_microbatches(x, config.gradient_accumulation_steps), batch)
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    sums_shape = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro))[0][1]
-    init = (zeros, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape))
-    (grads, sums), _ = jax.lax.scan(accumulate, init, micro)
-    return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), sums
+    sums_shape = jax.eval_shape(grad_fn, params, fp8_meta, jax.tree.map(lambda x: x[0], micro))[0][1]
+    sums_init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape)
+    init = (zeros, jax.tree.map(jnp.zeros_like, fp8_meta), sums_init)
+    (grads, seen, sums), _ = jax.lax.scan(accumulate, init, micro)
+    return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), seen, sums
 
 
 def moe_metrics(sums: dict[str, jax.Array], count: jax.Array) -> dict[str, jax.Array]:
@@ -158,27 +167,28 @@ def moe_metrics(sums: dict[str, jax.Array], count: jax.Array) -> dict[str, jax.A
             "moe_dropped_fraction": sums["dropped"] / jnp.maximum(sums["routed"], 1.0)}
 
 
-def split_over_zero_axis(tree: Any, update_specs: Any) -> Any:
+def split_over_zero_axis(tree: Any, update_shardings: Any) -> Any:
     """ZeRO-1: constrain gradient-shaped arrays to the optimizer state's sharding (the parameters' plus the
     data axis), so the gradient is reduce-scattered over data, each replica updates its shard of the
     moments, and the updated parameters are all-gathered back to their own sharding."""
-    return jax.tree.map(jax.lax.with_sharding_constraint, tree, update_specs)
+    return jax.tree.map(jax.lax.with_sharding_constraint, tree, update_shardings)
 
 
 def train_step(state: TrainState, batch: Batch, *, model: nn.Module, tx: optax.GradientTransformation,
-               config: Config, update_specs: Any = None) -> tuple[TrainState, dict[str, jax.Array]]:
+               config: Config, update_shardings: Any = None) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step on a global batch; loss is the mean cross-entropy over all its real tokens.
 
-    update_specs: with shard_optimizer_over_data (ZeRO-1), the layout's specs of gradients and updates.
+    update_shardings: with shard_optimizer_over_data (ZeRO-1), the shardings of gradients and updates (the
+    layout's `update_specs` on the step's mesh).
     """
-    grads, sums = _grads(state.params, model, batch, config)
+    grads, seen, sums = _grads(state.params, state.fp8_meta, model, batch, config)
     count = jnp.maximum(sums["tokens"], 1.0)
     grads = jax.tree.map(lambda g: g / count.astype(g.dtype), grads)
-    if update_specs is not None:
-        grads = split_over_zero_axis(grads, update_specs)
+    if update_shardings is not None:
+        grads = split_over_zero_axis(grads, update_shardings)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    if update_specs is not None:
-        updates = split_over_zero_axis(updates, update_specs)
+    if update_shardings is not None:
+        updates = split_over_zero_axis(updates, update_shardings)
     params = optax.apply_updates(state.params, updates)
     metrics = {
         "loss": sums["loss_sum"] / count,
@@ -187,7 +197,8 @@ def train_step(state: TrainState, batch: Batch, *, model: nn.Module, tx: optax.G
         "tokens": count,
         **moe_metrics(sums, count),
     }
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
+                      fp8_meta=update_histories(state.fp8_meta, seen)), metrics
 
 
 def eval_step(params: Any, batch: Batch, *, model: nn.Module) -> dict[str, jax.Array]:
@@ -199,8 +210,9 @@ def eval_step(params: Any, batch: Batch, *, model: nn.Module) -> dict[str, jax.A
 def jit_train_step(model: nn.Module, tx: optax.GradientTransformation, layout: RunLayout, mesh: Mesh):
     """The train step with the layout's in/out shardings on `mesh`; the input state is donated."""
     shardings = layout.state_shardings(mesh)
-    step = partial(train_step, model=model, tx=tx, config=layout.config, update_specs=layout.update_specs)
-    return jax.jit(traced_under(step, mesh, layout.rules),
+    update_shardings = None if layout.update_specs is None else named_shardings(layout.update_specs, mesh)
+    step = partial(train_step, model=model, tx=tx, config=layout.config, update_shardings=update_shardings)
+    return jax.jit(step,
                    in_shardings=(shardings, layout.input_sharding(mesh)),
                    out_shardings=(shardings, replicated(mesh)), donate_argnums=0)
 
@@ -217,6 +229,6 @@ def compile_train_step(model: nn.Module, tx: optax.GradientTransformation, layou
 
 
 def jit_eval_step(model: nn.Module, layout: RunLayout, mesh: Mesh):
-    return jax.jit(traced_under(partial(eval_step, model=model), mesh, layout.rules),
+    return jax.jit(partial(eval_step, model=model),
                    in_shardings=(layout.state_shardings(mesh).params, layout.input_sharding(mesh)),
                    out_shardings=replicated(mesh))

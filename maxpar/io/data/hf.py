@@ -1,16 +1,16 @@
-"""Documents from a Hugging Face `datasets` dataset on local disk (`dataset_type=hf`), one row = one document.
+"""Documents from a Hugging Face `datasets` dataset (`dataset_type=hf`), one row = one document.
 
-`hf_path` is either a directory written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk`, or the
+`hf_path` is either a directory (local or gs://) written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk`, or the
 name of one of the library's packaged builders of tabular files (`TEXT_BUILDERS`) that reads the
-local files `hf_data_files` matches. Nothing else is accepted: a hub name would need the
-network, which a run never uses, so it is refused with what to do instead. Rows are read by index
+files `hf_data_files` matches, local or gs:// (the library fetches URLs through fsspec, whose gcsfs honours
+STORAGE_EMULATOR_HOST, into its download cache). Nothing else is accepted: a hub name would need the
+hub, which a run never asks, so it is refused with what to do instead. Rows are read by index
 from the Arrow table on demand, so the same lanes, packing, shuffling and eval split as text files
 apply (text.py).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -76,31 +76,28 @@ def _texts(dataset: Any, config: Config, where: str) -> HfTexts:
 
 
 def _load(config: Config) -> Any:
-    """The dataset (a Dataset, or a dict of split name -> Dataset), read from local disk only."""
+    """The dataset (a Dataset, or a dict of split name -> Dataset), read without the hub."""
     try:
         import datasets
     except ImportError:
         raise ConfigError("dataset_type=hf needs the `datasets` package: pip install -e '.[hf]'") from None
-    path = os.path.expanduser(config.hf_path)
-    if os.path.isdir(path):
+    path = storage.path(config.hf_path)  # a save_to_disk directory may be local or gs://
+    if path.is_dir():
         if config.hf_data_files:
             raise ConfigError(f"hf_data_files={config.hf_data_files!r}: set it only with a builder as hf_path "
                               f"({', '.join(TEXT_BUILDERS)}), not with the directory hf_path={config.hf_path!r}")
         try:
-            loaded = datasets.load_from_disk(path)
+            loaded = datasets.load_from_disk(str(path))
         except (FileNotFoundError, ValueError, OSError) as e:
             raise ConfigError(f"hf_path={config.hf_path!r}: not a dataset written by save_to_disk: {e}") from None
         return dict(loaded) if isinstance(loaded, datasets.DatasetDict) else loaded
     if config.hf_path not in TEXT_BUILDERS:
         raise ConfigError(f"hf_path={config.hf_path!r}: neither a local directory written by save_to_disk nor a "
-                          f"builder of local files ({', '.join(TEXT_BUILDERS)}); maxpar reads datasets offline, "
+                          f"builder of data files ({', '.join(TEXT_BUILDERS)}); maxpar reads datasets offline, "
                           f"so for a hub dataset run `datasets.load_dataset(NAME).save_to_disk(DIR)` where the "
                           f"hub is reachable and set hf_path=DIR")
     if not config.hf_data_files:
-        raise ConfigError(f"hf_path={config.hf_path!r} (a builder) needs hf_data_files: a glob of local files")
-    if storage.is_remote(config.hf_data_files):
-        raise ConfigError(f"hf_data_files={config.hf_data_files!r}: dataset_type=hf reads local files only; copy them "
-                          f"to a local disk (dataset_type=text reads gs://)")
+        raise ConfigError(f"hf_path={config.hf_path!r} (a builder) needs hf_data_files: a glob of files")
     try:
         files = resolve_files(config.hf_data_files)
     except ValueError as e:

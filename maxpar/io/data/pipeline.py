@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import grain
 
-from maxpar.core import storage
-from maxpar.core.config import Config, ConfigError
+from maxpar.core.config import Config, ConfigError, source_config
 from maxpar.io.data.hf import open_hf
+from maxpar.io.data.mixture import Notify, Source, mixture_batches
 from maxpar.io.data.records import open_records
 from maxpar.io.data.synthetic import synthetic_batches
 from maxpar.io.data.text import FileTexts, Subset, document_batches, resolve_files, split_files
@@ -26,7 +27,39 @@ POSITION_KEYS = {
     "grain": _DOCUMENTS + ("dataset_path", "grain_file_type", "dataset_text_field"),
     # hf_eval_split decides whether eval_fraction holds out training rows
     "hf": _DOCUMENTS + ("hf_path", "hf_data_files", "hf_train_split", "hf_eval_split", "dataset_text_field"),
+    # the keys every source of a dataset_mixture shares; its sources are compared by mixture_differences
+    "mixture": ("seed", "max_target_length", "tokenizer_path", "eval_fraction"),
 }
+
+
+def position_keys(config: Config) -> tuple[str, ...]:
+    """The keys whose values a checkpoint's data position needs unchanged (a mixture's sources apart)."""
+    return POSITION_KEYS["mixture" if config.dataset_mixture else config.dataset_type]
+
+
+def mixture_differences(saved: Mapping[str, Any], config: Config) -> list[tuple[str, Any, Any]]:
+    """(key, checkpoint's value, this config's value) where a mixture's saved positions do not fit this config.
+
+    Each source keeps its position under its name, so a source must keep its data keys and no source may go (a
+    new one starts from its beginning); weights may change: that starts a new phase. Going from a single source
+    to a mixture, or back, changes what a position is. A checkpoint older than the key is not compared."""
+    if "dataset_mixture" not in saved:
+        return []
+    saved_sources = {entry["name"]: entry for entry in saved["dataset_mixture"] or []}
+    now = {source.name: source for source in config.dataset_mixture}
+    if bool(saved_sources) != bool(now):
+        return [("dataset_mixture", list(saved_sources.values()), [s.to_dict() for s in now.values()])]
+    differences = []
+    for name, entry in saved_sources.items():
+        if name not in now:
+            differences.append((f"dataset_mixture source {name!r}", entry, "(no such source)"))
+            continue
+        old = {**saved, **{k: v for k, v in entry.items() if k not in ("name", "weight")}}
+        new = source_config(config, now[name]).to_dict()
+        keys = POSITION_KEYS[new["dataset_type"]]
+        differences += [(f"dataset_mixture source {name!r} {key}", old[key], new[key])
+                        for key in keys if key in old and old[key] != new[key]]
+    return differences
 
 
 def corpus(config: Config) -> tuple[Sequence[str], Sequence[str]]:
@@ -37,9 +70,6 @@ def corpus(config: Config) -> tuple[Sequence[str], Sequence[str]]:
         if named_eval is not None:
             return documents, named_eval
     else:
-        if config.dataset_type != "text" and storage.is_remote(config.dataset_path):
-            raise ConfigError(f"dataset_path={config.dataset_path!r}: dataset_type={config.dataset_type} reads local "
-                              f"record shards only; copy them to a local disk (dataset_type=text reads gs://)")
         try:
             files = resolve_files(config.dataset_path)
         except ValueError as e:
@@ -60,6 +90,17 @@ class Datasets:
     train: grain.IterDataset
     eval: Callable[[], grain.IterDataset] | None
     description: str
+    sources: tuple[SourceData, ...] = ()  # a mixture's sources, in the order of the batches' `source_tokens`
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceData:
+    """A mixture source as the loop sees it: its name (`tokens/NAME`, `eval_loss/NAME`), its weight, and a factory
+    of fresh datasets of its held-out documents (None: nothing held out)."""
+
+    name: str
+    weight: float
+    eval: Callable[[], grain.IterDataset] | None
 
 
 def make_datasets(config: Config, *, global_rows: int, eval_rows: int, shard_index: int, shard_count: int
@@ -70,9 +111,10 @@ def make_datasets(config: Config, *, global_rows: int, eval_rows: int, shard_ind
     return datasets.train, datasets.eval
 
 
-def open_datasets(config: Config, *, global_rows: int, eval_rows: int, shard_index: int, shard_count: int
-                  ) -> Datasets:
-    """The train and eval datasets of this process's share of each global batch, and what they read."""
+def open_datasets(config: Config, *, global_rows: int, eval_rows: int, shard_index: int, shard_count: int,
+                  notify: Notify | None = None) -> Datasets:
+    """The train and eval datasets of this process's share of each global batch, and what they read. `notify`
+    hears what a mixture does (a source repeats, a new phase)."""
     share = dict(seq_len=config.max_target_length, process_index=shard_index, process_count=shard_count)
     if config.dataset_type == "synthetic":
         def synthetic(rows: int, seed: int) -> grain.IterDataset:
@@ -87,6 +129,9 @@ def open_datasets(config: Config, *, global_rows: int, eval_rows: int, shard_ind
     if tokenizer.vocab_size > config.vocab_size:
         raise ConfigError(f"vocab_size={config.vocab_size} is smaller than the tokenizer's vocabulary "
                           f"({tokenizer.vocab_size}); set vocab_size >= {tokenizer.vocab_size}")
+    if config.dataset_mixture:
+        return _open_mixture(config, tokenizer, global_rows=global_rows, eval_rows=eval_rows, share=share,
+                             notify=notify)
     train_docs, eval_docs = corpus(config)
     train = document_batches(train_docs, tokenizer, global_batch_rows=global_rows, seed=config.seed, **share)
     description = describe_corpus(config, len(train_docs), len(eval_docs), tokenizer.vocab_size)
@@ -96,8 +141,42 @@ def open_datasets(config: Config, *, global_rows: int, eval_rows: int, shard_ind
                                                     seed=config.seed, **share), description)
 
 
+def _open_mixture(config: Config, tokenizer: Any, *, global_rows: int, eval_rows: int, share: dict[str, Any],
+                  notify: Notify | None) -> Datasets:
+    """A mixture's training batches, each source's eval datasets, and a description line per source."""
+    sources, lines = [], []
+    for source in config.dataset_mixture:
+        try:
+            train_docs, eval_docs = corpus(source_config(config, source))
+        except ConfigError as e:
+            raise type(e)(f"dataset_mixture source {source.name!r}: {e}") from None
+        sources.append((Source(source.name, source.weight, train_docs), eval_docs))
+        lines.append(f"{source.name} (weight {source.weight:g}) "
+                     + describe_documents(source_config(config, source), len(train_docs), len(eval_docs)))
+
+    def evaluation(eval_docs: Sequence[str]) -> Callable[[], grain.IterDataset] | None:
+        if not len(eval_docs):
+            return None
+        return lambda: document_batches(eval_docs, tokenizer, global_batch_rows=eval_rows, seed=config.seed, **share)
+
+    train = mixture_batches([s for s, _ in sources], tokenizer, global_batch_rows=global_rows, seed=config.seed,
+                            notify=notify, **share)
+    description = (f"mixture by tokens of {len(sources)} sources: {'; '.join(lines)}; "
+                   f"{describe_tokenizer(config, tokenizer.vocab_size)}")
+    return Datasets(train, None, description, tuple(SourceData(s.name, s.weight, evaluation(e)) for s, e in sources))
+
+
 def describe_corpus(config: Config, train_documents: int, eval_documents: int, vocab_size: int) -> str:
     """Where a text, grain or hf run's documents come from, how many it trains and evaluates on, and its tokenizer."""
+    return f"{describe_documents(config, train_documents, eval_documents)}; {describe_tokenizer(config, vocab_size)}"
+
+
+def describe_tokenizer(config: Config, vocab_size: int) -> str:
+    return f"tokenizer {config.tokenizer_path or 'byte-level'} ({vocab_size:,} tokens)"
+
+
+def describe_documents(config: Config, train_documents: int, eval_documents: int) -> str:
+    """Where a text, grain or hf source's documents come from, and how many it trains and evaluates on."""
     if config.dataset_type == "text":
         source, unit = f"text files {config.dataset_path}", "files"
     elif config.dataset_type == "grain":
@@ -106,6 +185,4 @@ def describe_corpus(config: Config, train_documents: int, eval_documents: int, v
         source, unit = f"Hugging Face dataset {config.hf_path or config.hf_data_files}", "rows"
         source += f" (split {config.hf_train_split}" + (f", eval split {config.hf_eval_split})"
                                                         if config.hf_eval_split else ")")
-    tokenizer = config.tokenizer_path or "byte-level"
-    return (f"{source}: {train_documents:,} {unit} for training, {eval_documents:,} for eval; tokenizer {tokenizer} "
-            f"({vocab_size:,} tokens)")
+    return f"{source}: {train_documents:,} {unit} for training, {eval_documents:,} for eval"

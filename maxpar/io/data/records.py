@@ -4,9 +4,12 @@ A corpus is a random-access sequence of texts (document i = record i of the shar
 order), so the same lanes, packing, shuffling and eval split as whole text files apply (text.py).
 Opening a corpus indexes it once: JSONL shards are scanned for line offsets (8 bytes per record
 kept), Parquet shards only have their footers read. A record is read when its document is needed:
-a JSONL line by seeking to it, a Parquet document by reading its row group's text column (a few
+a JSONL line by reading its byte range, a Parquet document by reading its row group's text column (a few
 recent row groups are cached; shards written with small row groups read fastest at random), an
 ArrayRecord record through Grain's `ArrayRecordDataSource` (random access is what the format is for).
+Shards may be gs:// objects: JSONL and Parquet are read through gcsfs file objects and ranged reads;
+ArrayRecord's C++ reader opens local files only, so its shards are read from node-local copies
+(`storage.local_copy`) while every message and the record order still use the URLs.
 An ArrayRecord record is a JSON object or a serialized `tf.train.Example` (what MaxText's and TFDS's
 ArrayRecord corpora hold), read without TensorFlow by the few lines of protobuf decoding below.
 """
@@ -21,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from maxpar.core import storage
 from maxpar.core.config import ConfigError
 from maxpar.io.data.errors import reading
 
@@ -34,25 +38,25 @@ class JsonlTexts(Sequence[str]):
     def __init__(self, shards: Sequence[str], field: str):
         self._shards = tuple(shards)
         self._field = field
+        # each shard's line offsets, ending with its size: line i is bytes [offsets[i], offsets[i + 1])
         self._offsets = [_line_offsets(path) for path in self._shards]
-        self._starts = np.cumsum([0] + [len(o) for o in self._offsets]).tolist()
-        for path, offsets in zip(self._shards, self._offsets):
-            if len(offsets):  # a missing field is reported now, not hours into training
-                self._text(path, int(offsets[0]), 1)
+        self._starts = np.cumsum([0] + [len(o) - 1 for o in self._offsets]).tolist()
+        for shard, offsets in enumerate(self._offsets):
+            if len(offsets) > 1:  # a missing field is reported now, not hours into training
+                self._text(shard, 0)
 
     def __len__(self) -> int:
         return self._starts[-1]
 
     def __getitem__(self, index: int) -> str:  # type: ignore[override]
         shard = bisect.bisect_right(self._starts, index) - 1
-        local = index - self._starts[shard]
-        return self._text(self._shards[shard], int(self._offsets[shard][local]), local + 1)
+        return self._text(shard, index - self._starts[shard])
 
-    def _text(self, path: str, offset: int, record_number: int) -> str:
-        where = f"{path}, record {record_number}"
-        with reading("grain_file_type=jsonl", f"{where} (byte {offset})"), open(path, "rb") as f:
-            f.seek(offset)
-            line = f.readline()
+    def _text(self, shard: int, local: int) -> str:
+        path, offset, end = self._shards[shard], int(self._offsets[shard][local]), int(self._offsets[shard][local + 1])
+        where = f"{path}, record {local + 1}"
+        with reading("grain_file_type=jsonl", f"{where} (byte {offset})"):
+            line = storage.read_range(path, offset, end).split(b"\n", 1)[0]
         try:
             record = json.loads(line)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -63,14 +67,14 @@ class JsonlTexts(Sequence[str]):
 
 
 def _line_offsets(path: str) -> np.ndarray:
-    """Byte offsets of the non-blank lines of a file."""
+    """Byte offsets of the non-blank lines of a file, then its size (where the last line's range ends)."""
     offsets, position = [], 0
-    with reading("grain_file_type=jsonl", path), open(path, "rb") as f:
+    with reading("grain_file_type=jsonl", path), storage.open_binary(path) as f:
         for line in f:
             if line.strip():
                 offsets.append(position)
             position += len(line)
-    return np.asarray(offsets, np.int64)
+    return np.asarray([*offsets, position], np.int64)
 
 
 class ParquetTexts(Sequence[str]):
@@ -84,7 +88,7 @@ class ParquetTexts(Sequence[str]):
         group_rows: list[list[int]] = []
         for path in shards:
             with reading("grain_file_type=parquet", path):
-                parquet = pq.ParquetFile(path)
+                parquet = pq.ParquetFile(storage.open_binary(path))  # a file object: local or gs://
             names = parquet.schema_arrow.names
             if field not in names:
                 raise ConfigError(f"dataset_text_field={field!r}: {path} has no such column; its columns: "
@@ -133,11 +137,12 @@ class ArrayRecordTexts(Sequence[str]):
     def __init__(self, shards: Sequence[str], field: str):
         from grain.sources import ArrayRecordDataSource
 
-        lengths = []
+        lengths, local = [], []
         for path in shards:  # opened one by one so that a damaged shard is reported now, by name
             with reading("grain_file_type=arrayrecord", path):
-                lengths.append(len(ArrayRecordDataSource([path])))
-        self._source = ArrayRecordDataSource(list(shards))
+                local.append(storage.local_copy(path))
+                lengths.append(len(ArrayRecordDataSource([local[-1]])))
+        self._source = ArrayRecordDataSource(local)
         self._starts = np.cumsum([0, *lengths]).tolist()
         self._paths = tuple(shards)
         self._field = field

@@ -157,6 +157,10 @@ class _LaneDocuments:
             self._order = (epoch, rng.permutation(len(self._documents)))
         return self._order[1]
 
+    def epoch(self, m: int) -> int:
+        """The pass over the documents that the lane's m-th document belongs to (each pass reshuffles)."""
+        return (self._lane + m * self._lanes) // len(self._documents)
+
     def __call__(self, m: int) -> dict[str, np.ndarray]:
         epoch, position = divmod(self._lane + m * self._lanes, len(self._documents))
         return document_features(self._documents[int(self._permutation(epoch)[position])], self._tokenizer)

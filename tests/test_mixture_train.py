@@ -1,0 +1,76 @@
+"""Training on a dataset_mixture: exact resume, per-source figures in metrics.jsonl and the summary, new phases, and
+a kill -9 in the middle of a real process."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+
+import jax
+import pytest
+
+from helpers import (compilation_cache_env, logged_steps, read_metrics, start_training, tiny_config, train_command,
+                     wait_for_step, wait_until)
+from maxpar.train import train
+from test_mixture import mixture
+
+COMMON = ("eval_fraction=0.2", "enable_checkpointing=true", "checkpoint_period=4", "learning_rate_final_fraction=1.0",
+          "per_device_batch_size=2")
+
+
+def test_a_mixture_resumes_exactly_logs_per_source_and_starts_a_phase_on_new_weights(tmp_path, capsys):
+    """8 steps in one go equal 4 steps, a checkpoint and 4 more: losses, eval losses and tokens per source. Then a
+    resume with other weights says so and counts on from where every source stopped (the new shares themselves,
+    which show over more tokens than this, are test_mixture.py's)."""
+    config = tiny_config(mixture(tmp_path), "steps=8", "eval_interval=4", "eval_steps=1", *COMMON)
+    train(config, devices=jax.devices()[:2], run_dir=tmp_path / "whole")
+    train(dataclasses.replace(config, steps=4), devices=jax.devices()[:2], run_dir=tmp_path / "halves")
+    train(config, devices=jax.devices()[:2], run_dir=tmp_path / "halves")
+    whole, halves = read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "halves")
+    assert [r["step"] for r in halves] == list(range(1, 9))
+    for key in ("loss", "eval_loss", "tokens/short", "tokens/long", "eval_loss/short", "eval_loss/long"):
+        assert [r.get(key) for r in halves] == [r.get(key) for r in whole], key
+    last = whole[-1]
+    assert 0.95 <= (last["tokens/short"] + last["tokens/long"]) / (8 * 4 * config.max_target_length) <= 1
+    assert [r["tokens/long"] for r in whole] == sorted(r["tokens/long"] for r in whole)
+    evals = [r for r in whole if r["eval_loss"] is not None]
+    assert [r["step"] for r in evals] == [4, 8]
+    for r in evals:
+        assert r["eval_loss"] == pytest.approx(0.7 * r["eval_loss/short"] + 0.3 * r["eval_loss/long"])
+    events = b"".join(path.read_bytes() for path in (tmp_path / "whole" / "tensorboard").glob("events.*"))
+    assert all(tag in events for tag in (b"tokens/short", b"tokens/long", b"eval_loss/short", b"eval_loss/long"))
+    out = capsys.readouterr().out
+    assert "data mixture by tokens of 2 sources: short (weight 0.7)" in out
+    assert f"per source: short {last['tokens/short']:,} tokens" in out and "eval loss" in out.split("per source:")[-1]
+
+    train(tiny_config(mixture(tmp_path, short=0.9, long=0.1), "steps=16", "eval_interval=-1", *COMMON),
+          devices=jax.devices()[:2], run_dir=tmp_path / "whole")
+    out = capsys.readouterr().out
+    assert "resumed from checkpoint at step 8" in out
+    assert "data mixture: new phase, weights short 0.7, long 0.3 -> short 0.9, long 0.1" in out
+    later = read_metrics(tmp_path / "whole")[-1]
+    gained = [later[f"tokens/{name}"] - last[f"tokens/{name}"] for name in ("short", "long")]
+    assert min(gained) >= 0 and sum(gained) >= 0.95 * 8 * 4 * config.max_target_length  # counted on, not afresh
+
+
+def test_kill_9_then_rerun_matches_the_uninterrupted_run(tmp_path):
+    """A real process killed mid-run (no chance to save) resumes from its newest checkpoint, every source's
+    position included, and finishes with the uninterrupted run's losses and token counts, bit for bit."""
+    steps, source = 10, mixture(tmp_path)
+    overrides = (source, f"steps={steps}", "eval_fraction=0", "enable_checkpointing=true", "checkpoint_period=4",
+                 "per_device_batch_size=1")
+    train(tiny_config(*overrides), devices=jax.devices(), run_dir=tmp_path / "reference")
+    command = train_command(*overrides, f"base_output_directory={tmp_path}", "run_name=run")
+    run_dir, env = tmp_path / "run", compilation_cache_env(tmp_path / "jax_cache")
+    first = start_training(command, tmp_path / "first.log", env)
+    wait_for_step(first, run_dir, 5)
+    wait_until(first, (run_dir / "checkpoints" / "4").is_dir, "checkpoint 4 was complete")
+    first.kill()
+    assert first.wait(timeout=60) == -signal.SIGKILL and max(logged_steps(run_dir)) < steps
+    second = start_training(command, tmp_path / "second.log", env)
+    assert second.wait(timeout=300) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    assert "resumed from checkpoint at step" in (tmp_path / "second.log").read_text()
+    rows, expected = read_metrics(run_dir), read_metrics(tmp_path / "reference")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for key in ("loss", "tokens/short", "tokens/long"):
+        assert [r[key] for r in rows] == [r[key] for r in expected]

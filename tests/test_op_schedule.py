@@ -1,0 +1,94 @@
+"""The op tables of schedules with an explicit backward (gPipe, 1F1B) on their own: no JAX."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from maxpar.core.op_schedule import B, F, Op, OpSchedule, check, stage_order
+from maxpar.core.schedule import pipeline_bubble
+
+SIZES = [(s, m) for s, m in itertools.product((1, 2, 3, 4, 8), (1, 2, 4, 8, 16))]
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages,microbatches", SIZES)
+def test_every_op_runs_once_after_what_it_depends_on(kind, stages, microbatches):
+    schedule = OpSchedule(kind, stages, microbatches)
+    check(schedule)
+    tick = {(op.kind, op.microbatch, op.stage): op.tick for op in schedule.ops()}
+    for m, s in itertools.product(range(microbatches), range(stages)):  # the rules, spelled out once more
+        assert tick[(B, m, s)] > tick[(F, m, s)]
+        if s:
+            assert tick[(F, m, s)] >= tick[(F, m, s - 1)] + 1
+        if s < stages - 1:
+            assert tick[(B, m, s)] >= tick[(B, m, s + 1)] + 1
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages,microbatches", SIZES)
+def test_bubble_counted_on_the_table_is_the_formula(kind, stages, microbatches):
+    schedule = OpSchedule(kind, stages, microbatches)
+    assert schedule.num_ticks == 2 * (microbatches + stages - 1)
+    assert schedule.bubble == pytest.approx(pipeline_bubble(stages, microbatches))
+
+
+@pytest.mark.parametrize("stages,microbatches", SIZES)
+def test_1f1b_keeps_at_most_s_minus_stage_microbatches_in_flight(stages, microbatches):
+    """1F1B's point: a stage holds min(S - s, M) stage inputs, gPipe's all M."""
+    assert OpSchedule("1f1b", stages, microbatches).peak_in_flight() == [
+        min(stages - s, microbatches) for s in range(stages)]
+    assert OpSchedule("gpipe", stages, microbatches).peak_in_flight() == [microbatches] * stages
+
+
+def test_1f1b_stage_orders_warm_up_then_alternate():
+    assert stage_order("1f1b", 0, 4, 6) == [(F, 0), (F, 1), (F, 2), (F, 3), (B, 0), (F, 4), (B, 1), (F, 5), (B, 2),
+                                            (B, 3), (B, 4), (B, 5)]
+    assert stage_order("1f1b", 3, 4, 3) == [(F, 0), (B, 0), (F, 1), (B, 1), (F, 2), (B, 2)]
+
+
+def test_render_prints_the_table():
+    text = OpSchedule("1f1b", 2, 3).render()
+    assert text.splitlines() == [
+        "1f1b: S=2 stages, M=3 microbatches, 8 ticks, bubble 25.0%",
+        "t   0 | F0 .",
+        "t   1 | F1 F0",
+        "t   2 | .  B0",
+        "t   3 | B0 F1",
+        "t   4 | F2 B1",
+        "t   5 | B1 F2",
+        "t   6 | .  B2",
+        "t   7 | B2 .",
+    ]
+
+
+def test_describe_names_the_bubble_and_the_stage_inputs_held():
+    assert OpSchedule("1f1b", 4, 8).describe() == (
+        "1f1b pipeline: S=4 stages, M=8 microbatches, 22 ticks (a block's forward or backward each); "
+        "bubble 27.3% = (S-1)/(M+S-1); at most 4 of the M stage inputs held per stage")
+
+
+def test_check_rejects_a_table_out_of_dependency_order_or_with_a_missing_op():
+    schedule = OpSchedule("1f1b", 2, 2)
+    ops = schedule.ops()
+
+    class Broken(OpSchedule):
+        def ops(self):
+            return self.table
+
+    def broken(table):
+        bad = Broken("1f1b", 2, 2)
+        object.__setattr__(bad, "table", table)
+        return bad
+
+    swapped = [Op(op.tick, op.stage, op.microbatch, B if op.kind == F else F) if op.stage == 1 else op for op in ops]
+    with pytest.raises(AssertionError, match="before its inputs"):
+        check(broken(swapped))
+    with pytest.raises(AssertionError, match="exactly once"):
+        check(broken(ops[:-1]))
+
+
+def test_unknown_schedule_is_refused():
+    with pytest.raises(ValueError, match="valid: gpipe, 1f1b"):
+        OpSchedule("zero_bubble", 2, 2)

@@ -1,0 +1,195 @@
+"""pipeline_schedule=1f1b: the explicit-backward executor gives the unpipelined model's gradients and training.
+
+Gradient level: every parameter's gradient of the summed cross-entropy, by the 1F1B executor on 8 simulated
+devices (stages x data), equals jax.grad of the one-device unpipelined model (float32). Training level: 5 steps
+have the one-device run's per-step losses and gradient norms (rtol 1e-5), S in {2, 4}, M in {4, 8}, and with
+gradient accumulation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from functools import partial
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from helpers import read_metrics, tiny_config, write_corpus
+from maxpar.core.config import ConfigError, model_config
+from maxpar.core.op_schedule import OpSchedule
+from maxpar.model import Transformer
+from maxpar.model.staged import staged_grads
+from maxpar.plan.hardware import load_hardware
+from maxpar.plan.predict import Target, make_plan
+from maxpar.pipeline.one_f_one_b import BACKWARD, FORWARD, FORWARD_HEAD, IDLE, program
+from maxpar.train import setup_run, train
+from maxpar.training.summary import unstaged_keys
+from maxpar.training.train_step import BATCH_KEYS, train_step
+
+LAYERS, ROWS, LENGTH = 8, 16, 32
+BASE = ("dataset_type=synthetic", f"num_decoder_layers={LAYERS}", "per_device_batch_size=2")
+
+
+def stages_and_data(stages: int, microbatches: int, *more: str) -> tuple[str, ...]:
+    return (f"ici_stage_parallelism={stages}", f"ici_data_parallelism={8 // stages}", "ici_fsdp_parallelism=1",
+            f"num_pipeline_microbatches={microbatches}", "pipeline_schedule=1f1b", *more)
+
+
+@pytest.mark.parametrize("stages,microbatches", [(2, 4), (4, 8), (4, 16), (3, 5)])
+def test_program_branches_follow_the_table_and_stores_hold_at_most_s_microbatches(stages, microbatches):
+    schedule = OpSchedule("1f1b", stages, microbatches)
+    prog = program(schedule)
+    assert prog.branch.shape == (schedule.num_ticks, stages)
+    assert (prog.branch == IDLE).sum() == schedule.num_ticks * stages - 2 * stages * microbatches
+    assert set(prog.branch[:, -1]) <= {IDLE, FORWARD_HEAD, BACKWARD} and FORWARD_HEAD not in prog.branch[:, :-1]
+    for op in schedule.ops():
+        assert prog.microbatch[op.tick, op.stage] == op.microbatch
+        assert (prog.branch[op.tick, op.stage] == BACKWARD) == (op.kind == "B")
+    assert prog.act_slots <= stages and prog.cot_slots <= stages  # 1F1B's memory bound: S, not M
+    assert FORWARD in prog.branch or stages == 1
+
+
+def make_batch() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    cut = rng.integers(4, LENGTH - 4, ROWS)[:, None]
+    columns = np.arange(LENGTH)[None, :]
+    return {"inputs": rng.integers(0, 264, (ROWS, LENGTH)).astype(np.int32),
+            "targets": rng.integers(0, 264, (ROWS, LENGTH)).astype(np.int32),
+            "segment_ids": np.where(columns < cut, 1, 2).astype(np.int32),
+            "positions": np.where(columns < cut, columns, columns - cut).astype(np.int32)}
+
+
+def summed_loss(logits, targets, segment_ids):
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    total = jnp.sum(jnp.where(segment_ids != 0, losses, 0.0))
+    return total, {"loss_sum": total}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Float32 parameters, and the one-device unpipelined model's summed loss and gradients."""
+    model = Transformer(model_config(tiny_config(*BASE)))
+    tokens = jnp.zeros((1, LENGTH), jnp.int32)
+    params = nn.unbox(jax.jit(model.init)(jax.random.key(0), tokens, tokens, tokens)["params"])
+
+    def loss(p, batch):
+        logits = model.apply({"params": p}, batch["inputs"], batch["positions"], batch["segment_ids"])
+        return summed_loss(logits, batch["targets"], batch["segment_ids"])[0]
+    value, grads = jax.jit(jax.value_and_grad(loss))(params, make_batch())
+    return params, float(value), jax.device_get(grads)
+
+
+@pytest.mark.parametrize("stages,microbatches", [(2, 4), (4, 8)])
+def test_1f1b_gradients_equal_the_unpipelined_model(stages, microbatches, reference):
+    params, want_loss, want = reference
+    config = tiny_config(*BASE, *stages_and_data(stages, microbatches))
+    run = setup_run(config, jax.devices())
+    schedule = OpSchedule("1f1b", stages, microbatches)
+    step = jax.jit(lambda p, b: staged_grads(model_config(config), run.model.layout, schedule, p, b, summed_loss))
+    sums, got = step(jax.device_put(params, run.state_shardings.params), jax.device_put(make_batch(), run.in_sharding))
+    np.testing.assert_allclose(float(sums["loss_sum"]), want_loss, rtol=1e-6)
+    flat_want = jax.tree_util.tree_leaves_with_path(want)
+    assert jax.tree.structure(got) == jax.tree.structure(want) and len(flat_want) == 12
+    for (path, wanted), actual in zip(flat_want, jax.tree.leaves(got)):
+        scale = float(np.max(np.abs(wanted)))
+        assert scale > 0, path
+        np.testing.assert_allclose(np.asarray(actual), wanted, rtol=1e-5, atol=1e-5 * scale,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+# ---------------------------------------------------------------- training
+
+STEPS = 5
+RUNS = {f"s{s}_m{m}": stages_and_data(s, m) for s, m in [(2, 4), (2, 8), (4, 4), (4, 8)]}
+# The executor once per accumulation microbatch: 2 x 2 rows per device, the same 32 rows per step.
+RUNS["s2_m4_accumulated"] = stages_and_data(2, 4, "gradient_accumulation_steps=2", "per_device_batch_size=2")
+
+
+@pytest.fixture(scope="module")
+def trainings(tmp_path_factory):
+    """metrics.jsonl rows of the one-device reference and of each 1F1B run (32 rows per step everywhere)."""
+    corpus = write_corpus(tmp_path_factory.mktemp("corpus"))
+    common = ("num_decoder_layers=4", f"steps={STEPS}", "dataset_type=text", f"dataset_path={corpus}",
+              "eval_fraction=0")
+    out = {}
+    for name, devices, overrides in [("reference", jax.devices()[:1], ("per_device_batch_size=32",)),
+                                     *((n, jax.devices(), ("per_device_batch_size=4", *o)) for n, o in RUNS.items())]:
+        run_dir = tmp_path_factory.mktemp(name) / "run"
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            train(tiny_config(*common, *overrides), devices=devices, run_dir=run_dir)
+        rows = read_metrics(run_dir)
+        assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+        out[name] = rows
+        out[f"{name} printed"] = printed.getvalue()
+    return out
+
+
+def test_run_header_prints_the_1f1b_schedule(trainings):
+    assert ("1f1b pipeline: S=4 stages, M=8 microbatches, 22 ticks (a block's forward or backward each); "
+            "bubble 27.3% = (S-1)/(M+S-1); at most 4 of the M stage inputs held per stage"
+            ) in trainings["s4_m8 printed"]
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_1f1b_training_has_the_unpipelined_losses_and_gradient_norms(name, trainings):
+    for key in ("loss", "grad_norm"):
+        reference = np.array([r[key] for r in trainings["reference"]])
+        np.testing.assert_allclose([r[key] for r in trainings[name]], reference, rtol=1e-5, err_msg=key)
+    losses = [r["loss"] for r in trainings["reference"]]
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("schedule,explicit", [("1f1b", True), ("auto", False)])
+def test_the_train_step_takes_its_gradients_from_the_executor_only_under_1f1b(schedule, explicit):
+    """The executor's ppermutes (the gPipe loop moves activations with jnp.roll) are in the step only under 1f1b."""
+    config = tiny_config(*BASE, *stages_and_data(2, 4), f"pipeline_schedule={schedule}")
+    run = setup_run(config, jax.devices())
+    batch = {k: jax.ShapeDtypeStruct((ROWS, LENGTH), jnp.int32) for k in BATCH_KEYS}
+    step = partial(train_step, model=run.model, tx=run.tx, config=config)
+    assert ("ppermute" in str(jax.make_jaxpr(step)(run.layout.state.abstract, batch))) == explicit
+
+
+def test_the_plan_predicts_1f1b_activations_that_shrink_with_m_where_gpipe_keeps_them_all():
+    """The planner's memory per schedule, same batch (16 rows per replica): gPipe keeps every microbatch's
+    activations until the backward, 1F1B at most S stage inputs (checked against XLA by pipeline_memory.py and
+    `maxpar.plan --verify`). The bubble is (S-1)/(M+S-1) for both."""
+    def planned(schedule: str, micro: int) -> tuple[float, float]:
+        config = tiny_config("num_decoder_layers=8", "per_device_batch_size=4", "max_target_length=256",
+                             *stages_and_data(4, micro, f"pipeline_schedule={schedule}"))
+        result = make_plan(config, Target(load_hardware("tpu-v5p"), 8, 1))
+        assert result["pipeline_bubble"] == pytest.approx(3 / (micro + 3))
+        return result["memory_per_device_bytes"]["activations"], result["memory_per_device_bytes"]["total"]
+    gpipe = {m: planned("gpipe", m) for m in (4, 16)}
+    one_f_one_b = {m: planned("1f1b", m) for m in (4, 16)}
+    assert one_f_one_b[16][0] < one_f_one_b[4][0] < gpipe[4][0]
+    assert one_f_one_b[16][0] < gpipe[16][0] / 2
+    assert one_f_one_b[16][1] < gpipe[16][1]
+
+
+def test_the_sampling_command_of_a_1f1b_run_puts_the_schedule_back():
+    """maxpar.generate runs no stages, so the command a run prints resets the pipeline-only keys it set."""
+    config = tiny_config(*BASE, *stages_and_data(2, 4))
+    assert "pipeline_schedule=auto" in unstaged_keys(config)
+    assert not any(k.startswith("pipeline_schedule") for k in unstaged_keys(tiny_config(*BASE)))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (("ici_stage_parallelism=2", "ici_fsdp_parallelism=4", "pipeline_schedule=1f1b"),
+     "pipeline_schedule=1f1b with mesh axes fsdp=4: .* set ici_fsdp_parallelism=1"),
+    (("ici_stage_parallelism=2", "ici_data_parallelism=2", "ici_fsdp_parallelism=1", "ici_tensor_parallelism=2",
+      "pipeline_schedule=1f1b"), "mesh axes tensor=2"),
+    (("ici_stage_parallelism=2", "num_pipeline_repeats=2", "pipeline_schedule=1f1b"),
+     "pipeline_schedule=1f1b with num_pipeline_repeats=2"),
+    (("ici_stage_parallelism=2", "pipeline_schedule=circular"), "pipeline_schedule=circular needs"),
+    (("pipeline_schedule=1f1b",), "pipeline_schedule=1f1b need"),
+    (("ici_stage_parallelism=2", "pipeline_schedule=zero_bubble"), "pipeline_schedule"),
+])
+def test_what_1f1b_cannot_run_is_a_config_error(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        setup_run(tiny_config(*BASE, *overrides), jax.devices())
