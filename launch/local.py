@@ -112,8 +112,8 @@ def _die_with_parent() -> None:
 # Its threads print at once, so one line may hold pieces of several messages, and a message may span two lines.
 _GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
                              r"Expected number of connected peer ranks is : (\d+)")
-_GLOO_PIECES = re.compile(r"(?:\[Gloo\] Rank |\d+| is connected to | peer ranks\. |"
-                          r"Expected number of connected peer ranks is : )+")
+_GLOO_PIECES = re.compile(r"(?:\[Gloo\]|Rank|\d+|is connected to|peer ranks\.|"
+                          r"Expected number of connected peer ranks is :|\s)+")
 
 
 def is_gloo_all_connected(line: str) -> bool:

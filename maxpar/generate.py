@@ -138,7 +138,8 @@ def pad_rows(array: Any, multiple: int) -> np.ndarray:
 
 def model_apply(model: nn.Module, rows_multiple: int = 1) -> Callable[..., tuple[Array, Any]]:
     """The jitted (params, cache, tokens, positions, segment_ids) -> (logits, cache) of `decode`; the model's
-    layout constrains the cache and activations as in training.
+    layout constrains the cache and activations as in training. Called without MTP tokens, the model never runs its
+    multi-token prediction modules (maxpar.model.mtp): their parameters are loaded and ignored.
 
     Any number of rows: they run padded to a multiple of `rows_multiple` (the mesh's batch shards, which the MoE
     dispatch's shard_map must split evenly); the logits are the real rows', the cache keeps the padding rows,

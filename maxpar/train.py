@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from tqdm import tqdm
 
 from maxpar.core import storage
-from maxpar.core.config import Config, ConfigError, describe_keys, load_config, model_config, to_yaml
+from maxpar.core.config import EXPLICIT_BACKWARD, Config, ConfigError, describe_keys, load_config, model_config, to_yaml
 from maxpar.core.layout import BatchShape, RunLayout, check_devices
 from maxpar.core.mesh import build_mesh, local_mesh_shape
 from maxpar.core.op_schedule import OpSchedule
@@ -175,8 +175,9 @@ def _print_header(run: RunSetup, run_dir: epath.Path, peak: float | None, log: C
         f"peak {'unknown' if peak is None else f'{peak:.3e}'} FLOP/s per device")
     log(f"  data {run.data_description}")
     if run.pipeline is not None:
-        if config.pipeline_schedule == "1f1b":  # the backward is scheduled too: maxpar.core.op_schedule
-            log(f"  {OpSchedule('1f1b', run.pipeline.num_stages, run.pipeline.num_microbatches).describe()}")
+        if config.pipeline_schedule in EXPLICIT_BACKWARD:  # the backward is scheduled too: maxpar.core.op_schedule
+            ops = OpSchedule(config.pipeline_schedule, run.pipeline.num_stages, run.pipeline.num_microbatches)
+            log(f"  {ops.describe()}")
         else:
             log(f"  {run.pipeline.describe()}")
         log(f"    layers per stage: {run.pipeline.assignment()}")
@@ -339,7 +340,7 @@ def _metrics_row(run: RunSetup, step: int, metrics: dict[str, Any], step_time_s:
             "learning_rate": float(metrics["learning_rate"]), "eval_loss": None,
             **throughput(run.config, tokens_per_step=run.shape.tokens_per_step, step_time_s=step_time_s,
                          num_devices=len(run.devices), peak=peak),
-            **{key: float(value) for key, value in metrics.items() if key.startswith("moe_")},
+            **{key: float(value) for key, value in metrics.items() if key.startswith(("moe_", "mtp_"))},
             **_source_tokens(run, metrics)}
 
 
@@ -353,6 +354,8 @@ def _format_row(row: dict[str, Any]) -> str:
               "MFU unknown" if row["mfu"] is None else f"MFU {row['mfu']:.1%}"]
     if row.get("moe_load_balance_loss") is not None:
         parts += [f"balance {row['moe_load_balance_loss']:.3f}", f"dropped {row['moe_dropped_fraction']:.1%}"]
+    if row.get("mtp_loss") is not None:
+        parts.append(f"mtp_loss {row['mtp_loss']:.4f}")
     return "  ".join(parts)
 
 

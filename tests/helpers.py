@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -103,3 +104,36 @@ def wait_for_step(process: subprocess.Popen, run_dir: Path, step: int, timeout: 
     """Wait until metrics.jsonl logs a step >= `step`; returns the newest logged step."""
     wait_until(process, lambda: max(logged_steps(run_dir), default=0) >= step, f"step {step} was logged", timeout)
     return max(logged_steps(run_dir))
+
+
+def kill_and_rerun(command: list[str], run_dir: Path, steps: int, kill_at: int, checkpoint_step: int,
+                   logs: Path) -> None:
+    """Start `command` (a run of `steps` steps into `run_dir`), SIGKILL it once it has logged step `kill_at` and
+    its checkpoint `checkpoint_step` is complete (so it has no chance to save), then run the same command to the
+    end, which must say it resumed. Logs and the compilation cache go under `logs`."""
+    env = compilation_cache_env(logs / "jax_cache")
+    first = start_training(command, logs / "first.log", env)
+    wait_for_step(first, run_dir, kill_at)
+    wait_until(first, (run_dir / "checkpoints" / str(checkpoint_step)).is_dir,
+               f"checkpoint {checkpoint_step} was complete")
+    first.kill()
+    assert first.wait(timeout=60) == -signal.SIGKILL and max(logged_steps(run_dir)) < steps
+    second = start_training(command, logs / "second.log", env)
+    code = second.wait(timeout=300)
+    output = (logs / "second.log").read_text()
+    assert code == 0, output[-3000:]
+    assert "resumed from checkpoint at step" in output
+
+
+def train_metrics(run_dir: Path, corpus: str, devices, steps: int, *overrides: str,
+                  metrics: tuple[str, ...] = ("loss", "grad_norm")) -> dict[str, np.ndarray]:
+    """{metric: its value at steps 1..`steps`} of an in-process run of the tiny model on the test corpus. Equivalence
+    tests need few steps: from the second on, a step starts from updated parameters and optimizer moments."""
+    from maxpar.train import train
+
+    config = tiny_config(f"steps={steps}", "dataset_type=text", f"dataset_path={corpus}", "eval_fraction=0",
+                         *overrides)
+    train(config, devices=devices, run_dir=run_dir)
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    return {name: np.array([r[name] for r in rows], dtype=float) for name in metrics}

@@ -119,3 +119,29 @@ def test_dot_product_gradient_equals_autodiff_of_its_formula():
     np.testing.assert_allclose(ours, want, rtol=1e-6, atol=1e-6)
     for got, expected in zip(our_pullback(cotangent), pullback(cotangent)):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("choice", ["dot_product", "blockwise"])
+def test_values_may_be_wider_than_queries_and_keys(choice):
+    """MLA's v_head_dim differs from its q/k width: output and gradients of the cores against autodiff of the
+    plain formula, with packed documents and GQA."""
+    from maxpar.model.attention import attend, causal_document_mask
+
+    config = tiny_config("attention_block_size=4")
+    kq, kk, kv, kg = jax.random.split(jax.random.key(1), 4)
+    q, k = jax.random.normal(kq, (2, 16, 4, 6)), jax.random.normal(kk, (2, 16, 2, 6))
+    v = jax.random.normal(kv, (2, 16, 2, 10))
+    segments = jnp.array([[1] * 10 + [2] * 6, [1] * 16])
+    mask = causal_document_mask(segments)
+
+    def plain(q, k, v):
+        scores = jnp.einsum("bqkgd,bskd->bkgqs", q.reshape(2, 16, 2, 2, 6), k)
+        probs = jax.nn.softmax(jnp.where(mask[:, :, None], scores, -jnp.inf), axis=-1)
+        return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(2, 16, 4, 10)
+
+    cotangent = jax.random.normal(kg, (2, 16, 4, 10))
+    ours, our_pullback = jax.vjp(lambda *a: attend(*a, segments, choice, config=config), q, k, v)
+    want, pullback = jax.vjp(plain, q, k, v)
+    np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-5)
+    for got, expected in zip(our_pullback(cotangent), pullback(cotangent)):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)

@@ -27,7 +27,7 @@ from maxpar.io import checkpoint, local_checkpoint  # noqa: E402
 from maxpar.train import setup_run  # noqa: E402
 from maxpar.training.train_step import create_state  # noqa: E402
 
-STEPS, PERSISTENT, LOCAL, KILL_AFTER = 12, 6, 2, 8  # persistent saves 6, 12; local 2, 4, 8, 10; killed after 8
+STEPS, PERSISTENT, LOCAL, KILL_AFTER = 8, 5, 2, 6  # persistent saves 5, 8; local 2, 4, 6; killed after 6
 
 
 def kill_rank_1_after_local_save(step_to_kill: int) -> None:
@@ -99,7 +99,7 @@ def test_a_killed_process_resumes_from_the_local_tier_bitwise(job):
     assert job.killed_at - KILL_AFTER <= LOCAL and KILL_AFTER > PERSISTENT
     assert losses(job.root / "out" / "killed") == losses(job.root / "out" / "reference")
     kept = sorted(int(p.name) for p in (job.root / "local" / "killed" / "process_0-of-2").iterdir())
-    assert kept == [8, 10]  # the newest few local steps; the last step went to the persistent tier
+    assert kept == [4, 6]  # the newest few local steps; the last step went to the persistent tier
 
 
 def test_a_process_that_lost_its_local_tier_resumes_everyone_from_the_persistent_tier(job):

@@ -2,12 +2,14 @@
 
 maxpar's logits equal transformers' (one device, FSDP(8), FSDP(4)xTP(2), unrolled layers), a run
 started from a converted checkpoint has transformers' loss at step 0, from_hf -> to_hf gives back the
-original tensors, and bad input exits with status 2 and says why.
+original tensors, and bad input exits with status 2 and says why. A tiny DeepSeek-V3 (MLA, YaRN, dense prefix,
+sigmoid group-limited experts, a shared expert, an MTP layer added to its safetensors) has its own tests at the end.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -18,9 +20,9 @@ import numpy as np
 import optax
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MixtralConfig,
-                          MixtralForCausalLM, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
-                          Qwen3MoeForCausalLM)
+from transformers import (AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig,
+                          LlamaForCausalLM, MistralConfig, MixtralConfig, MixtralForCausalLM, MistralForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from helpers import REPO, layout_on, write_corpus
 from maxpar.convert.__main__ import OVERRIDES_FILE, main
@@ -69,6 +71,18 @@ MODELS = {
         torch.float32, "40KB"),
 }
 
+# DeepSeek-V3 as the deepseek-tiny preset (its own tests below, not every test of MODELS): MLA with a compressed
+# query and interleaved YaRN RoPE, 1 dense layer then 2 MoE layers of 8 sigmoid-routed experts in 4 groups (top-2
+# of the best 2) scaled by 2.5, plus a shared expert. transformers saves no MTP layer (`deepseek_mtp` adds one).
+DEEPSEEK = {"deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM, dict(
+    hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3, first_k_dense_replace=1,
+    num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+    qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+    n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, vocab_size=VOCAB, rms_norm_eps=1e-6,
+    max_position_embeddings=256, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}), torch.float32, None)}
+
 MESHES = {
     "one": (1, ["ici_fsdp_parallelism=1"]),
     "fsdp8": (8, []),
@@ -80,7 +94,7 @@ MESHES = {
 def save_hf_model(directory: Path, name: str, seed: int = 0, **changes) -> Path:
     """A random model of MODELS[name] (its config `changes`d) saved by transformers; weights far from init so every
     tensor matters."""
-    config_class, model_class, dims, dtype, shard = MODELS[name]
+    config_class, model_class, dims, dtype, shard = {**MODELS, **DEEPSEEK}[name]
     torch.manual_seed(seed)
     model = model_class(config_class(**{**dims, **changes}))
     with torch.no_grad():
@@ -89,6 +103,9 @@ def save_hf_model(directory: Path, name: str, seed: int = 0, **changes) -> Path:
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))
             else:
                 param.normal_(0.0, 0.15)
+        for buffer_name, buffer in model.named_buffers():
+            if buffer_name.endswith("e_score_correction_bias"):  # DeepSeek's routing bias: a saved buffer
+                buffer.normal_(0.0, 0.15)
     model.to(dtype).save_pretrained(directory, **({"max_shard_size": shard} if shard else {}))
     return directory
 
@@ -467,8 +484,8 @@ def test_llama3_rope_scaling_survives_from_hf_to_hf(llama3_scaled, tmp_path):
 def test_llama3_rope_keys_are_validated():
     with pytest.raises(ConfigError, match="rope_low_freq_factor=4.0, rope_high_freq_factor=1.0"):
         load_config([str(BASE), "rope_scaling_type=llama3", "rope_low_freq_factor=4.0", "rope_high_freq_factor=1.0"])
-    with pytest.raises(ConfigError, match="rope_scaling_type='yarn': must be one of"):
-        load_config([str(BASE), "rope_scaling_type=yarn"])
+    with pytest.raises(ConfigError, match="rope_scaling_type='dynamic': must be one of"):
+        load_config([str(BASE), "rope_scaling_type=dynamic"])
 
 
 # ---------------------------------------------------------------- bad input: exit 2 and why
@@ -515,9 +532,9 @@ def test_model_name_or_key_that_disagrees_exits_2(capsys, hf_dirs, tmp_path, ove
 
 def test_other_rope_scaling_exits_2(capsys, hf_dirs, tmp_path):
     source = edited_copy(hf_dirs["llama"], tmp_path / "scaled", rope_parameters={
-        "rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0, "original_max_position_embeddings": 8192})
+        "rope_type": "dynamic", "rope_theta": 5e5, "factor": 4.0})
     status, err = from_hf(capsys, source, tmp_path / "out")
-    assert status == 2 and "RoPE scaling 'yarn'" in err and "'llama3' scaling only" in err
+    assert status == 2 and "RoPE scaling 'dynamic'" in err and "'llama3' and 'yarn' scaling only" in err
 
 
 def test_tensors_that_do_not_fit_config_json_exit_2(capsys, hf_dirs, tmp_path):
@@ -552,3 +569,105 @@ def test_template_of_another_model_exits_2(capsys, hf_dirs, converted, tmp_path)
 def test_existing_output_is_not_overwritten(capsys, hf_dirs, converted):
     status, err = from_hf(capsys, hf_dirs["llama"], converted["llama"])
     assert status == 2 and "already holds checkpoints" in err
+
+
+# ---------------------------------------------------------------- DeepSeek-V3
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny random DeepseekV3ForCausalLM and its conversion (FSDP over the 8 devices)."""
+    hf_dir = save_hf_model(tmp_path_factory.mktemp("hf_deepseek"), "deepseek_v3")
+    out = tmp_path_factory.mktemp("maxpar_deepseek") / "converted"
+    assert main(["from_hf", "--hf_path", str(hf_dir), "--out", str(out)]) == 0
+    return hf_dir, out
+
+
+@pytest.mark.parametrize("mesh", [(1, ["ici_fsdp_parallelism=1"]),
+                                  (8, ["ici_fsdp_parallelism=2", "ici_tensor_parallelism=2",
+                                       "ici_expert_parallelism=2"])], ids=["one", "fsdp2_tp2_ep2"])
+def test_deepseek_v3_logits_equal_transformers(mesh, deepseek):
+    hf_dir, converted = deepseek
+    assert "first_num_dense_layers=1" in overrides_of(converted) and "mtp_num_layers=0" in overrides_of(converted)
+    tokens = tokens_for(1)
+    count, overrides = mesh
+    ours = maxpar_logits(converted, tokens, jax.devices()[:count], *overrides)
+    theirs = hf_logits(hf_dir, tokens)
+    assert np.abs(theirs).max() > 1.0
+    np.testing.assert_allclose(ours, theirs, rtol=2e-5, atol=2e-5)
+
+
+def deepseek_mtp(source: Path, destination: Path) -> Path:
+    """`source` with the MTP layer the released DeepSeek-V3 stores after its decoder layers: a decoder layer (here
+    the last one's tensors, perturbed), enorm, hnorm, eh_proj, shared_head.norm, and copies of the embedding and
+    the output head."""
+    shutil.copytree(source, destination)
+    tensors = read_all(destination)
+    layers = json.loads((destination / "config.json").read_text())["num_hidden_layers"]
+    rng = np.random.default_rng(5)
+    prefix = f"model.layers.{layers - 1}."
+    mtp = {f"model.layers.{layers}.{name[len(prefix):]}": value + rng.normal(0, 0.1, value.shape).astype(value.dtype)
+           for name, value in tensors.items() if name.startswith(prefix)}
+    emb = tensors["model.embed_tokens.weight"].shape[1]
+    mtp.update({f"model.layers.{layers}.{name}": rng.normal(1, 0.2, (emb,)).astype(np.float32)
+                for name in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight")})
+    mtp[f"model.layers.{layers}.eh_proj.weight"] = rng.normal(0, 0.1, (emb, 2 * emb)).astype(np.float32)
+    mtp[f"model.layers.{layers}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
+    mtp[f"model.layers.{layers}.shared_head.head.weight"] = tensors["lm_head.weight"]
+    (destination / "model.safetensors").unlink()
+    write_safetensors(destination, [(name, value.nbytes) for name, value in {**tensors, **mtp}.items()],
+                      {**tensors, **mtp}.__getitem__, 2**30)
+    return destination
+
+
+def test_deepseek_v3_round_trip_is_bitwise_with_and_without_the_mtp_layer(deepseek, tmp_path):
+    """HF -> maxpar -> HF gives back every tensor; the MTP layer, when the safetensors hold one, lands in maxpar's
+    MTP module (eh_proj is its [embedding; hidden] projection) and comes back too, less the copies of the
+    embedding and the head, which maxpar shares with the model."""
+    hf_dir, converted = deepseek
+    with_mtp = deepseek_mtp(hf_dir, tmp_path / "hf_mtp")
+    assert main(["from_hf", "--hf_path", str(with_mtp), "--out", str(tmp_path / "mtp")]) == 0
+    assert "mtp_num_layers=1" in overrides_of(tmp_path / "mtp")
+    for source, checkpoint_dir in ((hf_dir, converted), (with_mtp, tmp_path / "mtp")):
+        back = tmp_path / f"back_{checkpoint_dir.name}"
+        assert main(["to_hf", "--checkpoint", str(checkpoint_dir), "--out", str(back), "--hf_template",
+                     str(source)]) == 0
+        original, ours = read_all(source), read_all(back)
+        copies = {name for name in original
+                  if re.fullmatch(r"model\.layers\.3\.(embed_tokens|shared_head\.head)\.weight", name)}
+        assert sorted(ours) == sorted(set(original) - copies)
+        for tensor_name, value in ours.items():
+            assert np.array_equal(value, original[tensor_name]), tensor_name
+        config = json.loads((back / "config.json").read_text())
+        original_config = json.loads((source / "config.json").read_text())
+        assert {key: config.get(key) for key in original_config} == original_config
+    config = load_config([str(BASE), *overrides_of(tmp_path / "mtp"), "dtype=float32"])
+    layout, mesh = layout_on(config, jax.devices()[:1], optax.identity())
+    target = checkpoint.Target(config, layout.state.abstract, layout.state_shardings(mesh), 0)
+    params = checkpoint.load_parameters(config.load_parameters_path, target)
+    np.testing.assert_array_equal(params["mtp"]["module_1"]["projection"]["kernel"],
+                                  read_all(with_mtp)["model.layers.3.eh_proj.weight"].T)
+
+
+def test_deepseek_v3_preset_is_what_its_config_json_converts_to():
+    """The released config.json's values (transformers' DeepseekV3Config defaults; yarn as released) give the
+    deepseek-v3 preset's model."""
+    released = {**DeepseekV3Config().to_dict(), "architectures": ["DeepseekV3ForCausalLM"], "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}, "max_position_embeddings": 163840}
+    derived = model_keys(released, ARCHITECTURES["DeepseekV3ForCausalLM"])
+    config = resolve_config(derived, ["model_name=deepseek-v3"], BASE)
+    assert derived["mtp_num_layers"] == 1 and derived["first_num_dense_layers"] == 3
+    assert training_overrides(config, BASE) == ["model_name=deepseek-v3"]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"topk_method": "greedy"}, "topk_method='greedy'"),
+    ({"scoring_func": "softmax"}, "scoring_func='softmax'"),
+    ({"n_group": 3}, "n_group=3 does not divide n_routed_experts=256"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "RoPE scaling 'longrope'"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                          "original_max_position_embeddings": 64, "truncate": False}}, "truncate=false"),
+])
+def test_deepseek_v3_features_maxpar_cannot_compute_are_refused(change, message):
+    with pytest.raises(ConversionError, match=message):
+        model_keys({**DeepseekV3Config().to_dict(), **change}, ARCHITECTURES["DeepseekV3ForCausalLM"])

@@ -1,5 +1,6 @@
 """Multi-process training on one machine: the environment contract, the hierarchical mesh, loss
-equivalence with one process, per-process data reads and checkpoints across process counts.
+equivalence with one process, per-process data reads, checkpoints across process counts, and the fallback from a
+checkpoint that only one process finds damaged.
 
 The multi-process part is one 2-process job (`launch.local`) whose processes run this file as their
 module (`python -m tests.test_distributed SPEC.json`, see `worker`): they train through
@@ -219,7 +220,7 @@ def job(tmp_path_factory):
 
     reports = {(name, rank): json.loads((root / f"{name}.rank{rank}.json").read_text())
                for name in ("two", "two_resumed") for rank in range(2)}
-    return SimpleNamespace(root=root, one=one, reads_one=reads_one, reports=reports, output=launched.stdout,
+    return SimpleNamespace(root=root, one=one, two=two, reads_one=reads_one, reports=reports, output=launched.stdout,
                            seconds=seconds)
 
 
@@ -286,6 +287,33 @@ def test_checkpoints_restore_across_process_counts(job):
     one_to_two = _losses(job.root / "two_resumed")
     assert list(one_to_two) == [3, 4]
     np.testing.assert_allclose([one_to_two[s] for s in (3, 4)], [one[s] for s in (3, 4)], rtol=1e-5, atol=0)
+
+
+def test_a_checkpoint_damaged_on_one_process_falls_back_on_every_process(job, tmp_path):
+    """Only process 1 finds the newest step damaged (its data position file is gone) while process 0 reads all of
+    it: both must agree, set it aside and resume from the older step, as an undamaged resume from it does. Were
+    process 0 to enter Orbax's restore (which ends in a barrier) before they agree, it would wait there while
+    process 1 waits in the agreement: Gloo fails or the job hangs."""
+    shutil.copytree(job.root / "two" / "checkpoints", tmp_path / "damaged" / "checkpoints")
+    (tmp_path / "damaged" / "checkpoints" / "4" / "data" / "process_1-of-2.json").unlink()
+    spec = {"report_dir": str(tmp_path), "runs": [
+        {"name": "damaged", "argv": [*job.two, f"base_output_directory={tmp_path}", "run_name=damaged"]}]}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    launched = subprocess.run(
+        [sys.executable, "-m", "launch.local", "--num_processes", "2", "--devices_per_process", "4", "--grace_s", "2",
+         "--module", "tests.test_distributed", "--timeout_s", "150", "--", str(tmp_path / "spec.json")],
+        cwd=REPO, capture_output=True, text=True, timeout=200)
+    output = launched.stdout + launched.stderr
+    assert launched.returncode == 0, output[-6000:]
+    warnings = [line for line in output.splitlines() if "is unusable" in line]
+    assert len(warnings) == 1 and "checkpoint step 4" in warnings[0], output[-6000:]  # printed by process 0 ...
+    assert "(on process 1: ValueError: data iterator state: " in warnings[0], warnings  # ... naming what 1 found
+    assert "falling back to step 2" in warnings[0]
+    steps = sorted(p.name for p in (tmp_path / "damaged" / "checkpoints").iterdir() if p.name[0].isdigit())
+    assert steps == ["2", "4", "4.unusable"]
+    resumed, undamaged = _losses(tmp_path / "damaged"), _losses(job.root / "one_resumed")
+    assert list(resumed) == [3, 4]
+    np.testing.assert_allclose([resumed[s] for s in (3, 4)], [undamaged[s] for s in (3, 4)], rtol=1e-5, atol=0)
 
 
 def test_the_command_a_two_process_run_prints_samples_in_one_process(job):

@@ -1,5 +1,6 @@
 """maxpar.generate: KV-cache decoding of converted transformers models (a GQA Llama, a Mistral whose sliding
-window is shorter than the prompts, a Mixtral, a Llama with llama3 RoPE scaling, a Qwen3 and a Qwen3-MoE) gives transformers' greedy
+window is shorter than the prompts, a Mixtral, a Llama with llama3 RoPE scaling, a Qwen3, a Qwen3-MoE and a
+DeepSeek-V3) gives transformers' greedy
 tokens on one device and FSDP(4)xTP(2); 1 or 3 prompts on meshes of 2 and 4 batch shards (FSDP, EP, EP x DP with
 capacity) give the one-device tokens; the cache path's logits equal re-running the whole prefix; top_p=0 keeps the
 most likely token; bad requests exit 2; the command a training run's summary prints samples from it."""
@@ -18,7 +19,8 @@ import pytest
 import torch
 
 from helpers import REPO, tiny_config, train_command
-from test_convert import BASE, MESHES, hf_model, llama3_scaled, main as convert_main, overrides_of, save_hf_model
+from test_convert import (BASE, MESHES, deepseek, hf_model, llama3_scaled, main as convert_main, overrides_of,
+                          save_hf_model)
 import maxpar.generate
 from maxpar.core.config import load_config, to_yaml
 from maxpar.core.mesh import resolve_mesh_shape
@@ -63,7 +65,16 @@ def config_for(converted, *overrides):
 @pytest.mark.parametrize("mesh", ["one", "fsdp4_tp2"])
 @pytest.mark.parametrize("name", ["llama", "mistral", "mixtral", "llama3_scaled", "qwen3", "qwen3_moe"])
 def test_greedy_tokens_equal_transformers_generate(name, mesh, models):
-    hf_dir, converted = models[name]
+    assert_greedy_tokens_equal_transformers(*models[name], mesh)
+
+
+@pytest.mark.parametrize("mesh", ["one", "fsdp4_tp2"])
+def test_deepseek_v3_greedy_tokens_equal_transformers_generate(mesh, deepseek):
+    """MLA decoding from its latent cache, sigmoid group-limited routing, the dense prefix; MTP plays no part."""
+    assert_greedy_tokens_equal_transformers(*deepseek, mesh)
+
+
+def assert_greedy_tokens_equal_transformers(hf_dir, converted, mesh):
     count, overrides = MESHES[mesh]
     config = config_for(converted, *overrides)
     apply, params = load_model(config, jax.devices()[:count])

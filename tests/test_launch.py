@@ -94,6 +94,9 @@ def test_only_gloos_all_connected_lines_are_dropped_unless_log_level_is_debug():
     # Gloo's threads print at once: pieces of two messages on one line, the rest of one on the next.
     assert local.is_gloo_all_connected(f"[Gloo] Rank 0 is connected to {connected}")
     assert local.is_gloo_all_connected("7 peer ranks. Expected number of connected peer ranks is : 7")
+    assert local.is_gloo_all_connected("[Gloo] Rank 54[Gloo] Rank 7 is connected to  is connected to 77 peer ranks.  "
+                                       "peer ranks. Expected number of connected peer ranks is : 7 peer ranks. "
+                                       "Expected number of connected peer ranks is : ")  # ends mid-message
     assert not local.shows_library_logs([BASE])
     assert local.shows_library_logs([BASE, "log_level=debug"])
     assert not local.shows_library_logs(["spec.json"])  # not a config: another --module's arguments

@@ -15,8 +15,9 @@ from helpers import tiny_config
 from maxpar.core.config import ConfigError, model_config
 from maxpar.io.metrics import matmul_params, parameter_counts
 from maxpar.model import Transformer
-from maxpar.model.moe import MOE_STATS, MoeBlock, moe_totals
+from maxpar.model.moe import MOE_STATS, MoeBlock, moe_totals, routed_counts, routing_bias_update
 from maxpar.model.routing import Routing, capacity_slots, expert_capacity, load_balance_loss, route
+from maxpar.training.optimizer import decay_mask, make_optimizer
 
 BLOCK = ["emb_dim=16", "mlp_dim=24", "num_experts=4", "num_experts_per_tok=2"]
 
@@ -173,10 +174,127 @@ def test_moe_layers_interleave_and_count_active_parameters():
 
 @pytest.mark.parametrize("overrides, message", [
     (["num_experts=4", "num_experts_per_tok=5"], "num_experts_per_tok=5 > num_experts=4"),
-    (["num_experts=4", "moe_layer_interval=3"], "moe_layer_interval=3 does not divide num_decoder_layers=2"),
+    (["num_experts=4", "moe_layer_interval=3"], r"moe_layer_interval=3 does not divide the 2 layers \(num_decoder_layers=2\)"),
     (["num_experts=0"], "num_experts=0: must be >= 1"),
     (["capacity_factor=-1"], "capacity_factor=-1.0: must be >= 0"),
 ])
 def test_invalid_moe_configs_fail_at_config_time(overrides, message):
     with pytest.raises(ConfigError, match=message):
         tiny_config(*overrides)
+
+
+# ---------------------------------------------------------------- DeepSeek-V3 routing: sigmoid, bias, groups, shared
+
+def numpy_deepseek_routing(logits, bias, k, groups, keep, scaling):
+    """DeepSeek-V3's router per token in plain numpy loops: sigmoid scores; the biased scores pick the groups (by
+    the sum of each group's two best) and, within the kept groups, the experts; the unbiased scores of those,
+    normalized to sum to 1 and scaled, are the weights. {expert: weight} per token."""
+    scores = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
+    out = []
+    for row in scores.reshape(-1, scores.shape[-1]):
+        biased = row + bias
+        per_group = len(row) // groups
+        group_score = [sum(sorted(biased[g * per_group:(g + 1) * per_group])[-2:]) for g in range(groups)]
+        kept = sorted(range(groups), key=lambda g: -group_score[g])[:keep]
+        candidates = [e for e in range(len(row)) if e // per_group in kept]
+        chosen = sorted(candidates, key=lambda e: -biased[e])[:k]
+        total = sum(row[e] for e in chosen)
+        out.append({e: scaling * row[e] / total for e in chosen})
+    return out
+
+
+def test_deepseek_routing_matches_a_numpy_reference():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(3, 5, 16)).astype(np.float32)
+    bias = rng.normal(scale=0.3, size=16).astype(np.float32)
+    routing = route(jnp.asarray(logits), 3, score_func="sigmoid", bias=jnp.asarray(bias), scaling=2.5, groups=4,
+                    topk_groups=2)
+    want = numpy_deepseek_routing(logits, bias, k=3, groups=4, keep=2, scaling=2.5)
+    got = [dict(zip(e.tolist(), w.tolist())) for e, w in zip(np.asarray(routing.experts).reshape(-1, 3),
+                                                              np.asarray(routing.weights).reshape(-1, 3))]
+    assert [sorted(g) for g in got] == [sorted(w) for w in want]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose([g[e] for e in sorted(w)], [w[e] for e in sorted(w)], rtol=1e-6)
+    # The bias moves the choice (some token picks differently without it) but never the weights' values.
+    plain = route(jnp.asarray(logits), 3, score_func="sigmoid", scaling=2.5, groups=4, topk_groups=2)
+    assert not np.array_equal(np.sort(plain.experts, -1), np.sort(routing.experts, -1))
+    # What the balance loss reads: the sigmoid scores normalized over the experts.
+    scores = 1 / (1 + np.exp(-logits))
+    np.testing.assert_allclose(routing.probs, scores / scores.sum(-1, keepdims=True), rtol=1e-6)
+
+
+def test_softmax_routing_with_scaling_and_no_renormalization():
+    logits = jax.random.normal(jax.random.key(3), (4, 8))
+    routing = route(logits, 2, renormalize=False, scaling=2.0)
+    probs = np.asarray(jax.nn.softmax(logits, -1))
+    np.testing.assert_allclose(routing.weights, 2.0 * np.sort(probs, -1)[:, ::-1][:, :2], rtol=1e-6)
+
+
+DEEPSEEK_BLOCK = ["routed_score_func=sigmoid", "routed_bias=true", "num_shared_experts=2", "moe_mlp_dim=8",
+                  "n_routing_groups=2", "topk_routing_group=1", "routed_scaling_factor=1.5"]
+
+
+def test_deepseek_block_equals_a_loop_over_experts_plus_shared_and_gives_the_bias_no_gradient():
+    config, block, params, x, valid = block_and_params(*DEEPSEEK_BLOCK)
+    assert params["wi_gate"].shape == (4, 16, 8) and params["shared_experts"]["wi_gate"].shape == (16, 16)
+    params = {**params, "routing_bias": jnp.asarray([0.3, -0.2, 0.0, 0.1])}
+
+    def reference(p):
+        p, xs = jax.tree.map(np.asarray, p), np.asarray(x, np.float64)
+        silu = lambda v: v / (1 + np.exp(-v))  # noqa: E731
+        logits = xs @ p["router"]
+        routes = numpy_deepseek_routing(logits, p["routing_bias"], k=2, groups=2, keep=1, scaling=1.5)
+        y = np.zeros_like(xs)
+        for token, chosen in zip(np.ndindex(*xs.shape[:2]), routes):
+            for e, weight in chosen.items():
+                y[token] += weight * (silu(xs[token] @ p["wi_gate"][e]) * (xs[token] @ p["wi_up"][e])) @ p["wo"][e]
+        s = p["shared_experts"]
+        return y + (silu(xs @ s["wi_gate"]) * (xs @ s["wi_up"])) @ s["wo"]
+
+    apply = jax.jit(lambda p: block.apply({"params": p}, x, valid))
+    np.testing.assert_allclose(apply(params), reference(params), rtol=1e-4, atol=1e-5)
+    grads = jax.jit(jax.grad(lambda p: jnp.sum(apply(p) ** 2)))(params)
+    assert np.all(np.asarray(grads["routing_bias"]) == 0) and np.any(np.asarray(grads["router"]) != 0)
+    assert np.any(np.asarray(grads["shared_experts"]["wo"]) != 0)
+
+
+def test_routing_bias_update_is_rate_times_the_sign_of_the_imbalance_per_layer():
+    bias = {"decoder": {"layers": {"moe": {"routing_bias": jnp.zeros((2, 4)), "router": jnp.ones((2, 3, 4))}},
+                        "layers_0": {"moe": {"routing_bias": jnp.full((4,), 0.5)}}}}
+    stats = {"decoder": {"layers": {"moe": {"expert_routed": (jnp.asarray([[4.0, 0, 2, 2], [1, 1, 1, 5]]),),
+                                            "dropped": (jnp.zeros(2),)}},
+                         "layers_0": {"moe": {"expert_routed": (jnp.asarray([3.0, 3, 3, 3]),)}}}}
+    new = routing_bias_update(bias, routed_counts(stats), 0.1)
+    np.testing.assert_array_equal(new["decoder"]["layers"]["moe"]["routing_bias"],
+                                  np.float32([[-0.1, 0.1, 0, 0], [0.1, 0.1, 0.1, -0.1]]))
+    np.testing.assert_array_equal(new["decoder"]["layers_0"]["moe"]["routing_bias"], np.full(4, 0.5, np.float32))
+    assert new["decoder"]["layers"]["moe"]["router"] is bias["decoder"]["layers"]["moe"]["router"]
+    with pytest.raises(ValueError, match="no routed counts"):
+        routing_bias_update(bias, {}, 0.1)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["n_routing_groups=3"], "n_routing_groups=3 with num_experts=4: the groups must split the experts evenly"),
+    (["n_routing_groups=4"], "at least 2 per group"),
+    (["n_routing_groups=2", "topk_routing_group=3"], "topk_routing_group=3 with n_routing_groups=2: allowed 1 to 2"),
+    (["num_experts=8", "num_experts_per_tok=3", "n_routing_groups=4", "topk_routing_group=1"],
+     "num_experts_per_tok=3 with topk_routing_group=1 of n_routing_groups=4: the kept groups hold only 2"),
+    (["routed_score_func=relu"], "routed_score_func"),
+])
+def test_invalid_routing_configs_fail_at_config_time(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        tiny_config("num_experts=4", "num_experts_per_tok=2", *overrides)
+
+
+def test_optimizer_leaves_the_routing_bias_alone():
+    config = tiny_config("num_experts=4", "num_experts_per_tok=2", "routed_bias=true", "adam_weight_decay=0.1",
+                         "warmup_steps=0", "gradient_clipping_threshold=1.0")
+    tx = make_optimizer(config)
+    params = {"decoder": {"layers": {"moe": {"routing_bias": jnp.full((2, 4), 0.5), "router": jnp.ones((2, 3, 4))}}}}
+    state = tx.init(params)
+    grads = jax.tree.map(jnp.ones_like, params)
+    updates, _ = tx.update(grads, state, params)
+    moe = updates["decoder"]["layers"]["moe"]
+    assert np.all(np.asarray(moe["routing_bias"]) == 0) and np.all(np.asarray(moe["router"]) < 0)
+    moe_decay = decay_mask(params)["decoder"]["layers"]["moe"]
+    assert moe_decay == {"routing_bias": False, "router": True}   # no weight decay on the bias either

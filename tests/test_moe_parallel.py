@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 
 from helpers import read_metrics, tiny_config, write_corpus
-from maxpar.core.config import ConfigError
+from maxpar.core.config import ConfigError, model_config
 from maxpar.io import checkpoint
 from maxpar.model import stack
 from maxpar.model.moe import MOE_STATS
 from maxpar.plan import hlo
 from maxpar.plan.__main__ import run as plan_run
 from maxpar.train import setup_run, train
-from maxpar.training.train_step import create_state, objective
+from maxpar.training.train_step import create_state, jit_train_step, objective
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 BASE = str(Path(__file__).resolve().parents[1] / "configs" / "base.yml")
@@ -176,7 +176,7 @@ def test_interleaved_moe_layers_have_one_on_disk_layout_scanned_or_unrolled():
     assert layers["sublayer_1"]["moe"]["wi_gate"].shape == (2, 8, 64, 128)   # 2 blocks of (dense, MoE)
     # Restoring unstacks the 2 blocks (not 4 layers) into layers_0, layers_1.
     stacked = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), scanned.on_disk("params"))
-    unstacked = stack.from_canonical(stacked, unrolled.config)
+    unstacked = stack.from_canonical(stacked, model_config(unrolled.config))
     assert set(unstacked["decoder"]) == set(unrolled.abstract_state.params["decoder"]) == {"layers_0", "layers_1"}
 
 
@@ -206,3 +206,71 @@ def test_plan_verify_passes_for_expert_parallelism_and_counts_active_parameters(
     assert buckets[("fsdp", "reduce-scatter")]["status"] == "ok"    # the experts' gradients, as written
     params = result["params"]
     assert params["total"] - params["active"] == 2 * 3 * 6 * 64 * 128  # 6 of 8 experts idle, 2 layers, 3 weights
+
+
+# ---------------------------------------------------------------- DeepSeek-V3-style MoE: sigmoid, bias, groups, shared
+
+DEEPSEEK = ["routed_score_func=sigmoid", "routed_bias=true", "routed_bias_update_rate=0.01", "n_routing_groups=4",
+            "topk_routing_group=2", "num_shared_experts=1", "moe_mlp_dim=48", "routed_scaling_factor=2.5"]
+DEEPSEEK_MESHES = {
+    "ep2_fsdp2_tp2": MESHES["ep2_fsdp2_tp2"],
+    "pp2_ep2_fsdp2": (8, ["ici_stage_parallelism=2", "ici_expert_parallelism=2", "ici_fsdp_parallelism=2",
+                          "pipeline_schedule=gpipe", "num_pipeline_microbatches=2", "per_device_batch_size=1"]),
+}
+
+
+def deepseek_steps(mesh, steps: int = 3):
+    """(losses, canonical parameters after `steps` train steps on one batch) of the DeepSeek-style tiny MoE."""
+    devices, overrides = mesh
+    config = tiny_config(*MOE, *DEEPSEEK, *overrides)
+    run = setup_run(config, jax.devices()[:devices])
+    state = create_state(run.model, run.tx, run.layout, run.mesh)
+    step = jit_train_step(run.model, run.tx, run.layout, run.mesh)
+    batch = jax.device_put(make_batch(config), run.in_sharding)
+    losses = []
+    for _ in range(steps):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return losses, stack.to_canonical(jax.device_get(state.params), model_config(config))
+
+
+@pytest.fixture(scope="module")
+def deepseek_one_device():
+    return deepseek_steps(ONE)
+
+
+@pytest.mark.parametrize("name", list(DEEPSEEK_MESHES))
+def test_deepseek_moe_with_bias_updates_trains_equal_to_one_device(name, deepseek_one_device):
+    want_losses, want = deepseek_one_device
+    losses, got = deepseek_steps(DEEPSEEK_MESHES[name])
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    bias = want["decoder"]["layers"]["moe"]["routing_bias"]
+    # Three updates of +-0.01 (or 0) each from zero, identical choices on every mesh: the same biases.
+    steps = np.round(bias / 0.01)
+    assert np.all(np.abs(steps) <= 3) and np.any(steps != 0)
+    np.testing.assert_allclose(bias, steps * 0.01, atol=1e-7)
+    np.testing.assert_array_equal(got["decoder"]["layers"]["moe"]["routing_bias"], bias)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5 * max(np.abs(b).max(), 1e-3)), got, want)
+
+
+def test_routing_bias_resumes_bitwise(tmp_path, corpus):
+    def final_bias(run_dir):
+        config = tiny_config("model_name=tiny-moe", *DEEPSEEK, "dataset_type=text", f"dataset_path={corpus}",
+                             "eval_fraction=0", *ONE[1])
+        run = setup_run(config, jax.devices()[:1])
+        manager = checkpoint.make_manager(run_dir, config)
+        try:
+            state = checkpoint.resume_step(manager, 4, run.restore_target(), iter(run.train_data))
+        finally:
+            manager.close()
+        return np.asarray(state.params["decoder"]["layers"]["moe"]["routing_bias"])
+
+    saved, resumed = tmp_path / "saved", tmp_path / "resumed"
+    rows = train_losses(saved, corpus, ONE, *DEEPSEEK, "enable_checkpointing=true", "checkpoint_period=2",
+                        "max_checkpoints_to_keep=0")
+    shutil.copytree(saved / "checkpoints" / "2", resumed / "checkpoints" / "2")
+    resumed_rows = train_losses(resumed, corpus, ONE, *DEEPSEEK, "enable_checkpointing=true", "checkpoint_period=2")
+    assert [r["loss"] for r in resumed_rows] == [r["loss"] for r in rows[2:]]
+    bias = final_bias(saved)
+    assert np.any(bias != 0)
+    np.testing.assert_array_equal(final_bias(resumed), bias)

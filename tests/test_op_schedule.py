@@ -1,4 +1,4 @@
-"""The op tables of schedules with an explicit backward (gPipe, 1F1B) on their own: no JAX."""
+"""The op tables of schedules with an explicit backward (gPipe, 1F1B, zero-bubble ZB-H1) on their own: no JAX."""
 
 from __future__ import annotations
 
@@ -6,20 +6,23 @@ import itertools
 
 import pytest
 
-from maxpar.core.op_schedule import B, F, Op, OpSchedule, check, stage_order
+from maxpar.core.op_schedule import B, F, KINDS, W, Op, OpSchedule, check, stage_order
 from maxpar.core.schedule import pipeline_bubble
 
 SIZES = [(s, m) for s, m in itertools.product((1, 2, 3, 4, 8), (1, 2, 4, 8, 16))]
 
 
-@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("stages,microbatches", SIZES)
 def test_every_op_runs_once_after_what_it_depends_on(kind, stages, microbatches):
     schedule = OpSchedule(kind, stages, microbatches)
     check(schedule)
     tick = {(op.kind, op.microbatch, op.stage): op.tick for op in schedule.ops()}
+    assert len(tick) == (3 if kind == "zero_bubble" else 2) * stages * microbatches
     for m, s in itertools.product(range(microbatches), range(stages)):  # the rules, spelled out once more
         assert tick[(B, m, s)] > tick[(F, m, s)]
+        if kind == "zero_bubble":
+            assert tick[(W, m, s)] > tick[(B, m, s)]
         if s:
             assert tick[(F, m, s)] >= tick[(F, m, s - 1)] + 1
         if s < stages - 1:
@@ -40,6 +43,31 @@ def test_1f1b_keeps_at_most_s_minus_stage_microbatches_in_flight(stages, microba
     assert OpSchedule("1f1b", stages, microbatches).peak_in_flight() == [
         min(stages - s, microbatches) for s in range(stages)]
     assert OpSchedule("gpipe", stages, microbatches).peak_in_flight() == [microbatches] * stages
+
+
+@pytest.mark.parametrize("stages,microbatches", SIZES)
+def test_zero_bubble_has_a_third_of_1f1bs_bubble_at_1f1bs_peak_memory(stages, microbatches):
+    """ZB-H1 (one tick per F, B, W): S - 1 idle ticks per stage of 3 M + S - 1 when M >= S, against 1F1B's
+    3 (S - 1) of 3 (M + S - 1) (its B is the unsplit backward: two of these ticks); never more stage inputs held
+    than 1F1B's first stage."""
+    zb = OpSchedule("zero_bubble", stages, microbatches)
+    one_f_one_b = pipeline_bubble(stages, microbatches)
+    if microbatches >= stages:
+        assert zb.num_ticks == 3 * microbatches + stages - 1
+        assert zb.bubble == pytest.approx((stages - 1) / (3 * microbatches + stages - 1))
+        assert zb.bubble <= one_f_one_b / 2 or stages == 1
+    assert zb.bubble < one_f_one_b or stages == 1
+    assert max(zb.peak_in_flight()) == max(OpSchedule("1f1b", stages, microbatches).peak_in_flight())
+
+
+def test_zero_bubble_defers_stage_ss_weight_gradients_by_s_into_the_cool_down():
+    assert stage_order("zero_bubble", 0, 2, 3) == [(F, 0), (F, 1), (B, 0), (W, 0), (F, 2), (B, 1), (B, 2), (W, 1),
+                                                   (W, 2)]
+    assert stage_order("zero_bubble", 1, 2, 3) == [(F, 0), (B, 0), (F, 1), (B, 1), (W, 0), (F, 2), (B, 2), (W, 1),
+                                                   (W, 2)]
+    text = OpSchedule("zero_bubble", 2, 3).render().splitlines()
+    assert text[0] == "zero_bubble: S=2 stages, M=3 microbatches, 10 ticks, bubble 10.0%"
+    assert text[-3:] == ["t   7 | W1 B2", "t   8 | B2 W1", "t   9 | W2 W2"]  # stage 0's W1 fills the wait for B2
 
 
 def test_1f1b_stage_orders_warm_up_then_alternate():
@@ -90,5 +118,5 @@ def test_check_rejects_a_table_out_of_dependency_order_or_with_a_missing_op():
 
 
 def test_unknown_schedule_is_refused():
-    with pytest.raises(ValueError, match="valid: gpipe, 1f1b"):
-        OpSchedule("zero_bubble", 2, 2)
+    with pytest.raises(ValueError, match="valid: gpipe, 1f1b, zero_bubble"):
+        OpSchedule("interleaved_1f1b", 2, 2)

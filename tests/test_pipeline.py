@@ -28,7 +28,7 @@ from maxpar.core.config import model_config
 from maxpar.model import stack
 from maxpar.model import Transformer
 from maxpar.model.matmul import PROJECTION
-from maxpar.model.transformer import DecoderLayer, _rematerialized
+from maxpar.model.transformer import DecoderLayer, rematerialized
 from maxpar.plan import hlo
 from maxpar.train import setup_run
 
@@ -103,12 +103,13 @@ def outcomes(reference):
                                  f"num_pipeline_repeats={repeats}", *mesh)
             run = setup_run(config, jax.devices())
             assert run.pipeline is not None and run.pipeline.num_microbatches == micro
-            placed = jax.device_put(stack.from_canonical(params, config), run.state_shardings.params)
+            placed = jax.device_put(stack.from_canonical(params, model_config(config)), run.state_shardings.params)
             batch = jax.device_put(make_batch(), run.in_sharding)
             step = jax.jit(logits_and_grads(run.model))
             compiled = step.lower(placed, batch).compile()
             logits, grads = compiled(placed, batch)
-            cache[name] = Outcome(np.asarray(logits), jax.device_get(stack.to_canonical(grads, config)),
+            canonical = stack.to_canonical(grads, model_config(config))
+            cache[name] = Outcome(np.asarray(logits), jax.device_get(canonical),
                                   compiled.as_text(), dict(run.mesh.shape), run.pipeline.num_iterations)
         return cache[name]
     return get
@@ -174,7 +175,7 @@ def test_circular_layout_initializes_the_canonical_weights(reference):
     init = jax.jit(Transformer(model_config(config)).init)
     circular = nn.unbox(init(jax.random.key(0), tokens, tokens, tokens)["params"])
     assert circular["decoder"]["layers"]["mlp"]["wo"].shape == (2, LAYERS // 2, 128, 64)
-    jax.tree.map(np.testing.assert_array_equal, jax.device_get(stack.to_canonical(circular, config)),
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(stack.to_canonical(circular, model_config(config))),
                  jax.device_get(params))
 
 
@@ -182,7 +183,7 @@ def test_minimal_remat_saves_the_projections_under_the_stage_vmap():
     """remat_policy=minimal saves the layer's weight projections, also under the pipeline's vmap over
     stages (which gives every matmul a batch dimension, so a dimension-based policy would save none)."""
     config = tiny_config("remat_policy=minimal", "dtype=bfloat16")
-    layer = _rematerialized(config, DecoderLayer)(config)
+    layer = rematerialized(config, DecoderLayer)(config)
     x = jnp.ones((2, LENGTH, 64), jnp.bfloat16)
     ids = jnp.ones((2, LENGTH), jnp.int32)
     params = layer.init(jax.random.key(0), x, ids, ids)["params"]

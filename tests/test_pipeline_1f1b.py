@@ -1,9 +1,11 @@
-"""pipeline_schedule=1f1b: the explicit-backward executor gives the unpipelined model's gradients and training.
+"""pipeline_schedule=1f1b and zero_bubble: the explicit-backward executor gives the unpipelined model's gradients
+and training.
 
-Gradient level: every parameter's gradient of the summed cross-entropy, by the 1F1B executor on 8 simulated
-devices (stages x data), equals jax.grad of the one-device unpipelined model (float32). Training level: 5 steps
-have the one-device run's per-step losses and gradient norms (rtol 1e-5), S in {2, 4}, M in {4, 8}, and with
-gradient accumulation.
+Gradient level: every parameter's gradient of the summed cross-entropy, by the executor on 8 simulated devices
+(stages x data), equals jax.grad of the one-device unpipelined model (float32), (S, M) = (2, 4), (4, 8). Training
+level: 3 steps under gradient accumulation have the one-device run's per-step losses and gradient norms (rtol
+1e-5), one run per schedule (1F1B at S=4, zero-bubble at S=2), so the optimizer, the accumulation loop and the run
+header see both schedules and both S. Three training runs in all.
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ from maxpar.model import Transformer
 from maxpar.model.staged import staged_grads
 from maxpar.plan.hardware import load_hardware
 from maxpar.plan.predict import Target, make_plan
-from maxpar.pipeline.one_f_one_b import BACKWARD, FORWARD, FORWARD_HEAD, IDLE, program
+from maxpar.pipeline.one_f_one_b import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHTS, FORWARD, FORWARD_HEAD, IDLE,
+                                         program)
 from maxpar.train import setup_run, train
 from maxpar.training.summary import unstaged_keys
 from maxpar.training.train_step import BATCH_KEYS, train_step
 
-LAYERS, ROWS, LENGTH = 8, 16, 32
+KINDS = ("1f1b", "zero_bubble")  # the schedules maxpar.pipeline.one_f_one_b runs
+LAYERS, ROWS, LENGTH = 4, 16, 32  # 1 layer per stage at S = 4: the least that compiles
 BASE = ("dataset_type=synthetic", f"num_decoder_layers={LAYERS}", "per_device_batch_size=2")
 
 
@@ -40,16 +44,19 @@ def stages_and_data(stages: int, microbatches: int, *more: str) -> tuple[str, ..
             f"num_pipeline_microbatches={microbatches}", "pipeline_schedule=1f1b", *more)
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("stages,microbatches", [(2, 4), (4, 8), (4, 16), (3, 5)])
-def test_program_branches_follow_the_table_and_stores_hold_at_most_s_microbatches(stages, microbatches):
-    schedule = OpSchedule("1f1b", stages, microbatches)
+def test_program_branches_follow_the_table_and_stores_hold_at_most_s_microbatches(kind, stages, microbatches):
+    schedule = OpSchedule(kind, stages, microbatches)
     prog = program(schedule)
+    ops = {"F": {FORWARD, FORWARD_HEAD}, "B": {BACKWARD if kind == "1f1b" else BACKWARD_INPUT},
+           "W": {BACKWARD_WEIGHTS}}
     assert prog.branch.shape == (schedule.num_ticks, stages)
-    assert (prog.branch == IDLE).sum() == schedule.num_ticks * stages - 2 * stages * microbatches
-    assert set(prog.branch[:, -1]) <= {IDLE, FORWARD_HEAD, BACKWARD} and FORWARD_HEAD not in prog.branch[:, :-1]
+    assert (prog.branch == IDLE).sum() == schedule.num_ticks * stages - len(schedule.ops())
+    assert FORWARD_HEAD in prog.branch[:, -1] and FORWARD_HEAD not in prog.branch[:, :-1]
     for op in schedule.ops():
         assert prog.microbatch[op.tick, op.stage] == op.microbatch
-        assert (prog.branch[op.tick, op.stage] == BACKWARD) == (op.kind == "B")
+        assert prog.branch[op.tick, op.stage] in ops[op.kind]
     assert prog.act_slots <= stages and prog.cot_slots <= stages  # 1F1B's memory bound: S, not M
     assert FORWARD in prog.branch or stages == 1
 
@@ -84,12 +91,13 @@ def reference():
     return params, float(value), jax.device_get(grads)
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("stages,microbatches", [(2, 4), (4, 8)])
-def test_1f1b_gradients_equal_the_unpipelined_model(stages, microbatches, reference):
+def test_gradients_equal_the_unpipelined_model(kind, stages, microbatches, reference):
     params, want_loss, want = reference
-    config = tiny_config(*BASE, *stages_and_data(stages, microbatches))
+    config = tiny_config(*BASE, *stages_and_data(stages, microbatches, f"pipeline_schedule={kind}"))
     run = setup_run(config, jax.devices())
-    schedule = OpSchedule("1f1b", stages, microbatches)
+    schedule = OpSchedule(kind, stages, microbatches)
     step = jax.jit(lambda p, b: staged_grads(model_config(config), run.model.layout, schedule, p, b, summed_loss))
     sums, got = step(jax.device_put(params, run.state_shardings.params), jax.device_put(make_batch(), run.in_sharding))
     np.testing.assert_allclose(float(sums["loss_sum"]), want_loss, rtol=1e-6)
@@ -104,10 +112,11 @@ def test_1f1b_gradients_equal_the_unpipelined_model(stages, microbatches, refere
 
 # ---------------------------------------------------------------- training
 
-STEPS = 5
-RUNS = {f"s{s}_m{m}": stages_and_data(s, m) for s, m in [(2, 4), (2, 8), (4, 4), (4, 8)]}
-# The executor once per accumulation microbatch: 2 x 2 rows per device, the same 32 rows per step.
-RUNS["s2_m4_accumulated"] = stages_and_data(2, 4, "gradient_accumulation_steps=2", "per_device_batch_size=2")
+STEPS = 3
+# Accumulation runs the executor once per accumulation microbatch: 2 x 2 rows per device, 32 per step.
+SCHEDULES = {"1f1b_s4_m4": ("1f1b", 4, 4), "zero_bubble_s2_m4": ("zero_bubble", 2, 4)}
+RUNS = {name: stages_and_data(s, m, f"pipeline_schedule={kind}", "gradient_accumulation_steps=2")
+        for name, (kind, s, m) in SCHEDULES.items()}
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +127,7 @@ def trainings(tmp_path_factory):
               "eval_fraction=0")
     out = {}
     for name, devices, overrides in [("reference", jax.devices()[:1], ("per_device_batch_size=32",)),
-                                     *((n, jax.devices(), ("per_device_batch_size=4", *o)) for n, o in RUNS.items())]:
+                                     *((n, jax.devices(), ("per_device_batch_size=2", *o)) for n, o in RUNS.items())]:
         run_dir = tmp_path_factory.mktemp(name) / "run"
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
@@ -130,14 +139,15 @@ def trainings(tmp_path_factory):
     return out
 
 
-def test_run_header_prints_the_1f1b_schedule(trainings):
-    assert ("1f1b pipeline: S=4 stages, M=8 microbatches, 22 ticks (a block's forward or backward each); "
-            "bubble 27.3% = (S-1)/(M+S-1); at most 4 of the M stage inputs held per stage"
-            ) in trainings["s4_m8 printed"]
+def test_run_header_prints_the_op_schedule(trainings):
+    assert ("1f1b pipeline: S=4 stages, M=4 microbatches, 14 ticks (a block's forward or backward each); "
+            "bubble 42.9% = (S-1)/(M+S-1); at most 4 of the M stage inputs held per stage"
+            ) in trainings["1f1b_s4_m4 printed"]
+    assert OpSchedule("zero_bubble", 2, 4).describe() in trainings["zero_bubble_s2_m4 printed"]
 
 
 @pytest.mark.parametrize("name", list(RUNS))
-def test_1f1b_training_has_the_unpipelined_losses_and_gradient_norms(name, trainings):
+def test_training_has_the_unpipelined_losses_and_gradient_norms(name, trainings):
     for key in ("loss", "grad_norm"):
         reference = np.array([r[key] for r in trainings["reference"]])
         np.testing.assert_allclose([r[key] for r in trainings[name]], reference, rtol=1e-5, err_msg=key)
@@ -145,9 +155,10 @@ def test_1f1b_training_has_the_unpipelined_losses_and_gradient_norms(name, train
     assert losses[-1] < losses[0]
 
 
-@pytest.mark.parametrize("schedule,explicit", [("1f1b", True), ("auto", False)])
+@pytest.mark.parametrize("schedule,explicit", [("1f1b", True), ("zero_bubble", True), ("auto", False)])
 def test_the_train_step_takes_its_gradients_from_the_executor_only_under_1f1b(schedule, explicit):
-    """The executor's ppermutes (the gPipe loop moves activations with jnp.roll) are in the step only under 1f1b."""
+    """The executor's ppermutes (the gPipe loop moves activations with jnp.roll) are in the step only under the
+    schedules with an explicit backward."""
     config = tiny_config(*BASE, *stages_and_data(2, 4), f"pipeline_schedule={schedule}")
     run = setup_run(config, jax.devices())
     batch = {k: jax.ShapeDtypeStruct((ROWS, LENGTH), jnp.int32) for k in BATCH_KEYS}
@@ -157,19 +168,22 @@ def test_the_train_step_takes_its_gradients_from_the_executor_only_under_1f1b(sc
 
 def test_the_plan_predicts_1f1b_activations_that_shrink_with_m_where_gpipe_keeps_them_all():
     """The planner's memory per schedule, same batch (16 rows per replica): gPipe keeps every microbatch's
-    activations until the backward, 1F1B at most S stage inputs (checked against XLA by pipeline_memory.py and
-    `maxpar.plan --verify`). The bubble is (S-1)/(M+S-1) for both."""
+    activations until the backward, 1F1B and zero-bubble at most S stage inputs (checked against XLA by
+    pipeline_memory.py and `maxpar.plan --verify`). The bubble is (S-1)/(M+S-1) for gPipe and 1F1B, a third of
+    the ticks' share for zero-bubble (M >= S)."""
     def planned(schedule: str, micro: int) -> tuple[float, float]:
         config = tiny_config("num_decoder_layers=8", "per_device_batch_size=4", "max_target_length=256",
                              *stages_and_data(4, micro, f"pipeline_schedule={schedule}"))
         result = make_plan(config, Target(load_hardware("tpu-v5p"), 8, 1))
-        assert result["pipeline_bubble"] == pytest.approx(3 / (micro + 3))
+        bubble = 3 / (3 * micro + 3) if schedule == "zero_bubble" else 3 / (micro + 3)  # ZB-H1: B and W split
+        assert result["pipeline_bubble"] == pytest.approx(bubble)
         return result["memory_per_device_bytes"]["activations"], result["memory_per_device_bytes"]["total"]
     gpipe = {m: planned("gpipe", m) for m in (4, 16)}
     one_f_one_b = {m: planned("1f1b", m) for m in (4, 16)}
     assert one_f_one_b[16][0] < one_f_one_b[4][0] < gpipe[4][0]
     assert one_f_one_b[16][0] < gpipe[16][0] / 2
     assert one_f_one_b[16][1] < gpipe[16][1]
+    assert {m: planned("zero_bubble", m) for m in (4, 16)} == one_f_one_b  # ZB-H1 holds 1F1B's S stage inputs
 
 
 def test_the_sampling_command_of_a_1f1b_run_puts_the_schedule_back():
@@ -188,7 +202,9 @@ def test_the_sampling_command_of_a_1f1b_run_puts_the_schedule_back():
      "pipeline_schedule=1f1b with num_pipeline_repeats=2"),
     (("ici_stage_parallelism=2", "pipeline_schedule=circular"), "pipeline_schedule=circular needs"),
     (("pipeline_schedule=1f1b",), "pipeline_schedule=1f1b need"),
-    (("ici_stage_parallelism=2", "pipeline_schedule=zero_bubble"), "pipeline_schedule"),
+    (("ici_stage_parallelism=2", "ici_fsdp_parallelism=4", "pipeline_schedule=zero_bubble"),
+     "pipeline_schedule=zero_bubble with mesh axes fsdp=4"),
+    (("ici_stage_parallelism=2", "pipeline_schedule=interleaved_1f1b"), "pipeline_schedule"),
 ])
 def test_what_1f1b_cannot_run_is_a_config_error(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -1,7 +1,7 @@
 """maxpar.plan models the pipeline maxpar runs: bubble with repeats, permutes per iteration, reductions once.
 
 The formulas are checked against hand counts here; `--verify` holds them against the compiled
-step on 8 simulated CPU devices (gPipe and circular, mixed with data, fsdp and tensor axes).
+step on 8 simulated CPU devices (gPipe, circular and 1F1B, mixed with data, fsdp and tensor axes).
 """
 
 from __future__ import annotations
@@ -74,6 +74,9 @@ VERIFIED = {
                                    "ici_stage_parallelism=2", "num_pipeline_repeats=2", "num_pipeline_microbatches=4"],
     "FSDP(2)xPP(4) gPipe ag_once": ["ici_fsdp_parallelism=2", "ici_stage_parallelism=4",
                                     "num_pipeline_microbatches=8", "pipeline_fsdp_ag_once=true"],
+    # Two permutes per tick, the head's gradients moved from the last stage, the input's cotangent an all-to-all.
+    "DP(4)xPP(2) 1f1b": ["ici_data_parallelism=4", "ici_fsdp_parallelism=1", "ici_stage_parallelism=2",
+                         "num_pipeline_microbatches=4", "pipeline_schedule=1f1b"],
 }
 
 

@@ -102,7 +102,7 @@ def test_gpipe_table():
     (["num_pipeline_repeats=2"], r"num_pipeline_repeats=2 need\(s\) pipeline stages"),
     (["num_pipeline_microbatches=4", "pipeline_fsdp_ag_once=true"],
      r"num_pipeline_microbatches=4, pipeline_fsdp_ag_once=True need\(s\) pipeline stages"),
-    (["num_decoder_layers=3", "num_pipeline_repeats=2"], r"num_decoder_layers=3 must be divisible by it"),
+    (["num_decoder_layers=3", "num_pipeline_repeats=2"], r"\(num_decoder_layers=3\) must be divisible by it"),
     (["ici_stage_parallelism=2", "ici_fsdp_parallelism=4", "pipeline_fsdp_ag_once=true",
       "pipeline_fsdp_ag_per_repeat=true"], r"pipeline_fsdp_ag_once=true and pipeline_fsdp_ag_per_repeat=true: choose"),
     (["pipeline_fsdp_ag_per_repeat=true"], r"pipeline_fsdp_ag_per_repeat=True need\(s\) pipeline stages"),

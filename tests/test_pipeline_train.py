@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from helpers import read_metrics, tiny_config, write_corpus
+from maxpar.core.config import model_config
 from maxpar.io import checkpoint
 from maxpar.model import stack
 from maxpar.train import setup_run, train
@@ -80,7 +81,8 @@ def restored(run_dir: Path, config, devices) -> tuple[object, object]:
 
 
 def canonical(state, config):
-    return jax.device_get(stack.to_canonical({"params": state.params, "opt_state": state.opt_state}, config))
+    tree = {"params": state.params, "opt_state": state.opt_state}
+    return jax.device_get(stack.to_canonical(tree, model_config(config)))
 
 
 @pytest.mark.parametrize("source,destination", [("reference", "circular"), ("circular", "reference"),

@@ -112,6 +112,23 @@ def test_seed_parameter_count_of_llama2_13b():
     assert p["total"] == pytest.approx(13.1e9, rel=0.01) and p["active"] == p["total"]
 
 
+def test_deepseek_v3_preset_is_671b_total_37b_active_without_its_mtp_module():
+    """The published DeepSeek-V3 figures (671 B total, 37 B activated per token) exclude the MTP module; counted by
+    hand: 61 MLA layers of 187.1 M, 3 dense MLPs of 3 x 7168 x 18432, 58 MoE layers of 257 experts (256 routed +
+    1 shared) of 3 x 7168 x 2048 with 9 of them active, routers, two 129280 x 7168 tables."""
+    p = plan("model_name=deepseek-v3", devices=256)["params"]
+    e, vocab, expert = 7168, 129280, 3 * 7168 * 2048
+    attention = e * 1536 + 1536 * 128 * 192 + e * (512 + 64) + 512 * 128 * 256 + 128 * 128 * e
+    main_active = 61 * attention + 3 * 3 * e * 18432 + 58 * (9 * expert + 256 * e) + 2 * vocab * e
+    main_total = main_active + 58 * 248 * expert
+    assert p["attention"] == 62 * attention  # the MTP module's layer is an MLA layer too
+    small = 61 * (2 * e + 1536 + 512) + e + 58 * 256  # norms and routing biases
+    assert p["total"] - p["mtp"] == main_total + small
+    assert p["active"] - p["mtp_active"] == main_active + small
+    assert round((p["total"] - p["mtp"]) / 1e9) == 671 and int((p["active"] - p["mtp_active"]) / 1e9) == 37
+    assert p["mtp"] - p["mtp_active"] == 248 * expert  # the MTP layer's idle experts
+
+
 def test_detailed_model_reproduces_the_seed_rules_on_a_seed_like_model():
     # The seed approximates a transformer by its MLP; with a short context and a small vocabulary the
     # real model comes close, and the planner's per-collective critical batches land on the seed's.
@@ -340,15 +357,20 @@ def test_blockwise_attention_is_planned_without_the_masked_half_of_the_scores():
 def test_the_planner_reads_parameters_by_the_roles_the_model_declares():
     from maxpar.model.roles import Block, ParamRole, param_role
     from maxpar.plan.predict import plan_layout
+    MLA_ROLES = {ParamRole.QUERY_A, ParamRole.QUERY_B, ParamRole.KEY_VALUE_A, ParamRole.KEY_VALUE_B,
+                 ParamRole.LATENT_NORM}  # attention_type=mla's, in place of key, value and qk_norm
     assert param_role(("decoder", "layers", "sublayer_1", "moe", "wi_gate")) == ParamRole.EXPERT_GATE
     assert param_role(("decoder", "layers", "attention", "out")) == ParamRole.ATTENTION_OUT
     assert param_role(("output",)) == ParamRole.OUTPUT and param_role(("decoder", "mlp", "bias")) is None
     small = ("emb_dim=64", "num_query_heads=4", "num_kv_heads=2", "head_dim=16", "mlp_dim=128", "vocab_size=264",
              "max_target_length=32", "num_experts=4", "num_experts_per_tok=2", "moe_layer_interval=2",
-             "num_decoder_layers=4", "qk_norm=true")
+             "num_decoder_layers=4", "qk_norm=true", "mtp_num_layers=1", "num_shared_experts=1", "routed_bias=true",
+             "routed_score_func=sigmoid")
     for extra in ((), ("scan_layers=false", "logits_via_embedding=true")):
         cfg = config(*small, *extra)
         layout = plan_layout(cfg, Target(V5P, 8, 1))  # refuses a parameter whose role or axes are undeclared
         roles = {t.role for t in layout.params()}
-        assert roles == set(ParamRole) - ({ParamRole.OUTPUT} if cfg.logits_via_embedding else set())
+        assert roles == set(ParamRole) - MLA_ROLES - ({ParamRole.OUTPUT} if cfg.logits_via_embedding else set())
         assert {t.block for t in layout.params()} >= {Block.ATTENTION, Block.MLP, Block.EXPERTS, Block.NORM}
+    mla = plan_layout(config(*small, "attention_type=mla", "qk_norm=false", "q_lora_rank=8"), Target(V5P, 8, 1))
+    assert {t.role for t in mla.params()} >= MLA_ROLES

@@ -180,3 +180,30 @@ def test_known_mispredictions_are_named():
     assert any("TP-sequence" in n for n in verify.known_mispredictions(load_config([BASE, *SMALL, "remat_policy=full"]),
                                                                        True, False))
     assert verify.known_mispredictions(load_config([BASE, *SMALL]), True, False) == []
+
+
+DEEPSEEK = {
+    "FSDP(4)xTP(2)": (["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"],
+                      {("fsdp", "all-gather"), ("fsdp", "reduce-scatter"), ("tensor", "all-reduce")},
+                      ("MTP attention", "TP shared-expert", "MTP TP MoE")),
+    # The dense prefix and the MTP module outside the loop (their weights gathered per pass, the MTP experts'
+    # once per microbatch), a MoE layer per stage with its experts over expert.
+    "PP(2)xEP(2)xFSDP(2)": (["ici_stage_parallelism=2", "ici_expert_parallelism=2", "ici_fsdp_parallelism=2",
+                             "num_pipeline_microbatches=2", "pipeline_schedule=gpipe"],
+                            {("fsdp+expert", "all-gather"), ("expert", "all-to-all"), ("fsdp", "reduce-scatter"),
+                             ("stage", "collective-permute")},
+                            ("FSDP dense-prefix weight all-gather (backward)", "MTP EP token all-to-all")),
+}
+
+
+@pytest.mark.parametrize("name", list(DEEPSEEK))
+def test_verify_passes_for_the_deepseek_model(name):
+    """MLA (its head-split projections' latent input gradients), the shared experts' and the MTP module's
+    collectives (its layer, lookup and output head) are predicted on the tiny DeepSeek model."""
+    overrides, expected, patterns = DEEPSEEK[name]
+    result, text, status = run([BASE, *SMALL, "model_name=deepseek-tiny", "num_decoder_layers=3", *overrides,
+                                "--verify"])
+    v = result["verify"]
+    assert status == 0 and v["passed"], text
+    assert expected <= checked(v), text
+    assert all(p in text for p in patterns), text

@@ -7,15 +7,13 @@ import dataclasses
 import json
 import re
 import shutil
-import signal
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
-from helpers import (TINY, compilation_cache_env, logged_steps, read_metrics, start_training, tiny_config,
-                     train_command, wait_for_step, wait_until)
+from helpers import TINY, kill_and_rerun, read_metrics, tiny_config, train_command
 from maxpar.core.config import Config, ConfigError
 from maxpar.io import checkpoint
 from maxpar.io.data.errors import DataError
@@ -308,16 +306,8 @@ def test_kill_9_then_rerun_matches_the_uninterrupted_run(tmp_path, kind):
     command = train_command(*overrides, f"steps={steps}", "eval_fraction=0", "enable_checkpointing=true",
                             "checkpoint_period=4", "per_device_batch_size=1", f"base_output_directory={tmp_path}",
                             "run_name=run")
-    run_dir, env = tmp_path / "run", compilation_cache_env(tmp_path / "jax_cache")
-    first = start_training(command, tmp_path / "first.log", env)
-    wait_for_step(first, run_dir, 6)
-    wait_until(first, (run_dir / "checkpoints" / "4").is_dir, "checkpoint 4 was complete")
-    first.kill()
-    assert first.wait(timeout=60) == -signal.SIGKILL and max(logged_steps(run_dir)) < steps
-    second = start_training(command, tmp_path / "second.log", env)
-    assert second.wait(timeout=300) == 0, (tmp_path / "second.log").read_text()[-3000:]
-    assert "resumed from checkpoint at step" in (tmp_path / "second.log").read_text()
-    rows, expected = read_metrics(run_dir), read_metrics(tmp_path / "reference")
+    kill_and_rerun(command, tmp_path / "run", steps, kill_at=6, checkpoint_step=4, logs=tmp_path)
+    rows, expected = read_metrics(tmp_path / "run"), read_metrics(tmp_path / "reference")
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert [r["loss"] for r in rows] == [r["loss"] for r in expected]
 

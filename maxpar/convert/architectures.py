@@ -50,6 +50,11 @@ class TensorRule:
     # stack blocks of k: `decoder/layers/sublayer_j/...` holds HF layers j, k + j, 2k + j, ... (`tensor_rules`).
     layer_stride: int = 1
     layer_offset: int = 0
+    # The last maxpar axis ends in RoPE features that HF stores as interleaved pairs (DeepSeek's rope_interleave):
+    # `tensor_rules` turns it into `order`, maxpar's index i of that axis holding HF's index order[i].
+    rope_tail: bool = False
+    order: tuple[int, ...] | None = None
+    float32: bool = False  # written in float32 whatever the export dtype (transformers keeps it so: DeepSeek's router)
 
     def hf_shape(self, leaf_shape: Sequence[int]) -> tuple[int, ...]:
         """Shape of one HF tensor of a maxpar leaf of `leaf_shape`."""
@@ -88,11 +93,17 @@ NO_WINDOW = ConfigKey("sliding_window", None, default=0)  # Llama attends to the
 MISTRAL_WINDOW = ConfigKey("sliding_window", "sliding_window", default=0, from_hf=int,
                            to_hf=lambda window: window or None)
 DENSE = ConfigKey("num_experts", None, default=1)  # Llama and Mistral: one SwiGLU MLP per layer
+NO_DENSE_PREFIX = ConfigKey("first_num_dense_layers", None, default=0)  # Mixtral, Qwen3-MoE: no dense layer stack
+# Mixtral, Qwen3-MoE: softmax routing of experts as wide as mlp_dim, unscaled, without groups (DeepSeek-V3's features).
+SOFTMAX_ROUTING = (ConfigKey("routed_score_func", None, default="softmax"),
+                   ConfigKey("routed_scaling_factor", None, default=1.0),
+                   ConfigKey("n_routing_groups", None, default=0), ConfigKey("moe_mlp_dim", None, default=0))
 MIXTRAL_KEYS = (
     ConfigKey("num_experts", "num_local_experts"),
     ConfigKey("num_experts_per_tok", "num_experts_per_tok"),
     ConfigKey("moe_layer_interval", None, default=1),  # every Mixtral layer is MoE
     ConfigKey("norm_topk_prob", None, default=True),  # Mixtral always renormalizes its top-k weights
+    NO_DENSE_PREFIX, *SOFTMAX_ROUTING,
 )
 NO_QK_NORM = ConfigKey("qk_norm", None, default=False)  # Llama, Mistral, Mixtral: q and k go to RoPE as projected
 # Qwen3: Llama's keys with QK-norm; head_dim defaults as transformers' Qwen3Config does (128), the sliding window
@@ -109,6 +120,7 @@ QWEN3_MOE_KEYS = tuple(key for key in QWEN3_KEYS if key.key not in ("head_dim", 
     ConfigKey("num_experts_per_tok", "num_experts_per_tok"),
     ConfigKey("moe_layer_interval", "decoder_sparse_step", default=1, from_hf=int),
     ConfigKey("norm_topk_prob", "norm_topk_prob", default=False, from_hf=bool),  # transformers' default: false
+    NO_DENSE_PREFIX, *SOFTMAX_ROUTING,
 )
 # rope_theta is read by hf_config.rope_theta (it moved into `rope_parameters` in transformers 5).
 
@@ -149,8 +161,77 @@ QWEN3_MOE_TENSORS = QWEN3_TENSORS + (  # the dense MLP rules serve the dense lay
     TensorRule("decoder/layers/moe/wo", f"{_QWEN3_MOE}.experts.{{expert}}.down_proj.weight", ("layer", "expert"), 1),
 )
 
+# ---------------------------------------------------------------- DeepSeek-V3 (MLA, shared experts, MTP)
+
+def _lora(value: Any) -> int:
+    return int(value or 0)  # config.json's null: no compressed query
+
+
+# Defaults: transformers' DeepseekV3Config's, for keys a config.json leaves out (q_lora_rank: null or absent = none).
+DEEPSEEK_V3_KEYS = tuple(key for key in LLAMA_KEYS if key.key != "head_dim") + (
+    ConfigKey("attention_type", None, default="mla"),
+    ConfigKey("q_lora_rank", "q_lora_rank", default=0, from_hf=_lora, to_hf=lambda rank: rank or None),
+    ConfigKey("kv_lora_rank", "kv_lora_rank"),
+    ConfigKey("qk_nope_head_dim", "qk_nope_head_dim"),
+    ConfigKey("qk_rope_head_dim", "qk_rope_head_dim"),
+    ConfigKey("v_head_dim", "v_head_dim"),
+    ConfigKey("first_num_dense_layers", "first_k_dense_replace", default=3, from_hf=int),
+    ConfigKey("num_experts", "n_routed_experts"),
+    ConfigKey("num_experts_per_tok", "num_experts_per_tok"),
+    ConfigKey("moe_mlp_dim", "moe_intermediate_size"),
+    ConfigKey("num_shared_experts", "n_shared_experts", default=1, from_hf=int),
+    ConfigKey("norm_topk_prob", "norm_topk_prob", default=True, from_hf=bool),
+    ConfigKey("routed_scaling_factor", "routed_scaling_factor", default=2.5, from_hf=float),
+    ConfigKey("n_routing_groups", "n_group", default=8, from_hf=int, to_hf=lambda groups: groups or 1),  # 0: off
+    ConfigKey("topk_routing_group", "topk_group", default=4, from_hf=int, to_hf=lambda kept: kept or 1),
+    # hf_config.model_keys sets 0 when the safetensors lack the MTP layers (transformers saves none, and writes 1).
+    ConfigKey("mtp_num_layers", "num_nextn_predict_layers", default=1, from_hf=int),
+    ConfigKey("moe_layer_interval", None, default=1),  # moe_layer_freq: hf_config.unsupported refuses another
+    ConfigKey("routed_score_func", None, default="sigmoid"),  # scoring_func: likewise
+    ConfigKey("routed_bias", None, default=True),  # topk_method noaux_tc: e_score_correction_bias is always there
+    NO_WINDOW, NO_QK_NORM,
+)
+
+_MLA = "model.layers.{layer}.self_attn"
+_DEEPSEEK_MOE = "model.layers.{layer}.mlp"
+_MTP = "model.layers.{layer}"  # an MTP module is the layer after the last decoder layer (k-th: num_hidden_layers+k-1)
+DEEPSEEK_V3_TENSORS = tuple(rule for rule in LLAMA_TENSORS if "/attention/" not in rule.path) + (
+    TensorRule("decoder/layers/attention/query", f"{_MLA}.q_proj.weight", ("layer",), 1, rope_tail=True),
+    TensorRule("decoder/layers/attention/query_a", f"{_MLA}.q_a_proj.weight", ("layer",), 1),
+    TensorRule("decoder/layers/attention/query_a_norm/scale", f"{_MLA}.q_a_layernorm.weight", ("layer",)),
+    TensorRule("decoder/layers/attention/query_b", f"{_MLA}.q_b_proj.weight", ("layer",), 1, rope_tail=True),
+    TensorRule("decoder/layers/attention/key_value_a", f"{_MLA}.kv_a_proj_with_mqa.weight", ("layer",), 1,
+               rope_tail=True),
+    TensorRule("decoder/layers/attention/key_value_a_norm/scale", f"{_MLA}.kv_a_layernorm.weight", ("layer",)),
+    TensorRule("decoder/layers/attention/key_value_b", f"{_MLA}.kv_b_proj.weight", ("layer",), 1),
+    TensorRule("decoder/layers/attention/out", f"{_MLA}.o_proj.weight", ("layer",), 2),
+    TensorRule("decoder/layers/moe/router", f"{_DEEPSEEK_MOE}.gate.weight", ("layer",), 1, float32=True),
+    TensorRule("decoder/layers/moe/routing_bias", f"{_DEEPSEEK_MOE}.gate.e_score_correction_bias", ("layer",),
+               float32=True),
+    TensorRule("decoder/layers/moe/wi_gate", f"{_DEEPSEEK_MOE}.experts.{{expert}}.gate_proj.weight",
+               ("layer", "expert"), 1),
+    TensorRule("decoder/layers/moe/wi_up", f"{_DEEPSEEK_MOE}.experts.{{expert}}.up_proj.weight",
+               ("layer", "expert"), 1),
+    TensorRule("decoder/layers/moe/wo", f"{_DEEPSEEK_MOE}.experts.{{expert}}.down_proj.weight", ("layer", "expert"), 1),
+    TensorRule("decoder/layers/moe/shared_experts/wi_gate", f"{_DEEPSEEK_MOE}.shared_experts.gate_proj.weight",
+               ("layer",), 1),
+    TensorRule("decoder/layers/moe/shared_experts/wi_up", f"{_DEEPSEEK_MOE}.shared_experts.up_proj.weight",
+               ("layer",), 1),
+    TensorRule("decoder/layers/moe/shared_experts/wo", f"{_DEEPSEEK_MOE}.shared_experts.down_proj.weight",
+               ("layer",), 1),
+    # An MTP module's own tensors (`mtp/module_k/...`; its decoder layer takes the rules of `decoder/layers/`).
+    TensorRule("mtp/embedding_norm/scale", f"{_MTP}.enorm.weight"),
+    TensorRule("mtp/hidden_norm/scale", f"{_MTP}.hnorm.weight"),
+    TensorRule("mtp/projection/kernel", f"{_MTP}.eh_proj.weight", (), 1),  # input: [embedding; hidden]
+    TensorRule("mtp/head_norm/scale", f"{_MTP}.shared_head.norm.weight"),
+)
+
 # HF tensors that carry no parameters (buffers some older exports saved).
 LLAMA_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+# The released DeepSeek-V3's MTP layer holds copies of the embedding and output head, which maxpar's MTP modules
+# share with the model: read from model.embed_tokens and lm_head, not written on export.
+DEEPSEEK_V3_IGNORED = re.compile(LLAMA_IGNORED.pattern
+                                 + r"|model\.layers\.\d+\.(embed_tokens|shared_head\.head)\.weight")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,30 +265,59 @@ ARCHITECTURES = {arch.name: arch for arch in (
                  hf_constants={"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False,
                                "mlp_only_layers": []},
                  hf_defaults={"intermediate_size": "moe_intermediate_size"}),
+    Architecture("DeepseekV3ForCausalLM", "deepseek_v3", DEEPSEEK_V3_KEYS, DEEPSEEK_V3_TENSORS,
+                 ignored=DEEPSEEK_V3_IGNORED,
+                 hf_constants={"hidden_act": "silu", "attention_bias": False, "rope_interleave": True,
+                               "topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1}),
 )}
 
 
 SUBLAYER = re.compile(r"^(decoder/layers/)sublayer_(\d+)/(.+)$")  # a layer of an interleaved block
+DENSE_PREFIX = re.compile(r"^decoder/dense_layers/(.+)$")  # first_num_dense_layers' own stack, HF layers 0...
+MTP_MODULE = re.compile(r"^mtp/module_(\d+)/(.+)$")  # the k-th MTP module (k from 1), HF layer num_layers + k - 1
 
 
-def tensor_rules(architecture: Architecture, paths: Sequence[str]) -> dict[str, TensorRule]:
-    """The rule of each maxpar parameter path (a tied model has no `output`, so its rule drops out).
+def rope_order(size: int, rope: int) -> tuple[int, ...]:
+    """`TensorRule.order` of an axis of `size` ending in `rope` RoPE features that HF interleaves as pairs: maxpar
+    rotates half-split (maxpar/model/mla.py), so its rope features are HF's evens, then its odds."""
+    head = size - rope
+    return tuple(range(head)) + tuple(head + i for i in range(0, rope, 2)) + tuple(head + i for i in range(1, rope, 2))
+
+
+def tensor_rules(architecture: Architecture, shapes: Mapping[str, Sequence[int]], num_layers: int = 0,
+                 rope_dim: int = 0) -> dict[str, TensorRule]:
+    """The rule of each maxpar parameter path, by its shape (a tied model has no `output`, so its rule drops out).
 
     Sublayer j of interleaved blocks of k layers takes the rule of the same parameter of a plain layer, for HF
-    layers j, k + j, ... (the tables name one layer; the block layout is maxpar's, `maxpar.model.stack`).
-    Raises ValueError when a parameter has no rule: this architecture's table is incomplete.
+    layers j, k + j, ... (the tables name one layer; the block layout is maxpar's, `maxpar.model.stack`). A dense
+    prefix of n layers is HF layers 0..n-1 and shifts the main stack by n; MTP module k is HF layer
+    `num_layers` + k - 1, its decoder layer under the main stack's rules. `rope_dim`: the RoPE features that
+    `rope_tail` rules reorder. Raises ValueError when a parameter has no rule: this architecture's table is incomplete.
     """
     by_path = {rule.path: rule for rule in architecture.tensors}
-    interval = len({match[2] for path in paths if (match := SUBLAYER.match(path))}) or 1
+    interval = len({match[2] for path in shapes if (match := SUBLAYER.match(path))}) or 1
+    dense = next((shape[0] for path, shape in shapes.items() if DENSE_PREFIX.match(path)), 0)
 
     def rule_of(path: str) -> TensorRule | None:
-        match = SUBLAYER.match(path)
-        if not match:
-            return by_path.get(path)
-        rule = by_path.get(match[1] + match[3])
-        return rule and dataclasses.replace(rule, path=path, layer_stride=interval, layer_offset=int(match[2]))
+        if match := DENSE_PREFIX.match(path):
+            rule = by_path.get(f"decoder/layers/{match[1]}")
+        elif match := SUBLAYER.match(path):
+            rule = by_path.get(match[1] + match[3])
+            rule = rule and dataclasses.replace(rule, layer_stride=interval, layer_offset=int(match[2]) + dense)
+        elif match := MTP_MODULE.match(path):
+            own = match[2].removeprefix("layer/")
+            rule = by_path.get(f"decoder/layers/{own}" if own != match[2] else f"mtp/{own}")
+            layer = str(num_layers + int(match[1]) - 1)
+            rule = rule and dataclasses.replace(rule, hf_name=rule.hf_name.replace("{layer}", layer),
+                                                stacked=tuple(axis for axis in rule.stacked if axis != "layer"))
+        else:
+            rule = by_path.get(path)
+            rule = rule and (dataclasses.replace(rule, layer_offset=dense) if "layer" in rule.stacked else rule)
+        if rule and rule.rope_tail:
+            rule = dataclasses.replace(rule, order=rope_order(shapes[path][-1], rope_dim))
+        return rule and dataclasses.replace(rule, path=path)
 
-    rules = {path: rule_of(path) for path in paths}
+    rules = {path: rule_of(path) for path in shapes}
     missing = [path for path, rule in rules.items() if rule is None]
     if missing:
         raise ValueError(f"{architecture.name}: no Hugging Face tensor for maxpar parameters {missing}")

@@ -20,7 +20,7 @@ import optax
 
 from maxpar.convert.architectures import Architecture, TensorRule, tensor_rules
 from maxpar.convert.hf_config import (ConversionError, architecture_of, model_keys, notes, read_hf_config,
-                                      resolve_config)
+                                      resolve_config, without_absent_mtp)
 from maxpar.convert.layout import maxpar_block
 from maxpar.convert.safetensors_io import TENSOR_FILES, HFTensors
 from maxpar.core import storage
@@ -83,17 +83,21 @@ def convert_from_hf(hf_path: Path, out: Path, argv: Sequence[str], base_config: 
     """
     hf = read_hf_config(hf_path)
     architecture = architecture_of(hf, str(hf_path / "config.json"))
-    config = resolve_config(model_keys(hf, architecture), argv, base_config)
-    for note in notes(hf):
-        log(f"maxpar.convert: note: {note}")
+    derived = model_keys(hf, architecture)
     if (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
         raise ConversionError(f"--out {out}: already holds checkpoints; give a new or empty directory")
-    leaves = parameter_targets(config, list(jax.devices() if devices is None else devices))
-    try:
-        rules = tensor_rules(architecture, list(leaves))
-    except ValueError as e:
-        raise ConversionError(str(e)) from None
     with storage.local_directory(hf_path, TENSOR_FILES) as local, HFTensors(local) as tensors:  # safetensors maps files
+        derived, dropped = without_absent_mtp(derived, tensors.names)
+        config = resolve_config(derived, argv, base_config)
+        for note in notes(hf) + dropped:
+            log(f"maxpar.convert: note: {note}")
+        leaves = parameter_targets(config, list(jax.devices() if devices is None else devices))
+        interleaved_rope = config.qk_rope_head_dim if hf.get("rope_interleave", True) else 0
+        try:
+            rules = tensor_rules(architecture, {path: leaf.shape for path, leaf in leaves.items()},
+                                 config.num_decoder_layers, interleaved_rope)
+        except ValueError as e:
+            raise ConversionError(str(e)) from None
         check_tensors(tensors, rules, leaves, architecture)
         params: dict[str, Any] = {}
         for path, leaf in leaves.items():

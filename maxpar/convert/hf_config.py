@@ -22,12 +22,20 @@ DEFAULT_ROPE_THETA = 10000.0  # transformers' default when config.json names non
 # Keys that make the function the checkpoint computes: training must use the converted values.
 FUNCTION_KEYS = ("rope_theta", "rope_scaling_type", "rope_scaling_factor", "rope_low_freq_factor",
                  "rope_high_freq_factor", "rope_original_max_position_embeddings", "normalization_layer_epsilon",
-                 "sliding_window", "num_experts_per_tok", "norm_topk_prob")
+                 "sliding_window", "num_experts_per_tok", "norm_topk_prob", "rope_yarn_beta_fast",
+                 "rope_yarn_beta_slow", "rope_yarn_mscale", "rope_yarn_mscale_all_dim", "routed_score_func",
+                 "routed_scaling_factor", "n_routing_groups", "topk_routing_group")
 # Llama 3.1+'s `llama3` RoPE scaling: config.json's field -> maxpar key.
 LLAMA3_ROPE_KEYS = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",
                     "high_freq_factor": "rope_high_freq_factor",
                     "original_max_position_embeddings": "rope_original_max_position_embeddings"}
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+# YaRN (DeepSeek-V3): config.json's field -> maxpar key, and transformers' value when the field is absent (None:
+# required; `mscale` absent or null means no mscale ratio, which maxpar's rope_yarn_mscale=0 says).
+YARN_ROPE_KEYS = {"factor": ("rope_scaling_factor", None),
+                  "original_max_position_embeddings": ("rope_original_max_position_embeddings", None),
+                  "beta_fast": ("rope_yarn_beta_fast", 32.0), "beta_slow": ("rope_yarn_beta_slow", 1.0),
+                  "mscale": ("rope_yarn_mscale", 0.0), "mscale_all_dim": ("rope_yarn_mscale_all_dim", 0.0)}
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
 
 
 class ConversionError(ConfigError):
@@ -77,9 +85,20 @@ def rope_type(hf: dict[str, Any]) -> str:
 
 def rope_scaling_keys(hf: dict[str, Any]) -> dict[str, Any]:
     """maxpar's rope_scaling_* keys from config.json (a `llama3` block: all four of its fields)."""
+    rope = _rope(hf)
+    if rope_type(hf) == "yarn":
+        if rope.get("factor") is None and hf.get("max_position_embeddings") and rope.get(
+                "original_max_position_embeddings"):  # transformers' fallback, as DeepSeek-style configs expect
+            rope = {**rope, "factor": hf["max_position_embeddings"] / rope["original_max_position_embeddings"]}
+        missing = [field for field, (_, default) in YARN_ROPE_KEYS.items()
+                   if default is None and rope.get(field) is None]
+        if missing:
+            raise ConversionError(f"config.json: RoPE scaling 'yarn' lacks {', '.join(missing)}")
+        return {"rope_scaling_type": "yarn", **{
+            key: (int if field.startswith("original") else float)(default if rope.get(field) is None else rope[field])
+            for field, (key, default) in YARN_ROPE_KEYS.items()}}
     if rope_type(hf) != "llama3":
         return {"rope_scaling_type": ""}
-    rope = _rope(hf)
     missing = [field for field in LLAMA3_ROPE_KEYS if rope.get(field) is None]
     if missing:
         raise ConversionError(f"config.json: RoPE scaling 'llama3' lacks {', '.join(missing)} "
@@ -92,6 +111,8 @@ def rope_block(config: Config) -> dict[str, Any]:
     """config.json's RoPE scaling fields of `config` (empty without scaling)."""
     if not config.rope_scaling_type:
         return {}
+    if config.rope_scaling_type == "yarn":
+        return {"rope_type": "yarn", **{field: getattr(config, key) for field, (key, _) in YARN_ROPE_KEYS.items()}}
     return {"rope_type": config.rope_scaling_type,
             **{field: getattr(config, key) for field, key in LLAMA3_ROPE_KEYS.items()}}
 
@@ -106,8 +127,14 @@ def unsupported(hf: dict[str, Any]) -> list[str]:
     problems = []
     if rope_type(hf) not in SUPPORTED_ROPE_TYPES:
         problems.append(f"RoPE scaling {rope_type(hf)!r} (rope_parameters/rope_scaling): maxpar implements the "
-                        f"default RoPE and Llama 3.1's 'llama3' scaling only; {rope_type(hf)!r} would compute "
-                        f"other rotation frequencies")
+                        f"default RoPE, Llama 3.1's 'llama3' and 'yarn' scaling only; {rope_type(hf)!r} would "
+                        f"compute other rotation frequencies")
+    if rope_type(hf) == "yarn" and _rope(hf).get("truncate") is False:
+        problems.append("RoPE scaling 'yarn' with truncate=false: maxpar rounds the correction range to whole pairs "
+                        "(truncate=true, transformers' default)")
+    if rope_type(hf) == "yarn" and _rope(hf).get("attention_factor") is not None:
+        problems.append(f"RoPE scaling 'yarn' with attention_factor={_rope(hf)['attention_factor']}: maxpar derives "
+                        f"the factor from factor, mscale and mscale_all_dim")
     if hf.get("partial_rotary_factor") not in (None, 1, 1.0):
         problems.append(f"partial_rotary_factor={hf['partial_rotary_factor']}: maxpar rotates the whole head")
     if hf.get("hidden_act", "silu") != "silu":
@@ -118,7 +145,7 @@ def unsupported(hf: dict[str, Any]) -> list[str]:
     if hf.get("use_sliding_window"):
         problems.append("use_sliding_window=true: Qwen3 windows only the layers from max_window_layers on; maxpar "
                         "applies one sliding_window to every layer")
-    problems += _moe_layout_problems(hf)
+    problems += _moe_layout_problems(hf) + _deepseek_problems(hf)
     if hf.get("quantization_config"):
         problems.append("quantization_config: quantized weights are not converted (use an unquantized checkpoint)")
     return problems
@@ -138,6 +165,38 @@ def _moe_layout_problems(hf: dict[str, Any]) -> list[str]:
         problems.append(f"decoder_sparse_step={step} with intermediate_size={dense} != moe_intermediate_size="
                         f"{expert}: maxpar's dense and expert MLPs share mlp_dim")
     return problems
+
+
+def _deepseek_problems(hf: dict[str, Any]) -> list[str]:
+    """DeepSeek-V3 routing and layer settings maxpar's MoE does not compute."""
+    if hf.get("model_type") != "deepseek_v3":
+        return []
+    problems = []
+    expected = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1}
+    for key, value in expected.items():
+        if hf.get(key, value) != value:
+            problems.append(f"{key}={hf[key]!r}: maxpar's DeepSeek-V3 routing is {key}={value!r} (sigmoid scores, "
+                            f"the e_score_correction_bias for the choice, every layer after the dense ones MoE)")
+    experts, groups = hf.get("n_routed_experts"), hf.get("n_group", 8)
+    if experts and groups and experts % groups:
+        problems.append(f"n_group={groups} does not divide n_routed_experts={experts}: group-limited routing needs "
+                        f"equal groups")
+    return problems
+
+
+def without_absent_mtp(derived: dict[str, Any], names: set[str] | frozenset[str]
+                       ) -> tuple[dict[str, Any], list[str]]:
+    """`derived` with mtp_num_layers cut to the MTP layers the safetensors hold (transformers writes
+    num_nextn_predict_layers but saves no MTP layer: it drops them at load), and a note when it cut."""
+    declared = derived.get("mtp_num_layers", 0)
+    if not declared:
+        return derived, []
+    layers = derived["num_decoder_layers"]
+    held = next((k for k in range(declared) if f"model.layers.{layers + k}.eh_proj.weight" not in names), declared)
+    if held == declared:
+        return derived, []
+    return {**derived, "mtp_num_layers": held}, [
+        f"num_nextn_predict_layers={declared} but the safetensors hold {held} MTP layer(s): mtp_num_layers={held}"]
 
 
 def notes(hf: dict[str, Any]) -> list[str]:
@@ -217,9 +276,11 @@ def hf_config(config: Config, architecture: Architecture, dtype: str,
     `template` (e.g. the original model's config.json) supplies what maxpar does not model: token
     ids, max_position_embeddings and the like. Its model keys must be this model's.
     """
+    # transformers writes num_nextn_predict_layers but saves no MTP layer: a template may claim one the model lacks.
+    mtp_claimed = bool(template) and not config.mtp_num_layers and bool(template.get("num_nextn_predict_layers"))
     if template is not None:
         conflicts = [(key, value, getattr(config, key)) for key, value in model_keys(template, architecture).items()
-                     if getattr(config, key) != value]
+                     if getattr(config, key) != value and not (mtp_claimed and key == "mtp_num_layers")]
         if conflicts:
             raise ConversionError("the template config.json describes another model:\n" + "\n".join(
                 f"  {key}: {theirs!r} in the template, {ours!r} in the checkpoint" for key, theirs, ours in conflicts))
@@ -231,6 +292,8 @@ def hf_config(config: Config, architecture: Architecture, dtype: str,
             raise ConversionError(f"{spec.key}={getattr(config, spec.key)!r}: {architecture.name} has no such "
                                   f"setting (it needs {spec.default!r})")
     hf.update(architecture.hf_constants)
+    if mtp_claimed:
+        del hf["num_nextn_predict_layers"]  # the template's value stays, as transformers itself would save it
     hf["rope_theta"] = config.rope_theta  # transformers < 5 reads this, >= 5 rope_parameters
     scaling = rope_block(config)
     hf["rope_scaling"] = scaling or None  # transformers < 5; >= 5 reads rope_parameters

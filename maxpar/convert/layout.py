@@ -28,15 +28,17 @@ def _bounds(index: Sequence[slice], shape: Sequence[int]) -> list[range]:
     return ranges
 
 
-def _flat(ranges: Sequence[range], shape: Sequence[int]) -> np.ndarray:
-    """Row-major flat indices into `shape` of the block `ranges`, in the block's own row-major order."""
+def _flat(ranges: Sequence[Sequence[int]], shape: Sequence[int]) -> np.ndarray:
+    """Row-major flat indices into `shape` of the block `ranges` (indices per dim), in the block's own row-major
+    order."""
     if not ranges:
         return np.zeros((1,), np.int64)
-    grids = np.meshgrid(*[np.arange(r.start, r.stop) for r in ranges], indexing="ij")
+    grids = np.meshgrid(*[np.asarray(r) for r in ranges], indexing="ij")
     return np.ravel_multi_index(tuple(grids), tuple(shape)).ravel()
 
 
-def _linear_block(read: Reader, name: str, own_shape: Sequence[int], own: Sequence[range], inputs: int) -> np.ndarray:
+def _linear_block(read: Reader, name: str, own_shape: Sequence[int], own: Sequence[Sequence[int]],
+                  inputs: int) -> np.ndarray:
     """maxpar block of an nn.Linear weight [out, in]: read the bounding box of the rows and columns it needs."""
     cols = _flat(own[:inputs], own_shape[:inputs])
     rows = _flat(own[inputs:], own_shape[inputs:])
@@ -51,6 +53,10 @@ def maxpar_block(rule: TensorRule, leaf_shape: Sequence[int], index: Sequence[sl
     ranges = _bounds(index, leaf_shape)
     stacked, own = ranges[:len(rule.stacked)], ranges[len(rule.stacked):]
     own_shape = leaf_shape[len(rule.stacked):]
+    if rule.order is not None:
+        if rule.inputs is None or rule.inputs == len(own):
+            raise ValueError(f"{rule.path}: a reordered axis must be an nn.Linear output")
+        own = [*own[:-1], [rule.order[i] for i in own[-1]]]
     blocks = []
     for combo in itertools.product(*stacked):
         name = rule.hf_name_at(combo)
@@ -67,4 +73,6 @@ def hf_tensor(rule: TensorRule, entry: np.ndarray) -> np.ndarray:
     """The HF tensor of one stacked entry of a maxpar parameter (e.g. `leaf[layer]`)."""
     if rule.inputs is None:
         return entry
+    if rule.order is not None:
+        entry = entry[..., np.argsort(rule.order)]
     return entry.reshape(math.prod(entry.shape[:rule.inputs]), -1).T

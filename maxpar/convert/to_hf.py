@@ -8,6 +8,7 @@ at a time, so memory holds at most one shard.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,8 +39,11 @@ def saved_config(saved: dict[str, Any], base_config: Path) -> Config:
 
 
 def default_architecture(config: Config) -> Architecture:
-    """With QK-norm Qwen3 (Qwen3-MoE for a mixture of experts), the only family that has it; else Mixtral for a
-    mixture of experts, Mistral when the model has a sliding window (Llama has none), else Llama."""
+    """DeepSeek-V3 for multi-head latent attention; with QK-norm Qwen3 (Qwen3-MoE for a mixture of experts), the
+    only family that has it; else Mixtral for a mixture of experts, Mistral when the model has a sliding window
+    (Llama has none), else Llama."""
+    if config.attention_type == "mla":
+        return ARCHITECTURES["DeepseekV3ForCausalLM"]
     if config.qk_norm:
         return ARCHITECTURES["Qwen3MoeForCausalLM" if config.num_experts > 1 else "Qwen3ForCausalLM"]
     if config.num_experts > 1:
@@ -65,17 +69,19 @@ def open_array(metadata: Any, use_zarr3: bool) -> ts.TensorStore:
     return ts.open(spec, open=True, read=True).result()
 
 
+HF_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
 def hf_order(rules: dict[str, TensorRule], shapes: dict[str, tuple[int, ...]]
              ) -> list[tuple[str, str, tuple[int, ...]]]:
     """(HF name, maxpar path, stacked index) in transformers' order: embedding, layer by layer, norm, head."""
-    before, layers, after = [], [], []
+    keyed = []
     for position, (path, rule) in enumerate(rules.items()):
         for index, name in rule.hf_names(shapes[path]):
-            if rule.stacked:
-                layers.append(((index[0], position, index[1:]), (name, path, index)))
-            else:
-                (after if layers else before).append((name, path, index))
-    return before + [entry for _, entry in sorted(layers)] + after
+            layer = HF_LAYER.match(name)
+            group = 1 if layer else 0 if name == "model.embed_tokens.weight" else 2
+            keyed.append(((group, int(layer[1]) if layer else 0, position, index), (name, path, index)))
+    return [entry for _, entry in sorted(keyed)]
 
 
 def convert_to_hf(checkpoint_path: str, out: Path, base_config: Path, architecture: str | None = None,
@@ -99,14 +105,15 @@ def convert_to_hf(checkpoint_path: str, out: Path, base_config: Path, architectu
         arch = architecture_of(template, str(template_path)) if template else default_architecture(config)
     dtype = dtype or config.weight_dtype
     arrays = _leaf_paths(metadata.tree)
+    shapes = {path: tuple(meta.shape) for path, meta in arrays.items()}
     try:
-        rules = tensor_rules(arch, list(arrays))
+        rules = tensor_rules(arch, shapes, config.num_decoder_layers, config.qk_rope_head_dim)
     except ValueError as e:
         raise ConversionError(str(e)) from None
-    shapes = {path: tuple(meta.shape) for path, meta in arrays.items()}
     entries = hf_order(rules, shapes)
-    target = np.dtype(dtype)
-    sizes = [(name, int(np.prod(rules[path].hf_shape(shapes[path]))) * target.itemsize) for name, path, _ in entries]
+    targets = {path: np.dtype("float32" if rule.float32 else dtype) for path, rule in rules.items()}
+    sizes = [(name, int(np.prod(rules[path].hf_shape(shapes[path]))) * targets[path].itemsize)
+             for name, path, _ in entries]
     where = {name: (path, index) for name, path, index in entries}
     stores: dict[str, ts.TensorStore] = {}
 
@@ -115,7 +122,7 @@ def convert_to_hf(checkpoint_path: str, out: Path, base_config: Path, architectu
         if path not in stores:
             stores[path] = open_array(arrays[path], metadata.use_zarr3)
         entry = stores[path][index].read().result() if index else stores[path].read().result()
-        return hf_tensor(rules[path], np.asarray(entry)).astype(target)
+        return hf_tensor(rules[path], np.asarray(entry)).astype(targets[path])
 
     with storage.staged_directory(out) as directory:  # safetensors writes local files; a gs:// OUT gets them after
         directory.mkdir(parents=True, exist_ok=True)

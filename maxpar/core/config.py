@@ -28,9 +28,12 @@ from maxpar.core.axes import PHYSICAL_AXES, Logical, unknown_logical
 DTYPES = ("float32", "bfloat16", "float16")
 SYNTHETIC_FIRST_TOKEN = 3  # synthetic data skips ids 0-2, the byte tokenizer's pad, bos and eos
 ATTENTION = ("dot_product", "xla", "cudnn_flash", "cudnn_flash_causal", "blockwise")
+ATTENTION_TYPES = ("gqa", "mla")
+MLA_ATTENTION = ("dot_product", "blockwise")  # the cores that take v with another head width than q and k
 CONTEXT_STRATEGIES = ("all_gather", "ring")
 CUDNN_ATTENTION = ("cudnn_flash", "cudnn_flash_causal")
 QUANTIZATION = ("", "fp8")
+ROUTED_SCORE_FUNCS = ("softmax", "sigmoid")
 FP8_SCALING = ("current", "delayed")
 
 
@@ -45,15 +48,22 @@ def _key(doc: str, *, min: float | None = None, max: float | None = None,
 
 
 AxisRule = tuple[str, tuple[str, ...]]
-PIPELINE_SCHEDULES = ("auto", "gpipe", "circular", "1f1b")  # docs/pipelines.md
+PIPELINE_SCHEDULES = ("auto", "gpipe", "circular", "1f1b", "zero_bubble")  # docs/pipelines.md
+EXPLICIT_BACKWARD = ("1f1b", "zero_bubble")  # schedules whose backward maxpar.pipeline.one_f_one_b runs itself
 
 
 class RopeScaling(typing.NamedTuple):
-    """Llama 3.1+'s `llama3` RoPE scaling (the rope_scaling_* keys)."""
+    """RoPE scaling (the rope_scaling_* and rope_yarn_* keys): Llama 3.1+'s `llama3` or YaRN (`yarn`,
+    DeepSeek-V3); each kind reads its own fields."""
     factor: float
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+    kind: str = "llama3"
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
 
 
 # The data keys a source of dataset_mixture may set; the run's value stands for any it leaves out.
@@ -106,17 +116,37 @@ class Config:
     vocab_size: int = _key("vocabulary size (>= the tokenizer's)", min=1)
     rope_theta: float = _key("RoPE base frequency", min=1)
     rope_scaling_type: str = _key("RoPE frequency scaling: '' = none, llama3 = Llama 3.1+ (the rope_scaling_* keys; "
-                                  "maxpar.convert sets them from config.json)", choices=("", "llama3"))
+                                  "maxpar.convert sets them from config.json), yarn = YaRN (DeepSeek-V3: "
+                                  "rope_scaling_factor, rope_original_max_position_embeddings, the rope_yarn_* keys)",
+                                  choices=("", "llama3", "yarn"))
     rope_scaling_factor: float = _key("llama3 RoPE: long wavelengths are divided by this factor", min=1)
     rope_low_freq_factor: float = _key("llama3 RoPE: wavelengths above original/low_freq_factor are fully scaled",
                                        min=0)
     rope_high_freq_factor: float = _key("llama3 RoPE: wavelengths below original/high_freq_factor are kept; "
                                         "> rope_low_freq_factor", min=0)
-    rope_original_max_position_embeddings: int = _key("llama3 RoPE: the context length the model was pretrained on",
-                                                      min=1)
+    rope_original_max_position_embeddings: int = _key("llama3 / yarn RoPE: the context length the model was "
+                                                      "pretrained on", min=1)
+    rope_yarn_beta_fast: float = _key("yarn RoPE: rotary pairs turning more than this many times over the original "
+                                      "context keep their frequency (> rope_yarn_beta_slow)", min=0)
+    rope_yarn_beta_slow: float = _key("yarn RoPE: rotary pairs turning fewer times than this are fully interpolated",
+                                      min=0)
+    rope_yarn_mscale: float = _key("yarn RoPE: the rotary part's attention factor is mscale(factor, this) / "
+                                   "mscale(factor, rope_yarn_mscale_all_dim) when both are set (else "
+                                   "mscale(factor, 1))", min=0)
+    rope_yarn_mscale_all_dim: float = _key("yarn RoPE: > 0 multiplies MLA's softmax scale by mscale(factor, this)^2 "
+                                           "(DeepSeek-V3: 1.0); 0 = off", min=0)
     normalization_layer_epsilon: float = _key("RMSNorm epsilon", min=0)
     logits_via_embedding: bool = _key("tie the output projection to the token embedding")
     qk_norm: bool = _key("RMSNorm on each query and key head (over head_dim, own scales) before RoPE (Qwen3)")
+    attention_type: str = _key("gqa = grouped-query attention (num_kv_heads, head_dim); mla = DeepSeek's multi-head "
+                               "latent attention (num_query_heads heads, the lora ranks and *_head_dim keys below; "
+                               "num_kv_heads and head_dim unused)", choices=ATTENTION_TYPES)
+    q_lora_rank: int = _key("mla: rank of the compressed query (0 = q projected directly, as DeepSeek-V2-Lite)", min=0)
+    kv_lora_rank: int = _key("mla: width of the compressed key/value latent, what the KV cache holds per token", min=0)
+    qk_nope_head_dim: int = _key("mla: per-head query/key width without position (RoPE) information", min=1)
+    qk_rope_head_dim: int = _key("mla: per-head query/key width that RoPE rotates (the key's part is shared by all "
+                                 "heads and cached); even", min=2)
+    v_head_dim: int = _key("mla: per-head value width", min=1)
     dtype: str = _key("activation/compute dtype", choices=DTYPES)
     weight_dtype: str = _key("parameter dtype (and the optimizer state's, unless optimizer_state_dtype is set)",
                              choices=DTYPES)
@@ -139,10 +169,36 @@ class Config:
                                 "norm_topk_prob); false = the softmax probabilities as they are")
     moe_layer_interval: int = _key("every k-th decoder layer (layers k, 2k, ...) is MoE, the others dense; "
                                    "1 = every layer; divides num_decoder_layers", min=1)
+    first_num_dense_layers: int = _key("with num_experts > 1: the first k decoder layers are dense (SwiGLU of "
+                                       "mlp_dim), a stack of their own; moe_layer_interval applies to the rest "
+                                       "(DeepSeek-V3: 3); 0 = none", min=0)
     capacity_factor: float = _key("0 = dropless; > 0 = an expert takes at most ceil(capacity_factor x row length "
                                   "x top-k / num_experts) tokens of a row, the rest are dropped", min=0)
     load_balance_loss_weight: float = _key("weight of the load-balancing auxiliary loss added to the training "
                                            "objective", min=0)
+    moe_mlp_dim: int = _key("hidden width of each routed expert and each shared expert (0 = mlp_dim; DeepSeek-V3: "
+                            "2048 beside a dense mlp_dim of 18432)", min=0)
+    num_shared_experts: int = _key("shared experts (0 = none): a dense SwiGLU of width num_shared_experts x "
+                                   "moe_mlp_dim that every token goes through, added to the routed output", min=0)
+    routed_score_func: str = _key("the router's scores: softmax over the experts (Mixtral, Qwen3-MoE) or each "
+                                  "expert's sigmoid (DeepSeek-V3)", choices=ROUTED_SCORE_FUNCS)
+    routed_scaling_factor: float = _key("multiplies the routed experts' combine weights (after norm_topk_prob; "
+                                        "DeepSeek-V3: 2.5)", min=0)
+    routed_bias: bool = _key("aux-loss-free balancing: a per-expert bias (a parameter the optimizer leaves alone) "
+                             "added to the scores for the top-k choice only, moved by the train step towards "
+                             "balance")
+    routed_bias_update_rate: float = _key("routed_bias: each step, bias += rate x sign(mean load - expert load) "
+                                          "(DeepSeek-V3: 0.001)", min=0)
+    n_routing_groups: int = _key("group-limited routing: the experts in this many equal groups, a token picks "
+                                 "among the experts of its best topk_routing_group groups (0 or 1 = off)", min=0)
+    topk_routing_group: int = _key("groups kept per token with n_routing_groups > 1 (a group scores the sum of "
+                                   "its two best biased scores, as DeepSeek-V3)", min=0)
+    # Multi-token prediction (maxpar/model/mtp.py; docs/model.md): DeepSeek-V3's MTP modules after the layer stack
+    mtp_num_layers: int = _key("multi-token prediction modules D (0 = off): module k predicts the token k+1 ahead "
+                               "with one decoder layer of its own, sharing the embedding and the output projection; "
+                               "trained, never run when sampling", min=0)
+    mtp_loss_scaling_factor: float = _key("weight of the MTP loss (the mean over the D modules of their "
+                                          "cross-entropies) added to the training objective", min=0)
     # Quantization (maxpar/model/fp8.py): the layer stack's projections and MLP matmuls
     quantization: str = _key("'' = matmuls in dtype; fp8 = the attention q/k/v/out, MLP and MoE expert matmuls take "
                              "float8 e4m3 operands and e5m2 gradients with per-tensor scales, float32 accumulation, "
@@ -150,7 +206,7 @@ class Config:
                              choices=QUANTIZATION)
     fp8_scaling: str = _key("fp8 scale recipe: current (from each tensor's amax in this step) or delayed (from the "
                             "largest of its last fp8_amax_history_length amaxes, kept in the train state; not with "
-                            "pipeline stages)", choices=FP8_SCALING)
+                            "the 1f1b/zero_bubble schedules)", choices=FP8_SCALING)
     fp8_amax_history_length: int = _key("fp8_scaling=delayed: steps of amax history kept per tensor", min=1)
     # Sampling (python -m maxpar.generate; docs/sampling.md)
     max_new_tokens: int = _key("tokens generated per prompt (fewer if it ends with EOS)", min=1)
@@ -245,7 +301,9 @@ class Config:
                                      "blocks of num_decoder_layers / (S x R) layers", min=1)
     pipeline_schedule: str = _key("auto (gpipe when num_pipeline_repeats=1, else circular) | gpipe | circular | "
                                   "1f1b (each stage alternates forward and backward: at most S microbatches' "
-                                  "stage inputs held, not M; stages x data parallelism only)",
+                                  "stage inputs held, not M; stages x data parallelism only) | zero_bubble "
+                                  "(ZB-H1: 1f1b's memory, the backward split into input and weight gradients, "
+                                  "the latter filling the bubble)",
                                   choices=PIPELINE_SCHEDULES)
     pipeline_fsdp_ag_per_repeat: bool = _key("all-gather the FSDP-sharded stage weights once per pipeline repeat "
                                              "(a window of M iterations; two repeats' blocks held at a time), "
@@ -273,7 +331,8 @@ class Config:
         if not self.rope_scaling_type:
             return None
         return RopeScaling(self.rope_scaling_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
-                           self.rope_original_max_position_embeddings)
+                           self.rope_original_max_position_embeddings, self.rope_scaling_type, self.rope_yarn_beta_fast,
+                           self.rope_yarn_beta_slow, self.rope_yarn_mscale, self.rope_yarn_mscale_all_dim)
 
     @property
     def query_groups(self) -> int:
@@ -282,8 +341,14 @@ class Config:
 
     @property
     def num_moe_layers(self) -> int:
-        """Decoder layers whose MLP is a routed mixture of experts (every moe_layer_interval-th)."""
-        return self.num_decoder_layers // self.moe_layer_interval if self.num_experts > 1 else 0
+        """Decoder layers whose MLP is a routed mixture of experts (every moe_layer_interval-th after the dense
+        prefix)."""
+        return self.num_stack_layers // self.moe_layer_interval if self.num_experts > 1 else 0
+
+    @property
+    def num_stack_layers(self) -> int:
+        """Decoder layers in the `layers` stack, the one pipeline stages split: all but the dense prefix."""
+        return self.num_decoder_layers - self.first_num_dense_layers
 
     @property
     def moments_dtype(self) -> str:
@@ -304,7 +369,6 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         """Plain, YAML/JSON-friendly values (tuples become lists)."""
         return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,11 +392,26 @@ class ModelConfig:
     sliding_window: int
     logits_via_embedding: bool
     qk_norm: bool
+    attention_type: str
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
     num_experts: int
     num_experts_per_tok: int
     norm_topk_prob: bool
     moe_layer_interval: int
+    first_num_dense_layers: int
     capacity_factor: float
+    moe_mlp_dim: int
+    num_shared_experts: int
+    routed_score_func: str
+    routed_scaling_factor: float
+    routed_bias: bool
+    n_routing_groups: int
+    topk_routing_group: int
+    mtp_num_layers: int
     # computation
     dtype: str
     weight_dtype: str
@@ -627,9 +706,10 @@ def validate(config: Config) -> None:
             raise ConfigError(f"{name}={value!r}: must be <= {meta['max']}")
     if sorted(config.mesh_axes) != sorted(PHYSICAL_AXES):
         raise ConfigError(f"mesh_axes={list(config.mesh_axes)}: must be a permutation of {', '.join(PHYSICAL_AXES)}")
-    if config.head_dim % 2:
+    gqa = config.attention_type == "gqa"  # mla reads neither head_dim nor num_kv_heads
+    if gqa and config.head_dim % 2:
         raise ConfigError(f"head_dim={config.head_dim}: must be even (RoPE rotates pairs of the head's features)")
-    if config.num_query_heads % config.num_kv_heads:
+    if gqa and config.num_query_heads % config.num_kv_heads:
         raise ConfigError(f"num_query_heads={config.num_query_heads} must be a multiple of "
                           f"num_kv_heads={config.num_kv_heads}")
     for level, degrees in (("ici", config.ici_parallelism()), ("dcn", config.dcn_parallelism())):
@@ -644,6 +724,7 @@ def validate(config: Config) -> None:
         raise ConfigError(f"vocab_size={config.vocab_size}: dataset_type=synthetic draws tokens from "
                           f"[{SYNTHETIC_FIRST_TOKEN}, vocab_size), so it must be > {SYNTHETIC_FIRST_TOKEN}")
     _validate_moe(config)
+    _validate_routing(config)
     _validate_rope_scaling(config)
     if config.dataset_type == "text" and not config.dataset_path:
         raise ConfigError("dataset_type=text needs dataset_path (a glob of text files)")
@@ -657,6 +738,7 @@ def validate(config: Config) -> None:
                           f"hf_train_split={config.hf_train_split!r})")
     _validate_mixture(config)
     _validate_attention(config)
+    _validate_mla(config)
     _validate_pipeline(config)
     _validate_profiler(config)
     if storage.is_remote(config.local_checkpoint_directory):
@@ -677,11 +759,32 @@ def _validate_profiler(config: Config) -> None:
 
 
 def _validate_rope_scaling(config: Config) -> None:
-    """llama3 scaling interpolates between two wavelength bounds, which must be ordered."""
+    """llama3 and yarn scaling interpolate between two bounds, which must be ordered."""
     if config.rope_scaling_type == "llama3" and not 0 < config.rope_low_freq_factor < config.rope_high_freq_factor:
         raise ConfigError(f"rope_low_freq_factor={config.rope_low_freq_factor}, rope_high_freq_factor="
                           f"{config.rope_high_freq_factor}: rope_scaling_type=llama3 needs "
                           f"0 < rope_low_freq_factor < rope_high_freq_factor (Llama 3.1 uses 1 and 4)")
+    if config.rope_scaling_type == "yarn" and not 0 < config.rope_yarn_beta_slow < config.rope_yarn_beta_fast:
+        raise ConfigError(f"rope_yarn_beta_fast={config.rope_yarn_beta_fast}, rope_yarn_beta_slow="
+                          f"{config.rope_yarn_beta_slow}: rope_scaling_type=yarn needs 0 < rope_yarn_beta_slow < "
+                          f"rope_yarn_beta_fast (DeepSeek-V3 uses 1 and 32)")
+
+
+def _validate_mla(config: Config) -> None:
+    """Multi-head latent attention's keys; num_kv_heads and head_dim are ignored under it."""
+    if config.attention_type != "mla":
+        return
+    if config.kv_lora_rank <= 0:
+        raise ConfigError(f"kv_lora_rank={config.kv_lora_rank}: attention_type=mla needs kv_lora_rank > 0 (the "
+                          f"width of the compressed key/value latent; DeepSeek-V3 uses 512)")
+    if config.qk_rope_head_dim % 2:
+        raise ConfigError(f"qk_rope_head_dim={config.qk_rope_head_dim}: must be even (RoPE rotates pairs)")
+    if config.qk_norm:
+        raise ConfigError("qk_norm=true with attention_type=mla: MLA normalizes its compressed q and kv instead; "
+                          "set qk_norm=false")
+    if config.attention not in MLA_ATTENTION:
+        raise ConfigError(f"attention={config.attention} with attention_type=mla: MLA's values are narrower or "
+                          f"wider than its queries and keys, which only {' and '.join(MLA_ATTENTION)} support")
 
 
 def _validate_moe(config: Config) -> None:
@@ -689,10 +792,37 @@ def _validate_moe(config: Config) -> None:
     if config.num_experts_per_tok > config.num_experts:
         raise ConfigError(f"num_experts_per_tok={config.num_experts_per_tok} > num_experts={config.num_experts}: "
                           f"a token can be routed to at most num_experts experts")
-    if config.num_experts > 1 and config.num_decoder_layers % config.moe_layer_interval:
-        raise ConfigError(f"moe_layer_interval={config.moe_layer_interval} does not divide num_decoder_layers="
-                          f"{config.num_decoder_layers}: the layer stack is made of blocks of moe_layer_interval "
-                          f"layers (the last one MoE); allowed: a divisor of {config.num_decoder_layers}")
+    dense, layers = config.first_num_dense_layers, config.num_decoder_layers
+    if dense and config.num_experts == 1:
+        raise ConfigError(f"first_num_dense_layers={dense} with num_experts=1: every layer is dense already; set "
+                          f"first_num_dense_layers=0, or num_experts > 1 for MoE layers after the dense prefix")
+    if dense >= layers:
+        raise ConfigError(f"first_num_dense_layers={dense} with num_decoder_layers={layers}: at least one MoE "
+                          f"layer must follow the dense prefix; allowed: 0 to {layers - 1}")
+    stacked = config.num_stack_layers
+    if config.num_experts > 1 and stacked % config.moe_layer_interval:
+        after = f" after first_num_dense_layers={dense}" if dense else ""
+        raise ConfigError(f"moe_layer_interval={config.moe_layer_interval} does not divide the {stacked} layers"
+                          f"{after} (num_decoder_layers={layers}): the MoE layer stack is made of blocks of "
+                          f"moe_layer_interval layers (the last one MoE); allowed: a divisor of {stacked}")
+
+
+def _validate_routing(config: Config) -> None:
+    """Group-limited routing must leave every token at least num_experts_per_tok experts to choose from."""
+    groups, kept, experts, k = (config.n_routing_groups, config.topk_routing_group, config.num_experts,
+                                config.num_experts_per_tok)
+    if config.num_experts == 1 or groups <= 1:
+        return
+    if experts % groups or experts // groups < 2:
+        raise ConfigError(f"n_routing_groups={groups} with num_experts={experts}: the groups must split the experts "
+                          f"evenly, at least 2 per group (a group scores its two best); allowed: 0, 1, or a divisor "
+                          f"of {experts} up to {experts // 2}")
+    if not 1 <= kept <= groups:
+        raise ConfigError(f"topk_routing_group={kept} with n_routing_groups={groups}: allowed 1 to {groups}")
+    if k > kept * (experts // groups):
+        raise ConfigError(f"num_experts_per_tok={k} with topk_routing_group={kept} of n_routing_groups={groups}: the "
+                          f"kept groups hold only {kept * (experts // groups)} experts; allowed: topk_routing_group >= "
+                          f"{-(-k // (experts // groups))}")
 
 
 def _validate_attention(config: Config) -> None:
@@ -717,10 +847,13 @@ def _validate_attention(config: Config) -> None:
 
 def _validate_pipeline(config: Config) -> None:
     """Pipeline keys that must agree with each other whatever the mesh (the stages: `maxpar.core.layout`)."""
-    layers, repeats = config.num_decoder_layers, config.num_pipeline_repeats
+    layers, repeats = config.num_stack_layers, config.num_pipeline_repeats
     if repeats > 1 and layers % repeats:
-        raise ConfigError(f"num_pipeline_repeats={repeats}: num_decoder_layers={layers} must be divisible by it "
-                          f"(each stage runs {repeats} blocks of num_decoder_layers / (stages x repeats) layers)")
+        prefix = f" - first_num_dense_layers={config.first_num_dense_layers}" if config.first_num_dense_layers else ""
+        raise ConfigError(f"num_pipeline_repeats={repeats}: the {layers} stacked layers (num_decoder_layers="
+                          f"{config.num_decoder_layers}{prefix}) "
+                          f"must be divisible by it (each stage runs {repeats} blocks of layers / (stages x repeats) "
+                          f"layers)")
     if config.pipeline_fsdp_ag_once and config.pipeline_fsdp_ag_per_repeat:
         raise ConfigError("pipeline_fsdp_ag_once=true and pipeline_fsdp_ag_per_repeat=true: choose one way to gather "
                           "the stage weights (once per step, or once per repeat; both false: every iteration)")
@@ -735,12 +868,16 @@ def _validate_pipeline_schedule(config: Config) -> None:
     kind, repeats = config.pipeline_schedule, config.num_pipeline_repeats
     if kind == "circular" and repeats == 1:
         raise ConfigError("pipeline_schedule=circular needs num_pipeline_repeats > 1 (the blocks each stage runs)")
-    if kind in ("gpipe", "1f1b") and repeats > 1:
+    if kind in ("gpipe", *EXPLICIT_BACKWARD) and repeats > 1:
         raise ConfigError(f"pipeline_schedule={kind} with num_pipeline_repeats={repeats}: {kind} runs one block per "
                           f"stage; set num_pipeline_repeats=1, or pipeline_schedule=circular")
-    if kind == "1f1b" and config.num_experts > 1:
-        raise ConfigError(f"pipeline_schedule=1f1b with num_experts={config.num_experts}: the 1F1B executor runs "
+    if kind in EXPLICIT_BACKWARD and config.num_experts > 1:
+        raise ConfigError(f"pipeline_schedule={kind} with num_experts={config.num_experts}: the {kind} executor runs "
                           f"dense layers only; use pipeline_schedule=gpipe or circular for MoE")
+    if kind in EXPLICIT_BACKWARD and config.mtp_num_layers > 0:
+        raise ConfigError(f"pipeline_schedule={kind} with mtp_num_layers={config.mtp_num_layers}: the {kind} loss head "
+                          f"takes the final hidden state's logits only, not the MTP modules; use "
+                          f"pipeline_schedule=gpipe or circular, or mtp_num_layers=0")
 
 
 def to_yaml(config: Config) -> str:

@@ -20,7 +20,7 @@ import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from maxpar.core.axes import ATTN_KV, ATTN_Q, BATCH_INPUT, CONTEXT_AXIS, RESIDUAL, STAGE_AXIS, Logical
-from maxpar.core.config import CUDNN_ATTENTION, AxisRule, Config, ConfigError
+from maxpar.core.config import CUDNN_ATTENTION, EXPLICIT_BACKWARD, AxisRule, Config, ConfigError
 from maxpar.core.mesh import MeshShape
 from maxpar.core.schedule import Schedule
 from maxpar.core.sharding import (check_divisible, constrain, entry_axes, mesh_axes, mesh_shardings, mesh_specs,
@@ -429,8 +429,8 @@ def resolve_layout(config: Config, mesh: MeshShape, state: TracedState, *, check
     abstract_mesh = AbstractMesh(mesh.shape, mesh.axis_names)
     shardings = mesh_shardings(state.specs, abstract_mesh, rules)
     check_divisible(state.abstract, shardings)
-    if schedule is not None and config.pipeline_schedule == "1f1b":
-        check_one_f_one_b(sizes, loop_batch_axes(rules, input_axes[0]), shardings.params)
+    if schedule is not None and config.pipeline_schedule in EXPLICIT_BACKWARD:
+        check_one_f_one_b(sizes, loop_batch_axes(rules, input_axes[0]), shardings.params, config.pipeline_schedule)
     update_specs = None
     if config.shard_optimizer_over_data:  # ZeRO-1: the moments, gradients and updates also split over data
         shardings = shard_optimizer_state(state.abstract, shardings)
@@ -479,7 +479,7 @@ PIPELINE_ONLY_KEYS = {"num_pipeline_repeats": 1, "num_pipeline_microbatches": -1
 
 def check_pipeline(config: Config, stages: int) -> None:
     """Pipeline keys against each other and the number of stages S of the mesh."""
-    layers, repeats, micro = config.num_decoder_layers, config.num_pipeline_repeats, config.num_pipeline_microbatches
+    layers, repeats, micro = config.num_stack_layers, config.num_pipeline_repeats, config.num_pipeline_microbatches
     stage_keys = f"ici_stage_parallelism={config.ici_stage_parallelism} x dcn_stage_parallelism=" \
                  f"{config.dcn_stage_parallelism} = {stages} stage(s)"
     if stages == 1:
@@ -492,14 +492,19 @@ def check_pipeline(config: Config, stages: int) -> None:
     if not config.scan_layers:
         raise ConfigError(f"{stage_keys} needs scan_layers=true: the pipeline runs the scanned layer stack "
                           f"(scan_layers=false is not supported with pipelining)")
-    if config.quantization == "fp8" and config.fp8_scaling == "delayed":
-        # The loop would add up, not max, the amaxes its microbatches report (maxpar.model.fp8).
-        raise ConfigError(f"fp8_scaling=delayed with {stage_keys}: delayed scaling is not built for pipelines "
-                          f"yet; use fp8_scaling=current")
+    delayed_fp8 = config.quantization == "fp8" and config.fp8_scaling == "delayed"
+    if delayed_fp8 and config.pipeline_schedule in EXPLICIT_BACKWARD:
+        # Its explicit backward (maxpar.pipeline.one_f_one_b) returns no amax observations; gpipe/circular do.
+        raise ConfigError(f"fp8_scaling=delayed with pipeline_schedule={config.pipeline_schedule}: the explicit-"
+                          f"backward schedules do not report amaxes yet; use pipeline_schedule=gpipe or circular, "
+                          f"or fp8_scaling=current")
+    stacked = f"num_decoder_layers={config.num_decoder_layers}" + (
+        f" - first_num_dense_layers={config.first_num_dense_layers} = {layers} pipelined layers"
+        if config.first_num_dense_layers else "")
     if stages > layers:
-        raise ConfigError(f"{stage_keys} exceeds num_decoder_layers={layers}: every stage needs at least one layer")
+        raise ConfigError(f"{stage_keys} exceeds {stacked}: every stage needs at least one layer")
     if layers % (stages * repeats):
-        raise ConfigError(f"num_decoder_layers={layers} must be divisible by stages x num_pipeline_repeats = "
+        raise ConfigError(f"{stacked} must be divisible by stages x num_pipeline_repeats = "
                           f"{stages} x {repeats} = {stages * repeats} ({stage_keys})")
     if repeats > 1 and micro != -1 and micro < stages:
         raise ConfigError(f"num_pipeline_repeats={repeats} (circular) needs num_pipeline_microbatches >= the "
@@ -520,11 +525,11 @@ def pipeline_schedule(config: Config, sizes: dict[str, int], rules: Sequence[Axi
                           f"[{Logical.LAYERS}, [{STAGE_AXIS}]] (the stages split the layer stack)")
     micro = config.num_pipeline_microbatches
     return Schedule(num_stages=stages, num_microbatches=stages if micro == -1 else micro,
-                    num_repeats=config.num_pipeline_repeats, num_layers=config.num_decoder_layers)
+                    num_repeats=config.num_pipeline_repeats, num_layers=config.num_stack_layers)
 
 
-def check_one_f_one_b(sizes: dict[str, int], batch_axes: Axes, param_shardings: Any) -> None:
-    """pipeline_schedule=1f1b runs each device's stage block whole, on its replica's rows
+def check_one_f_one_b(sizes: dict[str, int], batch_axes: Axes, param_shardings: Any, kind: str) -> None:
+    """pipeline_schedule=1f1b (or zero_bubble) runs each device's stage block whole, on its replica's rows
     (`maxpar.pipeline.one_f_one_b`): every mesh axis but the stages must split only the batch, and no parameter
     may be split over any axis but the stages (no FSDP, tensor, expert or context parallelism)."""
     split = {a for s in jax.tree.leaves(param_shardings) for a in spec_axes(s.spec) if sizes.get(a, 1) > 1}
@@ -532,8 +537,8 @@ def check_one_f_one_b(sizes: dict[str, int], batch_axes: Axes, param_shardings: 
                  | (split - {STAGE_AXIS}))
     if bad:
         degrees = ", ".join(f"{a}={sizes[a]}" for a in bad)
-        raise ConfigError(f"pipeline_schedule=1f1b with mesh axes {degrees}: besides the stages 1f1b splits only the "
-                          f"batch (data parallelism); set ici_{bad[0]}_parallelism=1 and dcn_{bad[0]}_parallelism=1 "
+        raise ConfigError(f"pipeline_schedule={kind} with mesh axes {degrees}: besides the stages {kind} splits "
+                          f"only the batch (data parallelism); set ici_{bad[0]}_parallelism=1 and dcn_{bad[0]}_parallelism=1 "
                           f"(moving the degree to data), or pipeline_schedule=gpipe")
 
 

@@ -1,4 +1,4 @@
-"""Pipeline schedules with explicit backward passes: tables of (tick, stage, microbatch, op), op in F | B.
+"""Pipeline schedules with explicit backward passes: tables of (tick, stage, microbatch, op), op in F | B | W.
 
 `maxpar.core.schedule` describes the forward-only loop whose backward JAX derives by autodiff (gPipe,
 circular): autodiff of a scanned forward runs every backward after every forward, so it cannot express
@@ -6,13 +6,17 @@ circular): autodiff of a scanned forward runs every backward after every forward
 microbatch — F (its block's forward) or B (its backward: the cotangents of its input and of its weights) —
 and an executor (`maxpar.pipeline.one_f_one_b`) runs the table as it is. One op takes one tick (the
 executor's tick costs a backward, which re-runs the forward), and the bubble is counted in ticks.
+Zero-bubble (ZB-H1, Qi et al. 2023) splits the backward: B is then the input's cotangent only (what the
+previous stage waits for) and W the weights' gradient (which nothing waits for), each one tick.
 
 The tables are built by one list-scheduler: each stage has a fixed *order* of ops (the schedule's policy:
-gPipe all F then all B; 1F1B S - s - 1 warm-up forwards then alternating), and runs its next op at the
-first tick its inputs are ready:
+gPipe all F then all B; 1F1B S - s - 1 warm-up forwards then alternating; ZB-H1 below), and at each tick
+runs its next op if its inputs are ready, else (W only) the first W further on in its order whose B has run:
+W fills the ticks a stage would wait. The dependencies:
   F(m, s)  after F(m, s - 1) (its input arrives the tick after);
   B(m, s)  after F(m, s) on the same stage, and after B(m, s + 1) (its cotangent arrives the tick after);
-           the last stage's B starts from the loss head's cotangent, computed with its F.
+           the last stage's B starts from the loss head's cotangent, computed with its F;
+  W(m, s)  after B(m, s) on the same stage.
 `check` asserts these on any table, so the tests and the executor read one definition.
 """
 
@@ -21,15 +25,20 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-F, B = "F", "B"
-KINDS = ("gpipe", "1f1b")
+F, B, W = "F", "B", "W"
+KINDS = ("gpipe", "1f1b", "zero_bubble")
 
 
 class Op(NamedTuple):
     tick: int
     stage: int
     microbatch: int
-    kind: str  # F | B
+    kind: str  # F | B | W
+
+
+def op_kinds(kind: str) -> tuple[str, ...]:
+    """The ops of schedule `kind`: a split backward (B, W) for zero_bubble, one B for the others."""
+    return (F, B, W) if kind == "zero_bubble" else (F, B)
 
 
 def stage_order(kind: str, stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
@@ -37,24 +46,33 @@ def stage_order(kind: str, stage: int, stages: int, microbatches: int) -> list[t
 
     1F1B keeps at most S - s microbatches in flight on stage s (F done, B not yet): that bounds the
     activations a stage holds by S, not M (Narayanan et al., PipeDream-Flush; Megatron-LM's schedule).
+    ZB-H1 keeps 1F1B's F and B order and defers stage s's W by s microbatches (to the end of the order in
+    the cool-down): s + S - s = S in flight on every stage, 1F1B's peak, and the deferred W fill the ticks
+    1F1B's stages idle in the cool-down, so the bubble is S - 1 ticks of 3 M + S - 1 instead of 3 (S - 1).
     """
     m_all = range(microbatches)
     if kind == "gpipe":
         return [(F, m) for m in m_all] + [(B, m) for m in m_all]
     warmup = min(stages - stage - 1, microbatches)
     order = [(F, m) for m in range(warmup)]
+    deferred: list[int] = []
     for m in range(microbatches):  # steady state: F(m + warmup), B(m); the cool-down has no F left
         if m + warmup < microbatches:
             order.append((F, m + warmup))
         order.append((B, m))
-    return order
+        if kind == "zero_bubble":
+            deferred.append(m)
+            if len(deferred) > stage and m + warmup < microbatches - 1:
+                order.append((W, deferred.pop(0)))
+    return order + [(W, m) for m in deferred]
 
 
 def _ready(op: tuple[str, int], stage: int, stages: int, done: dict[tuple[str, int, int], int]) -> int | None:
     """The first tick `op` of `stage` may run at, given the ticks of the ops `done` so far; None: not yet."""
     kind, m = op
     needs = {F: [(F, m, stage - 1)] if stage else [],
-             B: [(F, m, stage)] + ([(B, m, stage + 1)] if stage < stages - 1 else [])}[kind]
+             B: [(F, m, stage)] + ([(B, m, stage + 1)] if stage < stages - 1 else []),
+             W: [(B, m, stage)]}[kind]
     if any(n not in done for n in needs):
         return None
     return max((done[n] + 1 for n in needs), default=0)
@@ -77,24 +95,25 @@ class OpSchedule:
     def ops(self) -> list[Op]:
         """Every op with its tick, by list-scheduling each stage's order (module docstring), sorted by tick."""
         s_count, m_count = self.num_stages, self.num_microbatches
-        orders = [stage_order(self.kind, s, s_count, m_count) for s in range(s_count)]
-        position, free = [0] * s_count, [0] * s_count
+        pending = [stage_order(self.kind, s, s_count, m_count) for s in range(s_count)]
         done: dict[tuple[str, int, int], int] = {}
         table: list[Op] = []
-        while any(position[s] < len(orders[s]) for s in range(s_count)):
-            progressed = False
+        tick = 0
+        while any(pending):
+            ran = []
             for s in range(s_count):
-                while position[s] < len(orders[s]):
-                    op = orders[s][position[s]]
-                    tick = _ready(op, s, s_count, done)
-                    if tick is None:
-                        break
-                    tick = max(tick, free[s])
-                    done[(op[0], op[1], s)] = tick
-                    table.append(Op(tick, s, op[1], op[0]))
-                    free[s], position[s], progressed = tick + 1, position[s] + 1, True
-            if not progressed:
+                runnable = (i for i, op in enumerate(pending[s]) if (i == 0 or op[0] == W)
+                            and (ready := _ready(op, s, s_count, done)) is not None and ready <= tick)
+                i = next(runnable, None)
+                if i is not None:
+                    kind, m = pending[s].pop(i)
+                    ran.append(((kind, m, s), Op(tick, s, m, kind)))
+            if not ran and tick > max(done.values(), default=0) + 1:
                 raise AssertionError(f"{self.kind}: the stage orders deadlock")
+            for key, op in ran:  # what ran at this tick is ready for others from the next one
+                done[key] = tick
+                table.append(op)
+            tick += 1
         return sorted(table, key=lambda op: (op.tick, op.stage))
 
     @property
@@ -115,12 +134,14 @@ class OpSchedule:
         return 1 - len(ops) / (self.num_ticks * self.num_stages)
 
     def peak_in_flight(self) -> list[int]:
-        """Per stage, the most microbatches whose F has run and whose B has not: the stage inputs it must hold."""
+        """Per stage, the most microbatches whose F has run and whose last backward op (W if split, else B) has
+        not: the stage inputs it must hold."""
+        last = op_kinds(self.kind)[-1]
         peaks = []
         for s in range(self.num_stages):
             live, peak = 0, 0
             for op in self.ops():
-                if op.stage == s and op.kind in (F, B):
+                if op.stage == s and op.kind in (F, last):
                     live += 1 if op.kind == F else -1
                     peak = max(peak, live)
             peaks.append(peak)
@@ -129,9 +150,13 @@ class OpSchedule:
     def describe(self) -> str:
         """One line for the run header: schedule, S, M, ticks, the bubble counted on the table, stage inputs held."""
         s, m = self.num_stages, self.num_microbatches
-        return (f"{self.kind} pipeline: S={s} stages, M={m} microbatches, {self.num_ticks} ticks (a block's forward "
-                f"or backward each); bubble {self.bubble:.1%} = (S-1)/(M+S-1); at most "
-                f"{max(self.peak_in_flight())} of the M stage inputs held per stage")
+        if self.kind == "zero_bubble":
+            ops, formula = "a block's forward, input backward or weight backward each", "(S-1)/(3M+S-1) for M >= S"
+        else:
+            ops, formula = "a block's forward or backward each", "(S-1)/(M+S-1)"
+        return (f"{self.kind} pipeline: S={s} stages, M={m} microbatches, {self.num_ticks} ticks ({ops}); "
+                f"bubble {self.bubble:.1%} = {formula}; at most {max(self.peak_in_flight())} of the M stage inputs "
+                f"held per stage")
 
     def render(self) -> str:
         """The table, one line per tick: 't   3 | F2 B0 .  F1' (op and microbatch per stage; '.' idle)."""
@@ -149,7 +174,7 @@ def check(schedule: OpSchedule) -> None:
     after what it depends on (module docstring); raises AssertionError naming the first violation."""
     ops = schedule.ops()
     keys = [(op.kind, op.microbatch, op.stage) for op in ops]
-    expected = {(k, m, s) for k in (F, B) for m in range(schedule.num_microbatches)
+    expected = {(k, m, s) for k in op_kinds(schedule.kind) for m in range(schedule.num_microbatches)
                 for s in range(schedule.num_stages)}
     assert len(keys) == len(set(keys)) and set(keys) == expected, "not every op exactly once"
     slots = [(op.tick, op.stage) for op in ops]

@@ -41,7 +41,7 @@ from etils import epath
 from jax.sharding import Mesh
 
 from maxpar.core import storage
-from maxpar.core.config import Config, ConfigError
+from maxpar.core.config import Config, ConfigError, model_config
 from maxpar.core.layout import RunLayout
 from maxpar.host import distributed
 from maxpar.io.data.pipeline import mixture_differences, position_keys
@@ -55,7 +55,9 @@ HISTORIES = "fp8_meta"  # fp8_scaling=delayed: the amax histories (TrainState.fp
 # Keys that change the parameter tree or its dtype: every kind of load needs them equal.
 MODEL_KEYS = ("emb_dim", "num_query_heads", "num_kv_heads", "head_dim", "mlp_dim", "num_decoder_layers",
               "vocab_size", "weight_dtype", "logits_via_embedding", "qk_norm", "num_experts",
-              "moe_layer_interval")
+              "moe_layer_interval", "first_num_dense_layers", "attention_type", "q_lora_rank", "kv_lora_rank",
+              "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mtp_num_layers", "moe_mlp_dim",
+              "num_shared_experts", "routed_bias")
 
 Warn = Callable[[str], None]
 
@@ -91,9 +93,15 @@ def make_manager(run_dir: epath.PathLike, config: Config) -> ocp.CheckpointManag
                                  item_handlers=_handlers())
 
 
-def _source_manager(directory: epath.Path) -> ocp.CheckpointManager:
-    """A read-only manager over another run's checkpoints (load_*_path): never writes or deletes there."""
-    options = ocp.CheckpointManagerOptions(read_only=True, create=False, enable_async_checkpointing=False)
+def read_only_manager(directory: epath.PathLike) -> ocp.CheckpointManager:
+    """A manager that only reads `directory`, in this process alone: never writes or deletes there, and its
+    restores end in no barrier with the other processes (Orbax's own do), so a process whose read fails never
+    leaves its peers waiting in that barrier while it waits in `load_everywhere`'s agreement."""
+    me = jax.process_index()
+    alone = ocp.options.MultiprocessingOptions(primary_host=None, active_processes={me},
+                                               barrier_sync_key_prefix=f"maxpar_read_{me}")
+    options = ocp.CheckpointManagerOptions(read_only=True, create=False, enable_async_checkpointing=False,
+                                           multiprocessing_options=alone)
     return ocp.CheckpointManager(storage.absolute(directory), options=options, item_handlers=_handlers())
 
 
@@ -121,10 +129,11 @@ def save(manager: ocp.CheckpointManager, step: int, state: Any, data_iterator: A
     The data iterator state is captured before this returns; arrays are copied off the device
     before it returns too, so the caller may donate `state` to the next step.
     """
+    model = model_config(config)
     manager.save(step, args=ocp.args.Composite(
-        params=ocp.args.StandardSave(stack.to_canonical(state.params, config)),
-        opt_state=ocp.args.StandardSave(stack.to_canonical(state.opt_state, config)),
-        **({HISTORIES: ocp.args.StandardSave(stack.to_canonical(state.fp8_meta, config))} if state.fp8_meta else {}),
+        params=ocp.args.StandardSave(stack.to_canonical(state.params, model)),
+        opt_state=ocp.args.StandardSave(stack.to_canonical(state.opt_state, model)),
+        **({HISTORIES: ocp.args.StandardSave(stack.to_canonical(state.fp8_meta, model))} if state.fp8_meta else {}),
         meta=ocp.args.JsonSave(checkpoint_meta(step, global_rows)),
         data=grain.checkpoint.CheckpointSave(data_iterator),
         config=ocp.args.JsonSave(config.to_dict()),
@@ -212,7 +221,7 @@ class Saver:
             self.manager.wait_until_finished()
         except Exception as e:  # the background save's own error, whatever the library raised
             self._damaged = True
-            return step, describe_error(e)
+            return step, storage.describe_error(e)
         if step is not None:
             self._complete = step
         return None
@@ -261,11 +270,11 @@ class Target:
         """Restore target of `item` in the canonical layout, with this run's shardings."""
         abstract, shardings = getattr(self.abstract_state, item), getattr(self.shardings, item)
         tree = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-        return stack.to_canonical(tree, self.config, stack=stack.stack_abstract)
+        return stack.to_canonical(tree, model_config(self.config), stack=stack.stack_abstract)
 
     def in_memory(self, item: str, restored: Any) -> Any:
         """A restored canonical `item` in this run's layer layout and shardings."""
-        return jax.device_put(stack.from_canonical(restored, self.config), getattr(self.shardings, item))
+        return jax.device_put(stack.from_canonical(restored, model_config(self.config)), getattr(self.shardings, item))
 
     def state(self, step: int, params: Any, opt_state: Any, fp8_meta: Any = None) -> Any:
         """The restored train state; fp8_meta None: empty amax histories (`empty_histories`)."""
@@ -430,11 +439,18 @@ def _is_strict_subset(saved: Any, expected: Any) -> bool:
     return len(old) < len(new) and all(new.get(name) == value for name, value in old.items())
 
 
-def _restore_arrays(manager: ocp.CheckpointManager, step: int, target: Target, items: Sequence[str]) -> dict[str, Any]:
-    """`items` of `step`, read straight into this run's shardings, in this run's layer layout."""
+def _read_arrays(manager: ocp.CheckpointManager, step: int, target: Target, items: Sequence[str]) -> dict[str, Any]:
+    """`items` of `step` in the canonical layout, read straight into this run's shardings: each process reads the
+    shards of its own devices (with `read_only_manager`, no collective)."""
     args = {item: ocp.args.StandardRestore(target.on_disk(item)) for item in items}
     restored = manager.restore(step, args=ocp.args.Composite(**args))
-    return {item: target.in_memory(item, restored[item]) for item in items}
+    return {item: restored[item] for item in items}
+
+
+def _in_memory(target: Target, arrays: Mapping[str, Any]) -> dict[str, Any]:
+    """Arrays `read_step_arrays` read, in this run's layer layout and shardings: the step of a restore that may
+    communicate between processes, so it runs only once every process has read its shards."""
+    return {item: target.in_memory(item, array) for item, array in arrays.items()}
 
 
 def read_data_state(manager: ocp.CheckpointManager, step: int, data_iterator: Any) -> dict[str, Any]:
@@ -473,52 +489,102 @@ def check_resumable(manager: ocp.CheckpointManager, step: int, target: Target, w
     return meta
 
 
-def resume_step(manager: ocp.CheckpointManager, step: int, target: Target, data_iterator: Any) -> Any:
-    """Restore this run's checkpoint `step` (state and data position) or raise.
+@dataclasses.dataclass(frozen=True)
+class StepRead:
+    """What this process read of one step, before any collective: its data position (None where none is
+    restored), the array items to restore and, once read, those arrays in the canonical layout."""
 
-    Cheap checks first (JSON, compatibility, data files), arrays last; the iterator is only
-    moved once everything else has been read.
-    """
+    step: int
+    data_state: dict[str, Any] | None
+    items: tuple[str, ...]
+    arrays: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def check_step(manager: ocp.CheckpointManager, step: int, target: Target, data_iterator: Any) -> StepRead:
+    """The cheap checks of this run's checkpoint `step` (JSON, compatibility, data files, array metadata), or raise."""
     where = f"checkpoint step {step} in {manager.directory}"
-    meta = check_resumable(manager, step, target, where)
+    check_resumable(manager, step, target, where)
     data_state = read_data_state(manager, step, data_iterator)
     items = _with_histories(manager, step, target, ARRAY_ITEMS)
     _check_structure(manager, step, target, items, where)
-    arrays = _restore_arrays(manager, step, target, items)
-    data_iterator.set_state(data_state)
-    return target.state(step, arrays["params"], arrays["opt_state"], arrays.get(HISTORIES))
+    return StepRead(step, data_state, items)
+
+
+def read_step_arrays(manager: ocp.CheckpointManager, target: Target, checked: StepRead) -> StepRead:
+    """`checked` with its arrays read, or raise."""
+    return dataclasses.replace(checked, arrays=_read_arrays(manager, checked.step, target, checked.items))
+
+
+def restored_state(target: Target, read: StepRead, data_iterator: Any) -> Any:
+    """The train state of a step every process has read; the iterator moves only now."""
+    arrays = _in_memory(target, read.arrays)
+    data_iterator.set_state(read.data_state)
+    return target.state(read.step, arrays["params"], arrays["opt_state"], arrays.get(HISTORIES))
+
+
+def resume_step(manager: ocp.CheckpointManager, step: int, target: Target, data_iterator: Any) -> Any:
+    """Restore this run's checkpoint `step` (state and data position) or raise, without agreeing with other
+    processes (`resume` does): cheap checks first, arrays last."""
+    checked = check_step(manager, step, target, data_iterator)
+    return restored_state(target, read_step_arrays(manager, target, checked), data_iterator)
 
 
 # ---------------------------------------------------------------- choosing a step, with fallback
 
-describe_error = storage.describe_error  # one line naming a failure's root cause
+_READ, _DAMAGED, _INCOMPATIBLE = 0, 1, 2  # what a process found of a step; the worst anywhere decides
+_PROBLEM_BYTES = 400  # room for storage.describe_error's one line
 
 
-def _ok_everywhere(ok: bool) -> bool:
-    """True when every process could read the checkpoint: all processes must restore the same step."""
+def _findings_everywhere(found: int, problem: str) -> list[tuple[int, str]]:
+    """(finding, problem) of every process, by process index: one all-gather of a small array, the same on every
+    process whatever it found (alone: this process's own)."""
     if jax.process_count() == 1:
-        return ok
+        return [(found, problem)]
     from jax.experimental import multihost_utils
-    return bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))
+    text = problem.encode()[:_PROBLEM_BYTES]
+    row = np.zeros(1 + _PROBLEM_BYTES, np.uint8)
+    row[0], row[1:1 + len(text)] = found, np.frombuffer(text, np.uint8)
+    rows = np.asarray(multihost_utils.process_allgather(row)).reshape(-1, 1 + _PROBLEM_BYTES)
+    return [(int(r[0]), bytes(r[1:]).rstrip(b"\0").decode(errors="replace")) for r in rows]
 
 
-def load_everywhere(load: Callable[[int], Any], step: int) -> tuple[Any, str | None]:
-    """(what `load` returned, None) when every process loaded `step`, else (None or this process's result, the
-    problem): all processes must restore the same step. An IncompatibleCheckpoint is raised at once."""
-    try:
-        loaded, problem = load(step), None
-    except IncompatibleCheckpoint:
-        raise
-    except Exception as e:  # any read failure means this step cannot be trusted
-        loaded, problem = None, describe_error(e)
-    if not _ok_everywhere(problem is None):
-        problem = problem or "unreadable on another process"
-    return loaded, problem
+def load_everywhere(reads: Sequence[Callable[[Any], Any]], step: int) -> tuple[Any, str | None]:
+    """(what the last of `reads` returned, None) when every process read `step`, else (None, the problem).
+
+    All processes must restore the same step, and all must run the same collectives whatever fails where. So
+    each read runs no collective (this process's own files; Orbax through `read_only_manager`), and after each
+    the processes agree, in one all-gather, before any of them goes on: a failed process never waits in the
+    agreement while a peer waits in a collective of its own. Each read gets what the previous one returned (the
+    first gets `step`); a cheap first read (metadata) spares the costly one (arrays) everywhere once any process
+    found damage. An IncompatibleCheckpoint on any process is raised on every process.
+    """
+    value: Any = step
+    for read in reads:
+        try:
+            value, error = read(value), None
+        except Exception as e:  # any read failure means this step cannot be trusted
+            value, error = None, e
+        found = _READ if error is None else _INCOMPATIBLE if isinstance(error, IncompatibleCheckpoint) else _DAMAGED
+        findings = _findings_everywhere(found, "" if error is None else storage.describe_error(error))
+        worst = max(f for f, _ in findings)
+        if worst == _READ:
+            continue
+        if found == worst:  # this process's own error says the most
+            if found == _INCOMPATIBLE:
+                raise error
+            return None, findings[jax.process_index()][1]
+        process, problem = next((p, text) for p, (f, text) in enumerate(findings) if f == worst)
+        if worst == _INCOMPATIBLE:
+            raise IncompatibleCheckpoint(f"checkpoint step {step} does not fit this config on process {process}: "
+                                         f"{problem}")
+        return None, f"on process {process}: {problem}"
+    return value, None
 
 
-def first_usable(steps: Sequence[int], load: Callable[[int], Any], where: str, warn: Warn
+def first_usable(steps: Sequence[int], reads: Sequence[Callable[[Any], Any]], where: str, warn: Warn
                  ) -> tuple[int, Any, list[int]] | None:
-    """(step, what `load` returned, unusable newer steps) for the newest step that loads, or None if none exist.
+    """(step, what `reads` returned, unusable newer steps) for the newest step that every process reads
+    (`load_everywhere`), or None if none exist.
 
     An unreadable step (truncated or missing file, bad JSON...) earns a warning naming the step
     and the problem and the next older step is tried; an IncompatibleCheckpoint is raised at once.
@@ -526,7 +592,7 @@ def first_usable(steps: Sequence[int], load: Callable[[int], Any], where: str, w
     """
     problems: list[tuple[int, str]] = []
     for step in steps:
-        loaded, problem = load_everywhere(load, step)
+        loaded, problem = load_everywhere(reads, step)
         if problem is None:
             return step, loaded, [s for s, _ in problems]
         older = [s for s in steps if s < step]
@@ -559,10 +625,17 @@ def resume(manager: ocp.CheckpointManager, target: Target, data_iterator: Any, w
     `max_checkpoints_to_keep` never counts them in place of good ones.
     """
     steps = sorted(manager.all_steps(), reverse=True)
-    found = first_usable(steps, lambda s: resume_step(manager, s, target, data_iterator), str(manager.directory), warn)
-    if found is None:
+    if not steps:
         return None
-    step, state, unusable = found
+    reader = read_only_manager(manager.directory)
+    try:
+        found = first_usable(steps, (lambda s: check_step(reader, s, target, data_iterator),
+                                     lambda checked: read_step_arrays(reader, target, checked)),
+                             str(manager.directory), warn)
+    finally:
+        reader.close()
+    step, read, unusable = found
+    state = restored_state(target, read, data_iterator)
     if unusable:
         if jax.process_index() == 0:
             for bad in unusable:
@@ -588,41 +661,44 @@ def resolve_source(key: str, value: str) -> tuple[epath.Path, int | None]:
                       f"directory (RUN) or its checkpoints directory to take the newest usable step.")
 
 
-def _load_from(key: str, value: str, target: Target, items: Sequence[str], warn: Warn) -> tuple[int, dict[str, Any]]:
+def _load_from(key: str, value: str, target: Target, items: Sequence[str], warn: Warn) -> StepRead:
     directory, step = resolve_source(key, value)
-    manager = _source_manager(directory)
+    manager = read_only_manager(directory)
     try:
         if step is not None and step not in manager.all_steps():
             raise ConfigError(f"{key}={value!r}: step {step} is not a complete checkpoint; complete steps there: "
                               f"{sorted(manager.all_steps()) or 'none'}")
         steps = [step] if step is not None else sorted(manager.all_steps(), reverse=True)
 
-        def load(s: int) -> dict[str, Any]:
+        def check(s: int) -> StepRead:
             where = f"{key}={value!r} (step {s})"
             _, saved_config = _read_json_items(manager, s)
             check_config(saved_config, target.config, MODEL_KEYS, where,
                          "Loading needs the same model shape; everything else may change.")
             restored = _with_histories(manager, s, target, items)
             _check_structure(manager, s, target, restored, where)
-            return _restore_arrays(manager, s, target, restored)
+            return StepRead(s, None, restored)
 
-        found = first_usable(steps, load, str(directory), warn)
+        found = first_usable(steps, (check, lambda checked: read_step_arrays(manager, target, checked)),
+                             str(directory), warn)
         if found is None:
             raise ConfigError(f"{key}={value!r}: no complete checkpoint in {directory}")
-        return found[0], found[1]
+        return found[1]
     finally:
         manager.close()
 
 
 def load_full_state(value: str, target: Target, warn: Warn = warn_stderr) -> Any:
     """Parameters, optimizer state and step of another run's checkpoint; the data starts afresh."""
-    step, arrays = _load_from("load_full_state_path", value, target, ARRAY_ITEMS, warn)
-    return target.state(step, arrays["params"], arrays["opt_state"], arrays.get(HISTORIES))
+    read = _load_from("load_full_state_path", value, target, ARRAY_ITEMS, warn)
+    arrays = _in_memory(target, read.arrays)
+    return target.state(read.step, arrays["params"], arrays["opt_state"], arrays.get(HISTORIES))
 
 
 def load_parameters(value: str, target: Target, warn: Warn = warn_stderr) -> Any:
     """Only the parameters of another run's checkpoint (for fine-tuning)."""
-    return _load_from("load_parameters_path", value, target, ("params",), warn)[1]["params"]
+    read = _load_from("load_parameters_path", value, target, ("params",), warn)
+    return _in_memory(target, read.arrays)["params"]
 
 
 # ---------------------------------------------------------------- parameters-only checkpoints (maxpar.convert)
@@ -647,7 +723,7 @@ def parameters_metadata(key: str, value: str) -> tuple[int, dict[str, Any], Any]
     """(step, saved config, Orbax metadata tree of the params item) of a checkpoint named as load_parameters_path=
     names one (a run directory means its newest step), read without touching any array."""
     directory, step = resolve_source(key, value)
-    manager = _source_manager(directory)
+    manager = read_only_manager(directory)
     try:
         steps = sorted(manager.all_steps())
         if step is None and not steps:

@@ -226,7 +226,7 @@ def resume_tiers(manager: ocp.CheckpointManager, local: ocp.CheckpointManager | 
         if anywhere > max(newer + [persistent]):
             warn(f"local checkpoint step {anywhere} is not on every process (a lost local disk?); not using it")
         for step, older in zip(newer, newer[1:] + [None]):
-            read, problem = checkpoint.load_everywhere(lambda s: _read_local_step(local, s, target, data_iterator),
+            read, problem = checkpoint.load_everywhere([lambda s: _read_local_step(local, s, target, data_iterator)],
                                                        step)
             if problem is None:
                 data_state, saved = read

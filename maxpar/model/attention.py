@@ -70,19 +70,20 @@ def _scores_and_output(q: Array, k: Array, v: Array, mask: Array) -> tuple[Array
 
 @jax.custom_vjp
 def masked_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
-    """q [B, Lq, H, D] (pre-scaled), k/v [B, Lk, KV, D], mask [B, 1, Lq, Lk] -> [B, Lq, H, D]; explicit scores.
+    """q [B, Lq, H, D] (pre-scaled), k [B, Lk, KV, D], v [B, Lk, KV, Dv], mask [B, 1, Lq, Lk] -> [B, Lq, H, Dv];
+    explicit scores.
 
     The gradient is flash attention's, on the whole matrices: the softmax's row sums come from the output
     (rowsum(dO * O), over D) instead of the [Lq, Lk] probabilities, and the float32 score gradient is rounded
     to the compute dtype before its two matmuls. (XLA:CPU turned autodiff's [Lq, Lk] row sum into a slow
     reduce-window fusion, a large share of a one-device step.)
     """
-    return _scores_and_output(q, k, v, mask)[1].reshape(q.shape)
+    return _scores_and_output(q, k, v, mask)[1].reshape(q.shape[:-1] + v.shape[-1:])
 
 
 def _masked_attention_fwd(q, k, v, mask):
     probs, out = _scores_and_output(q, k, v, mask)
-    return out.reshape(q.shape), (q, k, v, mask, probs, out)
+    return out.reshape(q.shape[:-1] + v.shape[-1:]), (q, k, v, mask, probs, out)
 
 
 def _masked_attention_bwd(residuals, d_out):

@@ -58,18 +58,18 @@ def padded_schedules(schedules: list[np.ndarray]) -> tuple[np.ndarray, np.ndarra
 class Carry(NamedTuple):
     """Online-softmax state of every query block: unnormalized output, running max and sum."""
 
-    acc: Array  # [nq, B, KV, G, bq, D] float32
+    acc: Array  # [nq, B, KV, G, bq, Dv] float32
     m: Array    # [nq, B, KV, G, bq] float32
     l: Array    # [nq, B, KV, G, bq] float32
 
 
 def _blocks(q: Array, k: Array, v: Array, block: int) -> tuple[Array, Array, Array]:
-    """q [B, L, H, D] -> [nq, B, bq, KV, G, D]; k, v [B, L, KV, D] -> [nk, B, bk, KV, D]."""
+    """q [B, L, H, D] -> [nq, B, bq, KV, G, D]; k, v [B, L, KV, D or Dv] -> [nk, B, bk, KV, D or Dv]."""
     b, lq, h, d = q.shape
     kv = k.shape[2]
     qb = q.reshape(b, lq // block, block, kv, h // kv, d).swapaxes(0, 1)
     kb = k.reshape(b, k.shape[1] // block, block, kv, d).swapaxes(0, 1)
-    vb = v.reshape(b, v.shape[1] // block, block, kv, d).swapaxes(0, 1)
+    vb = v.reshape(b, v.shape[1] // block, block, kv, v.shape[-1]).swapaxes(0, 1)
     return qb, kb, vb
 
 
@@ -109,10 +109,12 @@ def varying_like(tree, *arrays: Array):
     return jax.tree.map(cast, tree)
 
 
-def init_carry(q: Array, num_kv: int, block: int) -> Carry:
-    b, lq, h, d = q.shape
+def init_carry(q: Array, v: Array, block: int) -> Carry:
+    """The empty online-softmax state of q's blocks against values like `v` (its heads and width)."""
+    b, lq, h, _ = q.shape
+    num_kv = v.shape[2]
     shape = (lq // block, b, num_kv, h // num_kv, block)
-    return Carry(jnp.zeros((*shape, d), jnp.float32), jnp.full(shape, NEG, jnp.float32), jnp.zeros(shape, jnp.float32))
+    return Carry(jnp.zeros((*shape, v.shape[-1]), jnp.float32), jnp.full(shape, NEG, jnp.float32), jnp.zeros(shape, jnp.float32))
 
 
 def accumulate(carry: Carry, q: Array, k: Array, v: Array, q_index: Array, k_index: Array, q_seg: Array,
@@ -160,11 +162,11 @@ def backward(q: Array, k: Array, v: Array, q_index: Array, k_index: Array, q_seg
     qb, kb, vb = _blocks(q, k, v, block)
     qi_all, ki_all = _row_blocks(q_index, block), _row_blocks(k_index, block)
     qs_all, ks_all = _row_blocks(q_seg, block), _row_blocks(k_seg, block)
-    b, lq, h, d = q.shape
+    b, lq, h, _ = q.shape
     kv = k.shape[2]
     nq = lq // block
-    # [B, L, H, D] -> [nq, B, KV, G, bq, D]; [B, KV, G, L] -> [nq, B, KV, G, bq]
-    do_b = d_out.reshape(b, nq, block, kv, h // kv, d).transpose(1, 0, 3, 4, 2, 5)
+    # [B, L, H, Dv] -> [nq, B, KV, G, bq, Dv]; [B, KV, G, L] -> [nq, B, KV, G, bq]
+    do_b = d_out.reshape(b, nq, block, kv, h // kv, d_out.shape[-1]).transpose(1, 0, 3, 4, 2, 5)
     lse_b = lse.reshape(b, kv, h // kv, nq, block).transpose(3, 0, 1, 2, 4)
     delta_b = delta.reshape(b, kv, h // kv, nq, block).transpose(3, 0, 1, 2, 4)
     grads = (jnp.zeros(qb.shape, jnp.float32), jnp.zeros(kb.shape, jnp.float32), jnp.zeros(vb.shape, jnp.float32))
@@ -200,7 +202,7 @@ def output_delta(d_out: Array, out: Array, d_lse: Array) -> Array:
 @partial(jax.custom_vjp, nondiff_argnums=(9, 10))
 def flash(q, k, v, q_index, k_index, q_seg, k_seg, pairs, valid, window, block):
     """(out [B, Lq, H, D] float32, lse [B, KV, G, Lq]) of q against k, v over the block `pairs` where `valid`."""
-    carry = accumulate(init_carry(q, k.shape[2], block), q, k, v, q_index, k_index, q_seg, k_seg, pairs, valid,
+    carry = accumulate(init_carry(q, v, block), q, k, v, q_index, k_index, q_seg, k_seg, pairs, valid,
                        window=window, block=block)
     return finish(carry)
 
@@ -224,7 +226,7 @@ flash.defvjp(_flash_fwd, _flash_bwd)
 
 def blockwise_attention(q: Array, k: Array, v: Array, segment_ids: Array, *, block: int, window: int = 0,
                         index: np.ndarray | None = None) -> Array:
-    """q [B, L, H, D] (pre-scaled), k/v [B, L, KV, D] -> [B, L, H, D] in q's dtype.
+    """q [B, L, H, D] (pre-scaled), k [B, L, KV, D], v [B, L, KV, Dv] -> [B, L, H, Dv] in q's dtype.
 
     `index`: the static global sequence index of each row (default: 0..L-1).
     """

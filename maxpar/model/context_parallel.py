@@ -124,7 +124,7 @@ def _ring_forward(q, k, v, seg, degree, balance, window, block):
     local = q.shape[1]
     shards = jnp.asarray(shard_indices(local, degree, balance))
     me = jax.lax.axis_index(CONTEXT_AXIS)
-    carry = init_carry(q, k.shape[2], block)
+    carry = init_carry(q, v, block)
     visiting = (k, v, seg)
     for hop, (pairs, valid) in enumerate(ring_schedules(local, degree, balance, block, window)):
         kh, vh, segh = visiting

@@ -4,7 +4,8 @@ Forward operands go to float8_e4m3fn (3 mantissa bits, range +-448) and gradient
 bits, range +-57344: gradients span more decades than they need digits). A tensor's scale maps its absolute
 maximum (amax) onto the format's largest finite value, so the whole tensor uses the format's range; `quantize`
 divides by the scale, clips and casts, `dequantize` casts back and multiplies by it. The amax is the tensor's own
-(current scaling) or the largest of its recent ones, kept in an amax history (delayed scaling, below).
+(current scaling) or the largest of its recent ones, kept in an amax history (delayed scaling, below; the MoE
+experts keep one per expert).
 
 The dequantize is written as XLA's GPU GEMM rewriter expects it: a convert from fp8 to the compute dtype
 followed by a multiply with a broadcast scalar, feeding the dot. On Hopper the rewriter folds that pattern
@@ -156,3 +157,84 @@ def update_histories(meta: Any, cotangents: Any) -> Any:
 def combine_observed(a: Any, b: Any) -> Any:
     """Two microbatches' observations of the same step: amaxes combine by max (a cotangent sum would add them)."""
     return jax.tree.map(jnp.maximum, a, b)
+
+
+# ---------------------------------------------------------------- per-expert delayed scaling (the MoE experts)
+#
+# Under fp8_scaling=delayed an expert matmul keeps one history per expert, [experts, OPERANDS, length] (logical
+# axis `exp` first, so expert parallelism splits it as it splits the weights): an expert's tokens and weights have
+# their own range, which one scale for all experts would spend on the largest. The round trips take one row of it,
+# [experts, length], and the tensor's expert groups: `experts` gives each row's expert ([rows]: the grouped
+# matmul's sorted copies; past the last expert: padding, scaled by the last one's history) or is None (the leading
+# dim is the expert: the weights and the capacity buffers). Each group reports its own amax through the row's
+# cotangent, a max over `axes`: the mesh axes that split a group's tokens or its weight (never the experts').
+
+def group_amax(t: Array, experts: Array | None, num_experts: int, axes: tuple[str, ...] = ()) -> Array:
+    """[num_experts] float32 amaxes of t's expert groups (0 for an empty group), a max over the mesh `axes`."""
+    if experts is None:
+        amax = jnp.max(jnp.abs(t), axis=tuple(range(1, t.ndim)))
+    else:
+        rows = jnp.max(jnp.abs(t), axis=-1).astype(jnp.float32)
+        amax = jnp.maximum(jax.ops.segment_max(rows, experts, num_segments=num_experts), 0.0)
+    amax = amax.astype(jnp.float32)
+    return jax.lax.pmax(amax, axes) if axes else amax
+
+
+def _group_round_trip(t: Array, history: Array, experts: Array | None, fmt: jnp.dtype,
+                      axes: tuple[str, ...]) -> tuple[Array, Array]:
+    """(t rounded to `fmt` with each group's delayed scale, back in t's dtype; the groups' amaxes)."""
+    amax = group_amax(t, experts, history.shape[0], axes)
+    past = jnp.max(history, axis=-1)
+    scale = scale_from_amax(jnp.where(past > 0, past, amax), fmt)
+    if experts is None:
+        scale = scale.reshape(-1, *([1] * (t.ndim - 1)))
+    else:
+        scale = scale[jnp.minimum(experts, history.shape[0] - 1)][:, None]
+    return dequantize(quantize(t, fmt, scale), scale, t.dtype), amax
+
+
+def _row_report(history: Array, amax: Array) -> Array:
+    """One row's cotangent: each expert's observed amax in column 0, zeros elsewhere (as `report`)."""
+    return jnp.zeros_like(history).at[:, 0].set(amax)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def as_e4m3_per_expert(x: Array, history: Array, experts: Array | None, axes: tuple[str, ...]) -> Array:
+    """x in e4m3, each expert group with the delayed scale of its `history` row; the gradient passes straight
+    through and the history's cotangent reports the groups' amaxes."""
+    return _group_round_trip(x, history, experts, E4M3, axes)[0]
+
+
+def _as_e4m3_per_expert_fwd(x, history, experts, axes):
+    y, amax = _group_round_trip(x, history, experts, E4M3, axes)
+    return y, (history, amax)
+
+
+as_e4m3_per_expert.defvjp(_as_e4m3_per_expert_fwd,
+                          lambda axes, res, g: (g, _row_report(res[0], res[1]), None))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def e5m2_gradient_per_expert(y: Array, history: Array, experts: Array | None, axes: tuple[str, ...]) -> Array:
+    """y unchanged; its incoming gradient rounded to e5m2 per expert group with the delayed scales of `history`,
+    whose cotangent reports the gradient groups' amaxes."""
+    return y
+
+
+def _e5m2_gradient_per_expert_bwd(axes, res, g):
+    history, experts = res
+    rounded, amax = _group_round_trip(g, history, experts, E5M2, axes)
+    return rounded, _row_report(history, amax), None
+
+
+e5m2_gradient_per_expert.defvjp(lambda y, history, experts, axes: (y, (history, experts)),
+                                _e5m2_gradient_per_expert_bwd)
+
+
+def fp8_expert_product(dot: Callable[[Array, Array], Array], x: Array, w: Array, history: Array,
+                       experts: Array | None, axes: tuple[str, ...]) -> Array:
+    """dot(x, w) of expert-grouped x (rows' `experts`, or None: x's leading dim) and w [experts, ...], with the
+    per-expert delayed scales of `history` [experts, OPERANDS, length]; its cotangent reports what was observed."""
+    xq = as_e4m3_per_expert(x, history[:, 0], experts, axes)
+    wq = as_e4m3_per_expert(w, history[:, 1], None, axes)
+    return e5m2_gradient_per_expert(dot(xq, wq), history[:, 2], experts, axes)

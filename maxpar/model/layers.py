@@ -6,6 +6,7 @@ activations logical constraints; no physical mesh axis appears here.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import flax.linen as nn
@@ -56,17 +57,21 @@ class ModelModule(nn.Module):
                        history=amax_history(self, name))
 
 
-def amax_history(module: nn.Module, name: str) -> Array | None:
+def amax_history(module: nn.Module, name: str, experts: int = 0) -> Array | None:
     """The fp8 amax history [OPERANDS, fp8_amax_history_length] of the module's projection `name` (created
     empty at init, in the FP8_META collection), or None: no delayed scaling, or applied without the collection
-    (evaluation, sampling), where current scaling needs no history."""
+    (evaluation, sampling), where current scaling needs no history. `experts` > 0: one per expert
+    [experts, OPERANDS, length], on the `exp` logical axis (maxpar.model.fp8's per-expert scaling)."""
     config = module.config
     if config.quantization != "fp8" or config.fp8_scaling != "delayed":
         return None
     if not module.is_initializing() and not module.has_variable(fp8.FP8_META, name):
         return None
     shape = (len(fp8.OPERANDS), config.fp8_amax_history_length)
-    return module.variable(fp8.FP8_META, name, jnp.zeros, shape, jnp.float32).value
+    if not experts:
+        return module.variable(fp8.FP8_META, name, jnp.zeros, shape, jnp.float32).value
+    per_expert = nn.with_logical_partitioning(jnp.zeros, (Logical.EXP, None, None))
+    return module.variable(fp8.FP8_META, name, per_expert, (experts, *shape), jnp.float32).value
 
 
 def kernel(module: ModelModule, name: str, shape: Sequence[int], axes: Sequence[str],
@@ -94,17 +99,51 @@ class RMSNorm(ModelModule):
         return (normed * scale.astype(jnp.float32)).astype(cfg.dtype)
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction of attention for a context stretched by `factor`."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(scaling: RopeScaling | None) -> float:
+    """What yarn multiplies the rotated features by (both q's and k's, so their product by its square); 1 else."""
+    if scaling is None or scaling.kind != "yarn":
+        return 1.0
+    if scaling.mscale and scaling.mscale_all_dim:
+        return yarn_mscale(scaling.factor, scaling.mscale) / yarn_mscale(scaling.factor, scaling.mscale_all_dim)
+    return yarn_mscale(scaling.factor)
+
+
+def yarn_inv_freq(half: int, theta: float, scaling: RopeScaling) -> Array:
+    """[half] YaRN inverse frequencies: pairs that turn more than beta_fast times over the original context keep
+    their frequency, those turning fewer than beta_slow times are divided by `factor`, a linear ramp between (the
+    bounds rounded outwards to whole pairs, as DeepSeek-V3 and Hugging Face do)."""
+    dim = 2 * half
+    original = scaling.original_max_position_embeddings
+
+    def pair_of(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = max(math.floor(pair_of(scaling.beta_fast)), 0), min(math.ceil(pair_of(scaling.beta_slow)), dim - 1)
+    ramp = jnp.clip((jnp.arange(half, dtype=jnp.float32) - low) / ((high - low) or 0.001), 0, 1)
+    pos_freqs = theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+    keep = 1 - ramp
+    return 1.0 / (scaling.factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
+
+
 def rope_inv_freq(half: int, theta: float, scaling: RopeScaling | None = None) -> Array:
     """[half] float32 inverse frequencies of the rotary pairs; with `scaling` (Llama 3.1+'s `llama3` type)
-    the long wavelengths are stretched by `factor` so the model reaches past the context it was pretrained on.
+    the long wavelengths are stretched by `factor` so the model reaches past the context it was pretrained on
+    (`yarn`: `yarn_inv_freq`).
 
     Wavelengths shorter than original/high_freq_factor keep their frequency, those longer than
     original/low_freq_factor are divided by `factor`, and the band between interpolates smoothly.
     """
+    if scaling is not None and scaling.kind == "yarn":
+        return yarn_inv_freq(half, theta, scaling)
     inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
     if scaling is None:
         return inv_freq
-    factor, low, high, original = scaling
+    factor, low, high, original = scaling[:4]
     wavelen = 2 * jnp.pi / inv_freq
     scaled = jnp.where(wavelen > original / low, inv_freq / factor, inv_freq)
     smooth = (original / wavelen - low) / (high - low)
@@ -114,10 +153,12 @@ def rope_inv_freq(half: int, theta: float, scaling: RopeScaling | None = None) -
 
 
 def apply_rope(x: Array, positions: Array, theta: float, scaling: RopeScaling | None = None) -> Array:
-    """Rotary embedding in the half-split convention: x [B, L, H, D], positions [B, L]."""
+    """Rotary embedding in the half-split convention: x [B, L, H, D], positions [B, L]; yarn scales the result
+    by its attention factor."""
     half = x.shape[-1] // 2
     angle = positions.astype(jnp.float32)[:, :, None, None] * rope_inv_freq(half, theta, scaling)
-    sin, cos = jnp.sin(angle), jnp.cos(angle)
+    factor = rope_attention_factor(scaling)
+    sin, cos = jnp.sin(angle) * factor, jnp.cos(angle) * factor
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
@@ -171,12 +212,15 @@ class Attention(ModelModule):
 
 
 class Mlp(ModelModule):
-    """SwiGLU feed-forward: silu(x W_gate) * (x W_up) W_down."""
+    """SwiGLU feed-forward: silu(x W_gate) * (x W_up) W_down; `width` 0 = mlp_dim (the MoE's shared experts
+    set their own)."""
+
+    width: int = 0
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
         cfg = self.config
-        e, m = cfg.emb_dim, cfg.mlp_dim
+        e, m = cfg.emb_dim, self.width or cfg.mlp_dim
         # `mlp_embed`: the feed-forward weights' embed dim has its own name, so that a preset can shard it
         # apart from the other weights' (TP-transpose, configs/tp_transpose.yml); by default it follows `embed`.
         w_gate = kernel(self, "wi_gate", (e, m), (Logical.MLP_EMBED, Logical.MLP), (0,))

@@ -35,33 +35,49 @@ from jax.sharding import PartitionSpec
 from maxpar.core.layout import EXPERT_DOWN, EXPERT_GATE, ExpertAxes
 from maxpar.model import fp8 as fp8_matmuls
 from maxpar.model.activations import swiglu
+from maxpar.pipeline.spmd import spread
 
 Array = jax.Array
 Axes = tuple[str, ...]
+# fp8_scaling=delayed: the amax histories of wi_gate, wi_up and wo, each [experts, OPERANDS, length]; None: none
+Histories = tuple[Array | None, Array | None, Array | None]
 
 
 # ---------------------------------------------------------------- the experts' SwiGLU
 
-def _product(dot: Callable[[Array, Array], Array], x: Array, w: Array, fp8_axes: Axes | None) -> Array:
-    """dot(x, w); in fp8 (maxpar.model.fp8.fp8_product, amaxes over `fp8_axes`) unless fp8_axes is None."""
-    return dot(x, w) if fp8_axes is None else fp8_matmuls.fp8_product(dot, x, w, fp8_axes)
+def _product(dot: Callable[[Array, Array], Array], x: Array, w: Array, fp8_axes: Axes | None,
+             history: Array | None = None, experts: Array | None = None) -> Array:
+    """dot(x, w); in fp8 unless fp8_axes is None (amaxes over `fp8_axes`): with current global scales
+    (maxpar.model.fp8.fp8_product), or with `history` the per-expert delayed ones (`fp8_expert_product`; x's rows'
+    `experts`, None: x's leading dim)."""
+    if fp8_axes is None:
+        return dot(x, w)
+    if history is None:
+        return fp8_matmuls.fp8_product(dot, x, w, fp8_axes)
+    return fp8_matmuls.fp8_expert_product(dot, x, w, history, experts, fp8_axes)
 
 
 def _swiglu_grouped(rows: Array, w_gate: Array, w_up: Array, w_down: Array, group_sizes: Array,
-                    fp8_axes: Axes | None = None) -> Array:
+                    fp8_axes: Axes | None = None, histories: Histories = (None, None, None)) -> Array:
     """SwiGLU of rows sorted by expert: group g uses expert g's weights. Rows past the groups give zeros."""
     def dot(a, b):
         return jax.lax.ragged_dot(a, b, group_sizes)
-    gate, up = _product(dot, rows, w_gate, fp8_axes), _product(dot, rows, w_up, fp8_axes)
-    return _product(dot, swiglu(gate, up), w_down, fp8_axes)
+    experts = None
+    if histories[0] is not None:  # each row's expert; past the groups: len(group_sizes)
+        experts = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows.shape[0]), side="right")
+    h_gate, h_up, h_down = histories
+    gate = _product(dot, rows, w_gate, fp8_axes, h_gate, experts)
+    up = _product(dot, rows, w_up, fp8_axes, h_up, experts)
+    return _product(dot, swiglu(gate, up), w_down, fp8_axes, h_down, experts)
 
 
-def _swiglu_batched(buffers: Array, w_gate: Array, w_up: Array, w_down: Array, fp8_axes: Axes | None = None
-                    ) -> Array:
+def _swiglu_batched(buffers: Array, w_gate: Array, w_up: Array, w_down: Array, fp8_axes: Axes | None = None,
+                    histories: Histories = (None, None, None)) -> Array:
     """SwiGLU of per-expert buffers [experts, slots, emb]."""
     up_dot, down_dot = functools.partial(jnp.einsum, "xte,xem->xtm"), functools.partial(jnp.einsum, "xtm,xme->xte")
-    gate, up = _product(up_dot, buffers, w_gate, fp8_axes), _product(up_dot, buffers, w_up, fp8_axes)
-    return _product(down_dot, swiglu(gate, up), w_down, fp8_axes)
+    h_gate, h_up, h_down = histories
+    gate, up = _product(up_dot, buffers, w_gate, fp8_axes, h_gate), _product(up_dot, buffers, w_up, fp8_axes, h_up)
+    return _product(down_dot, swiglu(gate, up), w_down, fp8_axes, h_down)
 
 
 def _all_to_all(x: Array, axes: Axes, split_axis: int, concat_axis: int) -> Array:
@@ -71,7 +87,8 @@ def _all_to_all(x: Array, axes: Axes, split_axis: int, concat_axis: int) -> Arra
 # ---------------------------------------------------------------- dropless
 
 def dropless_local(x: Array, experts: Array, weights: Array, w_gate: Array, w_up: Array, w_down: Array, *,
-                   num_experts: int, ep_axes: Axes = (), ep_size: int = 1, fp8_axes: Axes | None = None) -> Array:
+                   num_experts: int, ep_axes: Axes = (), ep_size: int = 1, fp8_axes: Axes | None = None,
+                   histories: Histories = (None, None, None)) -> Array:
     """Every token copy computed by its expert; x [T, emb], experts/weights [T, k] -> [T, emb] (float32).
 
     The copies are sorted by expert (so also by the device holding it), sent in
@@ -86,7 +103,7 @@ def dropless_local(x: Array, experts: Array, weights: Array, w_gate: Array, w_up
     rows = x[order // k]
     counts = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     if ep_size == 1:
-        out = _swiglu_grouped(rows, w_gate, w_up, w_down, counts, fp8_axes)
+        out = _swiglu_grouped(rows, w_gate, w_up, w_down, counts, fp8_axes, histories)
     else:
         chunk = tokens * min(k, local_experts)    # the most copies one device can send one peer
         device = flat[order] // local_experts
@@ -100,7 +117,7 @@ def dropless_local(x: Array, experts: Array, weights: Array, w_gate: Array, w_up
         expert_of = jax.vmap(lambda e: jnp.searchsorted(e, jnp.arange(chunk), side="right"))(ends).reshape(-1)
         arrival = jnp.argsort(expert_of, stable=True)                     # by local expert; padding last
         computed = _swiglu_grouped(received.reshape(-1, x.shape[-1])[arrival], w_gate, w_up, w_down,
-                                   received_counts.sum(0), fp8_axes)
+                                   received_counts.sum(0), fp8_axes, histories)
         computed = jnp.where((expert_of[arrival] < local_experts)[:, None], computed, 0)
         results = jnp.zeros_like(computed).at[arrival].set(computed).reshape(ep_size, chunk, -1)
         out = _all_to_all(results, ep_axes, 0, 0)[device, offset]
@@ -112,7 +129,7 @@ def dropless_local(x: Array, experts: Array, weights: Array, w_gate: Array, w_up
 
 def capacity_local(x: Array, experts: Array, slots: Array, weights: Array, w_gate: Array, w_up: Array,
                    w_down: Array, *, num_experts: int, capacity: int, ep_axes: Axes = (), ep_size: int = 1,
-                   fp8_axes: Axes | None = None) -> Array:
+                   fp8_axes: Axes | None = None, histories: Histories = (None, None, None)) -> Array:
     """Fixed per-expert buffers of `capacity` slots per row; x [B, L, emb], experts/slots/weights [B, L, k].
 
     A dropped copy has slot == capacity: it is written nowhere and reads back
@@ -125,7 +142,7 @@ def capacity_local(x: Array, experts: Array, slots: Array, weights: Array, w_gat
     buffers = jnp.zeros((num_experts, rows, capacity, x.shape[-1]), x.dtype)
     buffers = buffers.at[experts, row_index, slots].set(copies, mode="drop").reshape(num_experts, -1, x.shape[-1])
     buffers = _all_to_all(buffers, ep_axes, 0, 1)          # [local experts, sources x rows x capacity, emb]
-    out = _all_to_all(_swiglu_batched(buffers, w_gate, w_up, w_down, fp8_axes), ep_axes, 1, 0)
+    out = _all_to_all(_swiglu_batched(buffers, w_gate, w_up, w_down, fp8_axes, histories), ep_axes, 1, 0)
     out = out.reshape(num_experts, rows, capacity, -1)
     gathered = out.at[experts, row_index, slots].get(mode="fill", fill_value=0)
     return jnp.einsum("blke,blk->ble", gathered.astype(jnp.float32), weights)
@@ -133,31 +150,39 @@ def capacity_local(x: Array, experts: Array, slots: Array, weights: Array, w_gat
 
 # ---------------------------------------------------------------- running it on the mesh
 
-def on_token_shards(fn: Callable[..., Any], axes: ExpertAxes | None, *arrays: Array) -> Any:
-    """fn applied to each device's tokens: for per-token (per-row) work such as routing.
+def on_token_shards(fn: Callable[..., Any], axes: ExpertAxes | None, *arrays: Array,
+                    whole: tuple[Array, ...] = ()) -> Any:
+    """fn(*whole, *arrays) applied to each device's tokens: for per-token (per-row) work such as routing.
 
     The partitioner would all-gather top_k's operand across the batch shards;
     under shard_map each device routes its own tokens, with no collective.
+    `whole`: arrays every device takes in full (the routing bias).
     axes None: no mesh (one device, or a reference), fn runs on the whole arrays.
     """
     if axes is None:
-        return fn(*arrays)
+        return fn(*whole, *arrays)
     spec = PartitionSpec(axes.live(axes.tokens) or None)
-    return jax.shard_map(fn, mesh=axes.mesh.abstract(), in_specs=tuple(spec for _ in arrays), out_specs=spec)(*arrays)
+    in_specs = (*(PartitionSpec() for _ in whole), *(spec for _ in arrays))
+    return jax.shard_map(fn, mesh=axes.mesh.abstract(), in_specs=in_specs, out_specs=spec)(*whole, *arrays)
 
 
 def expert_parallel(local: Callable[..., Array], axes: ExpertAxes | None, x: Array, per_token: tuple[Array, ...],
                     w_gate: Array, w_up: Array, w_down: Array, *, flat_tokens: bool, fp8: bool = False,
-                    **static) -> Array:
+                    histories: Histories = (None, None, None), **static) -> Array:
     """Run a dispatch function on every device's tokens with its experts; [B, L, emb] in x's dtype.
 
     With axes None (model.init, a single-device reference) it runs on the whole
     arrays. With the layout's axes: tokens split over the `activation_batch` axes,
     expert weights over `exp` (EP) and `mlp` (TP), their other dims all-gathered
     here (FSDP; the gradient is reduce-scattered back), TP partial sums added.
-    fp8: the experts' matmuls in fp8, each amax a max over the mesh axes that split its tensor.
+    fp8: the experts' matmuls in fp8, each amax a max over the mesh axes that split its tensor; with `histories`
+    (fp8_scaling=delayed) per expert, each expert's amaxes a max over the axes that split its tokens or weights
+    but not the experts: every device gets a copy of its experts' histories (`spread`: their observations
+    combine by max, where the shard_map's transpose would add them).
     """
     batch, length, emb = x.shape
+
+    delayed = histories[0] is not None
 
     def run(x, per_token, w_gate, w_up, w_down, **axes):
         if flat_tokens:
@@ -167,7 +192,7 @@ def expert_parallel(local: Callable[..., Array], axes: ExpertAxes | None, x: Arr
         return y.reshape(-1, length, emb).astype(x.dtype)
 
     if axes is None:
-        return run(x, per_token, w_gate, w_up, w_down, fp8_axes=() if fp8 else None)
+        return run(x, per_token, w_gate, w_up, w_down, fp8_axes=() if fp8 else None, histories=histories)
     # Axes of size 1 are left out: they split nothing, and shard_map would count them as varying.
     token_spec = PartitionSpec(axes.live(axes.tokens) or None)
     gate_spec = PartitionSpec(*(axes.live(a) or None for a in axes.gate))
@@ -182,21 +207,26 @@ def expert_parallel(local: Callable[..., Array], axes: ExpertAxes | None, x: Arr
                 w = jax.lax.all_gather(w, gathered, axis=dim, tiled=True)
         return w
 
-    def body(x, per_token, w_gate, w_up, w_down):
+    ep, hidden = axes.live(axes.experts), axes.live(axes.hidden)
+    split = axes.live(tuple(dict.fromkeys(axes.tokens + axes.experts + axes.hidden)))
+    copies = tuple(a for a in split if a not in ep)  # what splits an expert's tokens or weights
+
+    def body(x, per_token, w_gate, w_up, w_down, histories):
         w_gate, w_up = gather(w_gate, axes.gate, EXPERT_GATE), gather(w_up, axes.gate, EXPERT_GATE)
         w_down = gather(w_down, axes.down, EXPERT_DOWN)
-        ep, hidden = axes.live(axes.experts), axes.live(axes.hidden)
         if hidden:  # TP: one all-reduce of the input gradient in the backward pass, not one per use
             x = jax.lax.pcast(x, hidden, to="varying")
-        split = axes.live(tuple(dict.fromkeys(axes.tokens + axes.experts + axes.hidden)))
-        y = run(x, per_token, w_gate, w_up, w_down, ep_axes=ep, ep_size=axes.degree(ep),
-                fp8_axes=split if fp8 else None)
+        fp8_axes = None if not fp8 else copies if delayed else split
+        y = run(x, per_token, w_gate, w_up, w_down, ep_axes=ep, ep_size=axes.degree(ep), fp8_axes=fp8_axes,
+                histories=tuple(h[0] for h in histories) if delayed else histories)
         return jax.lax.psum(y, hidden) if hidden else y
 
     # Inside a pipeline stage (maxpar.pipeline.spmd) this runs under jax.vmap(spmd_axis_name=stage), whose
     # batching makes every output vary over the stages too, which the varying-axes check does not know of:
     # there (and only there) the check is off; the specs themselves stay right.
+    history_spec = PartitionSpec(copies or None, ep or None) if delayed else PartitionSpec()
     sharded = jax.shard_map(body, mesh=axes.mesh.abstract(), in_specs=(token_spec, tuple(token_spec for _ in per_token),
-                                                                       gate_spec, gate_spec, down_spec),
+                                                                       gate_spec, gate_spec, down_spec, history_spec),
                             out_specs=token_spec, check_vma=not axes.pipelined)
-    return sharded(x, per_token, w_gate, w_up, w_down)
+    return sharded(x, per_token, w_gate, w_up, w_down,
+                   spread(histories, axes.degree(copies)) if delayed else histories)

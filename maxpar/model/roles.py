@@ -48,6 +48,17 @@ class ParamRole(enum.StrEnum):
     OUTPUT = "output"                       # the output projection to the vocabulary
     NORM = "norm"                           # an RMSNorm scale
     QK_NORM = "qk_norm"                     # the RMSNorm scale of each query/key head (qk_norm: Qwen3)
+    QUERY_A = "query_a"                     # MLA: x -> the query's low rank (q_lora_rank > 0)
+    QUERY_B = "query_b"                     # MLA: the query's low rank -> each head's [nope | rope]
+    KEY_VALUE_A = "key_value_a"             # MLA: x -> [latent | shared k_rope]
+    KEY_VALUE_B = "key_value_b"             # MLA: the latent -> each head's [k_nope | v]
+    LATENT_NORM = "latent_norm"             # MLA: the RMSNorm scale of the query's low rank or the kv latent
+    SHARED_GATE = "shared_gate"             # MoE shared experts (num_shared_experts): a dense SwiGLU every token uses
+    SHARED_UP = "shared_up"
+    SHARED_DOWN = "shared_down"
+    ROUTING_BIAS = "routing_bias"           # routed_bias: per-expert choice bias, moved by the train step, not the
+                                            # optimizer (maxpar.training.optimizer.trained_mask)
+    MTP_PROJECTION = "mtp_projection"       # multi-token prediction: [norm(embedding); norm(hidden)] -> embed
 
     @property
     def block(self) -> Block:
@@ -82,8 +93,21 @@ _DECLARED = {
     ParamRole.EMBEDDING: _Declaration(Block.EMBEDDING, (_L.VOCAB, _L.EMBED), (("", "token_embedding"),)),
     ParamRole.OUTPUT: _Declaration(Block.OUTPUT, (_L.EMBED, _L.VOCAB), (("", "output"),)),
     ParamRole.NORM: _Declaration(Block.NORM, (_L.NORM,), (("pre_attention_norm", "scale"), ("pre_mlp_norm", "scale"),
-                                                         ("final_norm", "scale"))),
+                                                         ("final_norm", "scale"), ("embedding_norm", "scale"),
+                                                         ("hidden_norm", "scale"), ("head_norm", "scale"))),
     ParamRole.QK_NORM: _Declaration(Block.NORM, (_L.HEAD_DIM,), (("query_norm", "scale"), ("key_norm", "scale"))),
+    ParamRole.QUERY_A: _Declaration(Block.ATTENTION, (_L.EMBED, _L.LORA), (("attention", "query_a"),)),
+    ParamRole.QUERY_B: _Declaration(Block.ATTENTION, (_L.LORA, _L.HEADS, _L.HEAD_DIM), (("attention", "query_b"),)),
+    ParamRole.KEY_VALUE_A: _Declaration(Block.ATTENTION, (_L.EMBED, _L.LORA), (("attention", "key_value_a"),)),
+    ParamRole.KEY_VALUE_B: _Declaration(Block.ATTENTION, (_L.LORA, _L.HEADS, _L.HEAD_DIM),
+                                        (("attention", "key_value_b"),)),
+    ParamRole.SHARED_GATE: _Declaration(Block.MLP, (_L.MLP_EMBED, _L.MLP), (("shared_experts", "wi_gate"),)),
+    ParamRole.SHARED_UP: _Declaration(Block.MLP, (_L.MLP_EMBED, _L.MLP), (("shared_experts", "wi_up"),)),
+    ParamRole.SHARED_DOWN: _Declaration(Block.MLP, (_L.MLP, _L.MLP_EMBED), (("shared_experts", "wo"),)),
+    ParamRole.ROUTING_BIAS: _Declaration(Block.MLP, (None,), (("moe", "routing_bias"),)),
+    ParamRole.LATENT_NORM: _Declaration(Block.NORM, (_L.LORA,), (("query_a_norm", "scale"),
+                                                                 ("key_value_a_norm", "scale"))),
+    ParamRole.MTP_PROJECTION: _Declaration(Block.MLP, (None, _L.EMBED), (("projection", "kernel"),)),
 }
 _BY_NAME = {name: role for role, declared in _DECLARED.items() for name in declared.names}
 

@@ -1,4 +1,4 @@
-"""Token-to-expert routing: Mixtral's top-k, the load-balancing loss, and capacity slots.
+"""Token-to-expert routing: Mixtral's and DeepSeek-V3's top-k, the load-balancing loss, and capacity slots.
 
 Pure functions of per-token arrays with leading dims [batch, length]; they
 contain no collective and no mesh axis, so under jit the partitioner keeps
@@ -19,22 +19,47 @@ Array = jax.Array
 class Routing(NamedTuple):
     """Where each token goes: router probabilities, its top-k experts and their combine weights."""
 
-    probs: Array    # [..., num_experts] float32: softmax over all expert logits
-    experts: Array  # [..., k] int32: chosen experts, most probable first
-    weights: Array  # [..., k] float32: their probabilities (renormalized to sum to 1 by default)
+    probs: Array    # [..., num_experts] float32: the scores as a distribution (what the balance loss reads)
+    experts: Array  # [..., k] int32: chosen experts, best (bias included) first
+    weights: Array  # [..., k] float32: their combine weights
 
 
-def route(logits: Array, k: int, renormalize: bool = True) -> Routing:
-    """Mixtral's routing: softmax over all experts, keep the top k, renormalize those k weights to sum to 1.
-    `renormalize=False` (Qwen3-MoE's norm_topk_prob=false) keeps the k probabilities as they are, so a token's
-    expert outputs are scaled by less than 1 in all.
+def route(logits: Array, k: int, renormalize: bool = True, *, score_func: str = "softmax",
+          bias: Array | None = None, scaling: float = 1.0, groups: int = 0, topk_groups: int = 0) -> Routing:
+    """Top-k routing of Mixtral (softmax) and DeepSeek-V3 (sigmoid, bias, groups) from the router's logits.
 
-    Ties go to the lower expert index (`jax.lax.top_k`).
+    Scores: softmax over the experts, or each expert's sigmoid. `bias` [E] is added to the scores for the
+    choice only (aux-loss-free balancing); the combine weights are the unbiased scores of the chosen experts,
+    renormalized to sum to 1 (`renormalize`, Qwen3-MoE's norm_topk_prob) and times `scaling`. With `groups`
+    > 1 the experts form equal groups, a group scores the sum of its two best biased scores, and a token
+    chooses among the experts of its `topk_groups` best groups. `probs` is the scores normalized to sum to 1
+    (softmax's own; sigmoid's divided by their sum, as DeepSeek's sequence-wise balance loss does).
+    Ties go to the lower index (`jax.lax.top_k`).
     """
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    top, experts = jax.lax.top_k(probs, k)
-    weights = top / jnp.sum(top, axis=-1, keepdims=True) if renormalize else top
-    return Routing(probs, experts.astype(jnp.int32), weights)
+    logits = logits.astype(jnp.float32)
+    if score_func == "softmax":
+        scores = jax.nn.softmax(logits, axis=-1)
+        probs = scores
+    else:
+        scores = jax.nn.sigmoid(logits)
+        probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    choice = scores if bias is None else scores + jax.lax.stop_gradient(bias).astype(jnp.float32)
+    if groups > 1:
+        choice = _within_best_groups(choice, groups, topk_groups)
+    _, experts = jax.lax.top_k(choice, k)
+    top = jnp.take_along_axis(scores, experts, axis=-1)
+    if renormalize:
+        top = top / (jnp.sum(top, axis=-1, keepdims=True) + 1e-20)
+    return Routing(probs, experts.astype(jnp.int32), top * scaling)
+
+
+def _within_best_groups(choice: Array, groups: int, keep: int) -> Array:
+    """`choice` [..., E] with every expert outside the token's `keep` best groups at -inf."""
+    grouped = choice.reshape(*choice.shape[:-1], groups, choice.shape[-1] // groups)
+    group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+    _, best = jax.lax.top_k(group_scores, keep)
+    kept = jnp.sum(jax.nn.one_hot(best, groups, dtype=jnp.int32), axis=-2) > 0
+    return jnp.where(kept[..., None], grouped, -jnp.inf).reshape(choice.shape)
 
 
 def load_balance_loss(routing: Routing, valid: Array) -> Array:

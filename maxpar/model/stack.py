@@ -7,6 +7,11 @@ Three layouts of the same layers, chosen by the config:
   that the stages split the second axis; unit r * num_units/R + i sits at [r, i];
 - unrolled (`scan_layers=false`): entries `layers_0 .. layers_{n-1}`.
 
+With `first_num_dense_layers=k` the k dense layers before the MoE stack are a second stack,
+`dense_layers` (leading axis `dense_layers`, which no rule gives the stages: the prefix runs
+before a pipeline, on every stage's devices), or `dense_layers_0 .. dense_layers_{k-1}` unrolled;
+circular repeats apply to the `layers` stack only.
+
 The *canonical* layout, the one checkpoints store, is the stacked one. `to_canonical` and
 `from_canonical` convert any tree that contains layers (parameters, optimizer moments, their
 abstract twins) between a run's layout and the canonical one, so checkpoint code never names a layer.
@@ -24,24 +29,24 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from maxpar.core.axes import Logical
-from maxpar.core.config import Config, ModelConfig
-
-# A run's config or its model config: the keys of the layer stack's storage are the same.
-StackConfig = Config | ModelConfig
+from maxpar.core.config import ModelConfig
 
 STACKED = str(Logical.LAYERS)        # the stacked entry's name (and its leading axis's logical name)
-_UNROLLED = re.compile(r"layers_(\d+)")
+DENSE = str(Logical.DENSE_LAYERS)    # the dense prefix's stacked entry (and its leading axis's logical name)
+_UNROLLED = re.compile(rf"({STACKED}|{DENSE})_(\d+)")
 
 
-def unrolled_name(index: int) -> str:
-    return f"layers_{index}"
+def unrolled_name(index: int, stack: str = STACKED) -> str:
+    return f"{stack}_{index}"
 
 
-def num_units(config: StackConfig) -> int:
-    """How many repeated units the decoder stacks: layers, or blocks of moe_layer_interval layers."""
+def num_units(config: ModelConfig) -> int:
+    """How many repeated units the `layers` stack holds: its layers (all but the dense prefix), or blocks of
+    moe_layer_interval layers."""
+    layers = config.num_decoder_layers - config.first_num_dense_layers
     if config.num_experts > 1 and config.moe_layer_interval > 1:
-        return config.num_decoder_layers // config.moe_layer_interval
-    return config.num_decoder_layers
+        return layers // config.moe_layer_interval
+    return layers
 
 
 # ---------------------------------------------------------------- circular repeats
@@ -69,9 +74,9 @@ def _map_boxed(fn, tree):
     return jax.tree.map(fn, tree, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
 
 
-def layer_stack(unit: type[nn.Module], length: int, repeats: int = 1, collections: Sequence[str] = ()
-                ) -> type[nn.Module]:
-    """`unit` scanned over a stacked `layers` axis of `length` (the stacked or circular layout).
+def layer_stack(unit: type[nn.Module], length: int, repeats: int = 1, collections: Sequence[str] = (),
+                axis: str = STACKED) -> type[nn.Module]:
+    """`unit` scanned over a stacked axis of `length` named `axis` (the stacked or circular layout).
 
     With repeats > 1 the parameters are stored [R, length / R, ...] with a leading `pipeline_repeats`
     axis; the scan sees them reshaped to [length, ...], with the same initial values as the stacked
@@ -79,7 +84,7 @@ def layer_stack(unit: type[nn.Module], length: int, repeats: int = 1, collection
     """
     stack = nn.scan(unit, variable_axes={"params": 0, **{c: 0 for c in collections}}, split_rngs={"params": True},
                     in_axes=(nn.broadcast, nn.broadcast), length=length,
-                    metadata_params={nn.PARTITION_NAME: STACKED})
+                    metadata_params={nn.PARTITION_NAME: axis})
     if repeats == 1:
         return stack
     split = _on_boxed(lambda x: split_repeats(x, repeats), lambda names: (Logical.REPEATS, *names))
@@ -90,23 +95,25 @@ def layer_stack(unit: type[nn.Module], length: int, repeats: int = 1, collection
 
 # ---------------------------------------------------------------- canonical layout (checkpoints)
 
-def _unit_index(key: Any) -> int | None:
+def _unit(key: Any) -> tuple[str, int] | None:
+    """(stack name, index) of an unrolled unit's entry name, else None."""
     match = _UNROLLED.fullmatch(str(key))
-    return int(match[1]) if match else None
+    return (match[1], int(match[2])) if match else None
 
 
 def in_unrolled_unit(path: Sequence[Any]) -> bool:
-    """Whether a tree path (jax key path, or entry names) runs through an unrolled unit's `layers_i` entry: the
-    one place outside this module that must tell a per-layer leaf of scan_layers=false from the others."""
-    return any(_unit_index(getattr(key, "key", key)) is not None for key in path)
+    """Whether a tree path (jax key path, or entry names) runs through an unrolled unit's `layers_i` (or
+    `dense_layers_i`) entry: the one place outside this module that must tell a per-layer leaf of
+    scan_layers=false from the others."""
+    return any(_unit(getattr(key, "key", key)) is not None for key in path)
 
 
 def _is_unrolled(node: Any) -> bool:
-    return isinstance(node, Mapping) and any(_unit_index(key) is not None for key in node)
+    return isinstance(node, Mapping) and any(_unit(key) is not None for key in node)
 
 
 def _is_stacked(node: Any) -> bool:
-    return isinstance(node, Mapping) and STACKED in node
+    return isinstance(node, Mapping) and (STACKED in node or DENSE in node)
 
 
 def stack_abstract(leaves: Sequence[jax.ShapeDtypeStruct]) -> jax.ShapeDtypeStruct:
@@ -128,40 +135,51 @@ def _merge_any(leaf: Any) -> Any:
     return jax.ShapeDtypeStruct((leaf.shape[0] * leaf.shape[1], *leaf.shape[2:]), leaf.dtype, sharding=sharding)
 
 
-def to_canonical(tree: Any, config: StackConfig, stack: Callable[[Sequence[Any]], Any] = jnp.stack) -> Any:
+def to_canonical(tree: Any, config: ModelConfig, stack: Callable[[Sequence[Any]], Any] = jnp.stack) -> Any:
     """A tree in `config`'s layer layout -> the canonical (stacked) layout.
 
-    Unrolled `layers_i` entries are stacked with `stack` (`stack_abstract` for restore targets); a
-    circular stack [R, L/R, ...] is merged. Applies to every dict in the tree (parameters and the
-    optimizer's per-parameter moments alike).
+    Unrolled `layers_i` (and `dense_layers_i`) entries are stacked with `stack` (`stack_abstract` for
+    restore targets); a circular stack [R, L/R, ...] is merged. Applies to every dict in the tree
+    (parameters and the optimizer's per-parameter moments alike).
     """
     repeats = config.num_pipeline_repeats
 
     def convert(node: Any) -> Any:
-        if _is_stacked(node) and repeats > 1:
-            return {**node, STACKED: jax.tree.map(_merge_any, node[STACKED])}
-        if not _is_unrolled(node):
+        if not (_is_unrolled(node) or _is_stacked(node)):
             return node
-        names = sorted((key for key in node if _unit_index(key) is not None), key=_unit_index)
-        if [_unit_index(name) for name in names] != list(range(len(names))):
-            raise ValueError(f"unrolled layers are not numbered 0..{len(names) - 1}: {names}")
-        rest = {key: value for key, value in node.items() if key not in names}
-        return {**rest, STACKED: jax.tree.map(lambda *xs: stack(xs), *[node[name] for name in names])}
+        out = dict(node)
+        if STACKED in node and repeats > 1:
+            out[STACKED] = jax.tree.map(_merge_any, node[STACKED])
+        unrolled = sorted((_unit(key), key) for key in node if _unit(key) is not None)
+        for name in (DENSE, STACKED):
+            units = [key for (stack_name, _), key in unrolled if stack_name == name]
+            if not units:
+                continue
+            if [_unit(unit)[1] for unit in units] != list(range(len(units))):
+                raise ValueError(f"unrolled layers are not numbered 0..{len(units) - 1}: {units}")
+            for unit in units:
+                del out[unit]
+            out[name] = jax.tree.map(lambda *xs: stack(xs), *[node[unit] for unit in units])
+        return out
     return jax.tree.map(convert, tree, is_leaf=lambda node: _is_unrolled(node) or _is_stacked(node))
 
 
-def from_canonical(tree: Any, config: StackConfig) -> Any:
+def from_canonical(tree: Any, config: ModelConfig) -> Any:
     """The inverse of `to_canonical`: a canonical tree in `config`'s layer layout."""
     repeats = config.num_pipeline_repeats
 
     def convert(node: Any) -> Any:
         if not _is_stacked(node):
             return node
+        out = dict(node)
         if config.scan_layers:
-            if repeats == 1:
-                return node
-            return {**node, STACKED: jax.tree.map(lambda x: split_repeats(x, repeats), node[STACKED])}
-        rest = {key: value for key, value in node.items() if key != STACKED}
-        units = {unrolled_name(i): jax.tree.map(lambda x, i=i: x[i], node[STACKED]) for i in range(num_units(config))}
-        return {**rest, **units}
+            if STACKED in node and repeats > 1:
+                out[STACKED] = jax.tree.map(lambda x: split_repeats(x, repeats), node[STACKED])
+            return out
+        for name, length in ((DENSE, config.first_num_dense_layers), (STACKED, num_units(config))):
+            if name in node:
+                del out[name]
+                out.update({unrolled_name(i, name): jax.tree.map(lambda x, i=i: x[i], node[name])
+                            for i in range(length)})
+        return out
     return jax.tree.map(convert, tree, is_leaf=_is_stacked)

@@ -2,9 +2,10 @@
 
 `maxpar.pipeline.one_f_one_b` runs each stage's forward and backward itself, so it cannot be handed the whole
 model as one function the way `maxpar.pipeline.spmd` is: it needs the block a stage runs and the head the last
-stage runs, as functions of their own parameters. Those are the `Transformer`'s own modules (the rematerialized
-layer unit stacked over a stage's layers, `RMSNorm`, `matmul`), applied to the matching subtrees of the same
-parameter tree, so a 1F1B run trains and checkpoints the same parameters as any other.
+stage runs, as functions of their own parameters. Those are the `Transformer`'s own parts (the rematerialized
+layer unit stacked over a stage's layers, `RMSNorm`, `token_lookup`, `output_logits`), applied to the matching
+subtrees of the same parameter tree, so a 1F1B or zero-bubble run trains and checkpoints the same parameters as
+any other.
 
 Inside the executor every mesh axis is manual (a device is one stage of one replica), so the blocks and the head
 run with no layout: as on one device.
@@ -23,9 +24,8 @@ from maxpar.core.config import ModelConfig
 from maxpar.core.layout import ModelLayout
 from maxpar.core.op_schedule import OpSchedule
 from maxpar.model.layers import RMSNorm
-from maxpar.model.matmul import matmul
 from maxpar.model.stack import STACKED, layer_stack, num_units
-from maxpar.model.transformer import DECODER, _rematerialized, decoder_unit
+from maxpar.model.transformer import DECODER, decoder_unit, output_logits, rematerialized, token_lookup
 from maxpar.pipeline.one_f_one_b import one_f_one_b
 
 Array = jax.Array
@@ -38,7 +38,7 @@ HEAD_KEYS = ("final_norm", "output", "token_embedding")  # what the last stage's
 def block_fn(config: ModelConfig, layers: int) -> Callable[..., Array]:
     """(stage params [layers, ...], x, positions, segment_ids) -> x after `layers` of the decoder's units."""
     unit, kwargs = decoder_unit(config)
-    block = layer_stack(_rematerialized(config, unit), layers)(config, None, **kwargs)
+    block = layer_stack(rematerialized(config, unit), layers)(config, None, **kwargs)
 
     def run(params: Any, x: Array, positions: Array, segment_ids: Array) -> Array:
         return block.apply({"params": params}, x, positions, segment_ids)[0]
@@ -50,17 +50,14 @@ def head_fn(config: ModelConfig, loss_fn: LossFn) -> Callable[..., tuple[Array, 
     (the embedding table when logits_via_embedding), then the loss."""
     def run(head: dict, x: Array, targets: Array, segment_ids: Array) -> tuple[Array, Any]:
         x = RMSNorm(config, None).apply({"params": head["final_norm"]}, x)
-        if config.logits_via_embedding:
-            logits = matmul("ble,ve->blv", x, head["token_embedding"], config.dtype, jnp.float32)
-        else:
-            logits = matmul("ble,ev->blv", x, head["output"], config.dtype, jnp.float32)
-        return loss_fn(logits, targets, segment_ids)
+        out = head["token_embedding" if config.logits_via_embedding else "output"]
+        return loss_fn(output_logits(config, x, out), targets, segment_ids)
     return run
 
 
 def embed(config: ModelConfig, layout: ModelLayout, table: Array, tokens: Array) -> Array:
     """The token lookup, as `Transformer` does it (the table is whole: no FSDP or tensor parallelism here)."""
-    return layout.constrain(jnp.take(table, tokens, axis=0).astype(config.dtype), RESIDUAL)
+    return layout.constrain(token_lookup(table, tokens, config.dtype), RESIDUAL)
 
 
 def staged_grads(config: ModelConfig, layout: ModelLayout, schedule: OpSchedule, params: dict, batch: Batch,
@@ -83,13 +80,14 @@ def staged_grads(config: ModelConfig, layout: ModelLayout, schedule: OpSchedule,
     return out.sums, grads
 
 
-def staged_value_and_grad(model: Any, loss_fn: LossFn) -> Callable[[Any, Any, Batch], tuple[tuple[Array, Any],
-                                                                                          tuple[Any, Any]]]:
+def staged_value_and_grad(model: Any, loss_fn: LossFn, kind: str
+                          ) -> Callable[[Any, Any, Batch], tuple[tuple[Array, Any], tuple[Any, Any]]]:
     """`jax.value_and_grad(objective, argnums=(params, fp8_meta), has_aux=True)`'s contract, computed by the
-    layout's explicit-backward schedule instead of autodiff through the model: ((objective, sums), (grads, fp8
-    cotangents: none, fp8_scaling=delayed is refused with stages)). The objective is `sums["loss_sum"]`."""
+    layout's explicit-backward schedule `kind` (1f1b, zero_bubble) instead of autodiff through the model:
+    ((objective, sums), (grads, fp8 cotangents: none, fp8_scaling=delayed is refused with stages)). The
+    objective is `sums["loss_sum"]`."""
     schedule = model.layout.pipeline.schedule
-    ops = OpSchedule("1f1b", schedule.num_stages, schedule.num_microbatches)
+    ops = OpSchedule(kind, schedule.num_stages, schedule.num_microbatches)
 
     def run(params: Any, fp8_meta: Any, batch: Batch) -> tuple[tuple[Array, Any], tuple[Any, Any]]:
         sums, grads = staged_grads(model.config, model.layout, ops, params, batch, loss_fn)

@@ -6,6 +6,7 @@ mesh axes, the run layout says (`ModelLayout`, handed in: the model never inspec
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -17,8 +18,10 @@ from maxpar.core.config import ModelConfig
 from maxpar.model.layers import CACHE, Attention, Mlp, ModelModule, RMSNorm
 from maxpar.model.fp8 import FP8_META
 from maxpar.model.matmul import PROJECTION, matmul
+from maxpar.model.mla import MultiHeadLatentAttention
 from maxpar.model.moe import MOE_STATS, MoeBlock
-from maxpar.model.stack import STACKED, layer_stack, num_units, unrolled_name
+from maxpar.model.mtp import MTP, MultiTokenPrediction
+from maxpar.model.stack import DENSE, STACKED, layer_stack, num_units, unrolled_name
 from maxpar.pipeline.spmd import pipeline
 
 Array = jax.Array
@@ -40,7 +43,8 @@ class DecoderLayer(ModelModule):
     def __call__(self, x: Array, positions: Array, segment_ids: Array) -> tuple[Array, None]:
         cfg, layout = self.config, self.layout
         x = self.constrain(x, RESIDUAL)
-        x = x + Attention(cfg, layout, name="attention")(
+        attention = MultiHeadLatentAttention if cfg.attention_type == "mla" else Attention
+        x = x + attention(cfg, layout, name="attention")(
             RMSNorm(cfg, layout, name="pre_attention_norm")(x), positions, segment_ids)
         normed = RMSNorm(cfg, layout, name="pre_mlp_norm")(x)
         if self.moe:
@@ -63,14 +67,14 @@ class DecoderBlock(ModelModule):
 
 
 def decoder_unit(config: ModelConfig) -> tuple[type[nn.Module], dict[str, bool]]:
-    """(module, its keyword arguments) of the layer stack's repeated unit: one layer (dense, or MoE in
-    every layer), else a block of moe_layer_interval layers."""
+    """(module, its keyword arguments) of the `layers` stack's repeated unit: one layer (dense, or MoE in
+    every layer), else a block of moe_layer_interval layers. The dense prefix's unit is a dense DecoderLayer."""
     if config.num_experts > 1 and config.moe_layer_interval > 1:
         return DecoderBlock, {}
     return DecoderLayer, {"moe": config.num_experts > 1}
 
 
-def _rematerialized(cfg: ModelConfig, unit: type[nn.Module]) -> type[nn.Module]:
+def rematerialized(cfg: ModelConfig, unit: type[nn.Module]) -> type[nn.Module]:
     """The stack's unit, rematerialized per `remat_policy`. `minimal` saves what is named, so it saves the
     same tensors under the pipeline's vmap over stages (which gives every matmul a batch dimension)."""
     if cfg.remat_policy == "none":
@@ -78,15 +82,35 @@ def _rematerialized(cfg: ModelConfig, unit: type[nn.Module]) -> type[nn.Module]:
     return nn.remat(unit, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=not cfg.scan_layers)
 
 
+def token_lookup(table: Array, ids: Array, dtype: Any) -> Array:
+    """The embedding rows of `ids` in the compute dtype: the model's input (also `maxpar.model.staged`'s)."""
+    return jnp.take(table, ids, axis=0).astype(dtype)
+
+
+def output_logits(cfg: ModelConfig, x: Array, out: Array) -> Array:
+    """float32 logits of the normed final hidden state: x times the output projection [emb, vocab], or times
+    the embedding table [vocab, emb] transposed when logits_via_embedding (also `maxpar.model.staged`'s head)."""
+    spec = "ble,ve->blv" if cfg.logits_via_embedding else "ble,ev->blv"
+    return matmul(spec, x, out, cfg.dtype, jnp.float32)
+
+
 class Decoder(ModelModule):
     """The layer stack: `nn.scan` of the repeated unit, or a Python loop; pipelined over the stages when
-    the layout has a pipeline schedule (maxpar/pipeline)."""
+    the layout has a pipeline schedule (maxpar/pipeline). A dense prefix (first_num_dense_layers) is a stack of
+    its own that runs first, outside any pipeline: on every stage's devices, sharded by the outer rules."""
 
     @nn.compact
     def __call__(self, x: Array, positions: Array, segment_ids: Array) -> Array:
         cfg, layout = self.config, self.layout
+        dense, num_dense = rematerialized(cfg, DecoderLayer), cfg.first_num_dense_layers
+        if num_dense and cfg.scan_layers:
+            x, _ = layer_stack(dense, num_dense, collections=(CACHE, FP8_META), axis=DENSE)(
+                cfg, layout, name=DENSE)(x, positions, segment_ids)
+        elif num_dense:
+            for i in range(num_dense):
+                x, _ = dense(cfg, layout, name=unrolled_name(i, DENSE))(x, positions, segment_ids)
         unit, kwargs = decoder_unit(cfg)
-        layer = _rematerialized(cfg, unit)
+        layer = rematerialized(cfg, unit)
         if not cfg.scan_layers:
             for i in range(num_units(cfg)):
                 x, _ = layer(cfg, layout, name=unrolled_name(i), **kwargs)(x, positions, segment_ids)
@@ -95,16 +119,18 @@ class Decoder(ModelModule):
         if layout is None or not layout.pipelined or self.is_initializing():  # creating the parameters: in order
             x, _ = stack(cfg, layout, name=STACKED, **kwargs)(x, positions, segment_ids)
             return x
-        block = layer_stack(_rematerialized(cfg, unit), layout.pipeline.schedule.layers_per_block,
-                            collections=(MOE_STATS,))
+        block = layer_stack(rematerialized(cfg, unit), layout.pipeline.schedule.layers_per_block,
+                            collections=(MOE_STATS, FP8_META))
 
-        def run_block(params, x, positions, segment_ids, layout):  # (x, the block's MoE sums: {} when dense)
+        def run_block(params, histories, x, positions, segment_ids, layout):  # (x, the block's MoE sums: {} when dense)
+            variables = {"params": params, FP8_META: histories} if histories else {"params": params}
             (x, _), stats = block(cfg, layout, **kwargs).apply(
-                {"params": params}, x, positions, segment_ids, mutable=[MOE_STATS])
+                variables, x, positions, segment_ids, mutable=[MOE_STATS])
             return x, stats.get(MOE_STATS, {})
 
+        histories = self.variables.get(FP8_META, {}).get(STACKED, {})  # fp8_scaling=delayed: read, max-reported
         x, stats = pipeline(run_block, self.variables["params"][STACKED], x, (positions, segment_ids), layout=layout,
-                            x_axes=RESIDUAL, side_axes=RESIDUAL[:2])
+                            x_axes=RESIDUAL, side_axes=RESIDUAL[:2], histories=histories)
         if stats:  # blocks [R, S, units per block, ...] -> the stack's units in layer order, as the scan sows them
             self.sow(MOE_STATS, STACKED, jax.tree.map(lambda a: a.reshape(-1, *a.shape[3:]), stats))
         return x
@@ -120,23 +146,36 @@ def stacked_layers(params: dict) -> Any:
 
 
 class Transformer(ModelModule):
-    """tokens [B, L] -> float32 logits [B, L, vocab]."""
+    """tokens [B, L] -> float32 logits [B, L, vocab]; with `mtp_tokens` (training with mtp_num_layers > 0: each
+    MTP module's input tokens, maxpar.model.mtp) -> (logits, the modules' logits). Without them the MTP modules
+    do not run (sampling, evaluation); initialization creates their parameters."""
 
     @nn.compact
-    def __call__(self, tokens: Array, positions: Array, segment_ids: Array) -> Array:
+    def __call__(self, tokens: Array, positions: Array, segment_ids: Array,
+                 mtp_tokens: Sequence[Array] | None = None) -> Array | tuple[Array, list[Array]]:
         cfg, layout, dt, wdt = self.config, self.layout, self.dtype, self.weight_dtype
         table = self.param("token_embedding", nn.with_logical_partitioning(
             nn.initializers.normal(stddev=1.0), (Logical.VOCAB, Logical.EMBED)), (cfg.vocab_size, cfg.emb_dim), wdt)
         gather_table = layout is None or layout.gather_lookup_table  # maxpar.core.layout.ModelLayout says why
         lookup_table = self.constrain(table, (Logical.VOCAB, None)) if gather_table else table
-        x = self.constrain(jnp.take(lookup_table, tokens, axis=0).astype(dt), RESIDUAL)
-        x = Decoder(cfg, layout, name=DECODER)(x, positions, segment_ids)
-        x = RMSNorm(cfg, layout, name="final_norm")(x)
-        if cfg.logits_via_embedding:
-            logits = matmul("ble,ve->blv", x, table, dt, jnp.float32)
-        else:
-            out = self.param("output", nn.with_logical_partitioning(
-                nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal"), (Logical.EMBED, Logical.VOCAB)),
-                (cfg.emb_dim, cfg.vocab_size), wdt)
-            logits = matmul("ble,ev->blv", x, out, dt, jnp.float32)
-        return self.constrain(logits, LOGITS)
+
+        def embed(ids: Array) -> Array:
+            return self.constrain(token_lookup(lookup_table, ids, dt), RESIDUAL)
+
+        hidden = Decoder(cfg, layout, name=DECODER)(embed(tokens), positions, segment_ids)
+        x = RMSNorm(cfg, layout, name="final_norm")(hidden)
+        out = table if cfg.logits_via_embedding else self.param("output", nn.with_logical_partitioning(
+            nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal"), (Logical.EMBED, Logical.VOCAB)),
+            (cfg.emb_dim, cfg.vocab_size), wdt)
+
+        def head(x: Array) -> Array:
+            return self.constrain(output_logits(cfg, x, out), LOGITS)
+
+        logits = head(x)
+        if cfg.mtp_num_layers and mtp_tokens is None and self.is_initializing():
+            mtp_tokens = (tokens,) * cfg.mtp_num_layers
+        if not cfg.mtp_num_layers or mtp_tokens is None:
+            return logits
+        mtp = MultiTokenPrediction(cfg, layout, layer=rematerialized(cfg, DecoderLayer), moe=cfg.num_experts > 1,
+                                   name=MTP)
+        return logits, mtp(hidden, mtp_tokens, positions, segment_ids, embed, head)

@@ -1,4 +1,4 @@
-"""A pipeline schedule with an explicit backward (1F1B), as one SPMD program: forward and backward interleaved.
+"""Pipeline schedules with an explicit backward (1F1B, zero-bubble) as one SPMD program: forward and backward mixed.
 
 `maxpar.pipeline.spmd` pipelines the forward and lets autodiff derive the backward, which then runs after
 every forward: gPipe's order, whatever the forward's. Here the backward is scheduled too. The op table of
@@ -11,6 +11,9 @@ stage of one data-parallel replica and branches (`lax.switch`) on its own op:
 - B: `jax.vjp` of the block at the kept input (the block's forward is recomputed: only stage inputs are
   kept, one per microbatch in flight, so a stage holds at most S of them, not M) applied to the cotangent
   the next stage sent; the weight gradient accumulates, the input's cotangent goes back.
+- zero_bubble splits B: B is the VJP with respect to the stage input only (the cotangent goes back), W the
+  VJP with respect to the stage weights at the same kept input and cotangent, which stay in their slots
+  until W (each recomputes the block's forward).
 After every tick two `ppermute`s move the F outputs one stage on and the B cotangents one stage back; what
 arrives is written into the receiver's slot for that microbatch (which slot: `slot_counts`, from the table).
 
@@ -32,16 +35,17 @@ import numpy as np
 from jax.sharding import AbstractMesh, PartitionSpec
 
 from maxpar.core.layout import merge_microbatches, split_microbatches
-from maxpar.core.op_schedule import B, F, OpSchedule
+from maxpar.core.op_schedule import B, F, W, OpSchedule, op_kinds
 
 Array = jax.Array
-IDLE, FORWARD, FORWARD_HEAD, BACKWARD = range(4)  # the branch each device takes at a tick
+# The branch each device takes at a tick: BACKWARD is B unsplit, BACKWARD_INPUT and BACKWARD_WEIGHTS B and W.
+IDLE, FORWARD, FORWARD_HEAD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHTS = range(6)
 
 
 class Program(NamedTuple):
     """The op table as arrays [ticks, S] for the scan, and the slot counts of the stores."""
 
-    branch: np.ndarray      # IDLE / FORWARD / FORWARD_HEAD (the last stage's F) / BACKWARD
+    branch: np.ndarray      # IDLE / FORWARD / FORWARD_HEAD (the last stage's F) / BACKWARD[_INPUT|_WEIGHTS]
     microbatch: np.ndarray  # the op's microbatch (0 when idle)
     act_slots: int          # stage inputs kept per stage: microbatch m in slot m % act_slots
     cot_slots: int          # cotangents waiting per stage: microbatch m in slot m % cot_slots
@@ -64,23 +68,26 @@ def program(schedule: OpSchedule) -> Program:
     the stores need so that a value is never overwritten while it is still to be read.
 
     A stage input is live from the tick it arrives (the tick after the previous stage's F; stage 0: its own F)
-    to its B; a cotangent from the tick it arrives (after the next stage's B; the last stage: its own F, where
-    the loss head makes it) to the B that reads it.
+    to its last backward op (W if split, else B); a cotangent from the tick it arrives (after the next stage's
+    B; the last stage: its own F, where the loss head makes it) to the same op.
     """
     s_count, ticks = schedule.num_stages, schedule.num_ticks
+    split = W in op_kinds(schedule.kind)
     branch = np.full((ticks, s_count), IDLE, np.int32)
     micro = np.zeros((ticks, s_count), np.int32)
     when = {(op.kind, op.microbatch, op.stage): op.tick for op in schedule.ops()}
+    backward = {B: BACKWARD_INPUT if split else BACKWARD, W: BACKWARD_WEIGHTS}
     for (kind, m, s), t in when.items():
-        branch[t, s] = BACKWARD if kind == B else (FORWARD_HEAD if s == s_count - 1 else FORWARD)
+        branch[t, s] = backward[kind] if kind in backward else (FORWARD_HEAD if s == s_count - 1 else FORWARD)
         micro[t, s] = m
+    last = W if split else B
     acts, cots = [], []
     for s in range(s_count):
         ms = range(schedule.num_microbatches)
-        acts.append(_fewest_slots([(m, when[(F, m, s - 1)] + 1 if s else when[(F, m, s)], when[(B, m, s)])
+        acts.append(_fewest_slots([(m, when[(F, m, s - 1)] + 1 if s else when[(F, m, s)], when[(last, m, s)])
                                    for m in ms]))
         cots.append(_fewest_slots([(m, when[(B, m, s + 1)] + 1 if s < s_count - 1 else when[(F, m, s)],
-                                    when[(B, m, s)]) for m in ms]))
+                                    when[(last, m, s)]) for m in ms]))
     return Program(branch, micro, max(acts), max(cots))
 
 
@@ -147,15 +154,30 @@ def _run(block_fn: Callable[..., Array], head_fn: Callable[..., tuple[Array, Any
             cots = cots.at[m % prog.cot_slots].set(dy.astype(cots.dtype))
         return acts, cots, dx, grads, head_grads, sums, y.astype(one.dtype), send_cot
 
-    def backward(carry, m):
-        acts, cots, dx, grads, head_grads, sums, send_act, _ = carry
-        _, pull = jax.vjp(lambda p, a: block_fn(p, a, *take(micro_side, m)), params, acts[m % prog.act_slots])
-        d_params, d_x = pull(cots[m % prog.cot_slots])
-        grads = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads, d_params)
-        dx = dx.at[m].set(jnp.where(stage == 0, d_x, dx[m]))
-        return acts, cots, dx, grads, head_grads, sums, send_act, d_x.astype(one.dtype)
+    def backward(carry, m, inputs: bool, weights: bool):
+        """B unsplit (both), zero_bubble's B (inputs: the cotangent sent back) or W (weights)."""
+        acts, cots, dx, grads, head_grads, sums, send_act, send_cot = carry
+        block = lambda p, a: block_fn(p, a, *take(micro_side, m))  # noqa: E731
+        act, cot = acts[m % prog.act_slots], cots[m % prog.cot_slots]
+        if inputs and weights:
+            d_params, d_x = jax.vjp(block, params, act)[1](cot)
+        elif inputs:
+            (d_x,) = jax.vjp(lambda a: block(params, a), act)[1](cot)
+        else:
+            (d_params,) = jax.vjp(lambda p: block(p, act), params)[1](cot)
+        if weights:
+            grads = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads, d_params)
+        if inputs:
+            dx = dx.at[m].set(jnp.where(stage == 0, d_x, dx[m]))
+            send_cot = d_x.astype(one.dtype)
+        return acts, cots, dx, grads, head_grads, sums, send_act, send_cot
 
-    branches = [lambda c, m: c, lambda c, m: forward(c, m, False), lambda c, m: forward(c, m, True), backward]
+    idle = lambda c, m: c  # noqa: E731 - also the branches the schedule never takes: XLA compiles each branch
+    split = W in op_kinds(schedule.kind)
+    branches = [idle, lambda c, m: forward(c, m, False), lambda c, m: forward(c, m, True),
+                idle if split else (lambda c, m: backward(c, m, True, True)),
+                (lambda c, m: backward(c, m, True, False)) if split else idle,
+                (lambda c, m: backward(c, m, False, True)) if split else idle]
     forward_perm = [(i, i + 1) for i in range(s_count - 1)]
     backward_perm = [(i + 1, i) for i in range(s_count - 1)]
     branch_rows, micro_rows = jnp.asarray(prog.branch), jnp.asarray(prog.microbatch)
@@ -168,7 +190,7 @@ def _run(block_fn: Callable[..., Array], head_fn: Callable[..., tuple[Array, Any
         # What arrived: the previous stage's F output, the next stage's B cotangent (if they ran one).
         prev, nxt = jnp.maximum(stage - 1, 0), jnp.minimum(stage + 1, s_count - 1)
         act_in = (stage > 0) & (branch_rows[t, prev] == FORWARD)
-        cot_in = (stage < s_count - 1) & (branch_rows[t, nxt] == BACKWARD)
+        cot_in = (stage < s_count - 1) & jnp.isin(branch_rows[t, nxt], jnp.array([BACKWARD, BACKWARD_INPUT]))
         a_slot, c_slot = micro_rows[t, prev] % prog.act_slots, micro_rows[t, nxt] % prog.cot_slots
         acts = acts.at[a_slot].set(jnp.where(act_in, got_act, acts[a_slot]))
         cots = cots.at[c_slot].set(jnp.where(cot_in, got_cot, cots[c_slot]))

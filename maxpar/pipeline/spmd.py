@@ -1,6 +1,6 @@
 """The pipeline as one SPMD program: a loop of M x R + S - 1 iterations over all stages at once.
 
-What it pipelines is generic: `stage_fn(block_params, x, *side) -> (x, stats)` runs one
+What it pipelines is generic: `stage_fn(block_params, block_histories, x, *side) -> (x, stats)` runs one
 block of layers (stats: a tree of per-block sums, e.g. the MoE layers' balance-loss sums and drop counts,
 added up over the iterations where the stage is active and returned per block; `{}` for none) (the model passes its scanned layer unit applied to stacked
 params), and `params` is that unit's stacked parameter tree, leaves
@@ -37,6 +37,13 @@ of each window the blocks its stages run in it: a stage s switches repeat s
 iterations into a window, so every window but the first and the last holds two
 repeats' blocks (this one and the previous). The gather is rematerialized, so the
 backward pass gathers again rather than keeping the gathered blocks alive.
+
+Histories (fp8 amax histories, `maxpar.model.fp8`) are per-layer state stacked [L, ...] that a block reads and
+whose cotangent is what the block observed. Observations combine by max, not by the sum that autodiff gives a
+value used many times: the loop carries the histories and forks them per iteration (`_fork`: the backward takes
+the max of the two branches' cotangents), an idle stage's read is cut from the gradient, and each data replica
+gets its own copy (`spread`: the backward takes the max over the copies), so each layer reports the max over its
+microbatches and replicas, as one device does over its whole batch.
 """
 
 from __future__ import annotations
@@ -44,6 +51,8 @@ from __future__ import annotations
 from functools import partial
 from collections.abc import Callable, Sequence
 from typing import Any
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -61,9 +70,9 @@ StageFn = Callable[..., Array]
 
 
 def pipeline(stage_fn: StageFn, params: Any, x: Array, side: Sequence[Array], *, layout: ModelLayout,
-             x_axes: Sequence[str], side_axes: Sequence[str]) -> tuple[Array, Any]:
+             x_axes: Sequence[str], side_axes: Sequence[str], histories: Any = None) -> tuple[Array, Any]:
     """Run `stage_fn` over every layer block, pipelined per `layout.pipeline`; same result as applying the
-    blocks in order. `stage_fn(params, x, *side, layout)` gets the model layout the loop runs under
+    blocks in order. `stage_fn(params, histories, x, *side, layout)` gets the model layout the loop runs under
     (`PipelineLayout.inner`: its rules, and the mesh axes its shard_map made manual).
 
     Returns (x, stats): stats' leaves [R, S, ...], block (r, s)'s sums over every microbatch (and data replica).
@@ -72,7 +81,9 @@ def pipeline(stage_fn: StageFn, params: Any, x: Array, side: Sequence[Array], *,
     x: [B, ...] activations with logical axes `x_axes`; side: per-row inputs every block reads
     (e.g. positions), [B, ...] with logical axes `side_axes`. Every constraint and shard_map names its mesh
     (`layout.mesh`; `inner.mesh` inside the loop), so nothing ambient is needed while it is traced.
+    histories: per-layer state stacked [L, ...] whose cotangents combine by max (module docstring); {} or None: none.
     """
+    histories = {} if histories is None else histories
     pipe = layout.pipeline
     manual, inner = pipe.manual, pipe.inner
     gathered = pipe.gathered_weight_specs()
@@ -81,28 +92,54 @@ def pipeline(stage_fn: StageFn, params: Any, x: Array, side: Sequence[Array], *,
     block_specs = pipe.gathered_block_specs()
     block_shardings = None if block_specs is None else named_shardings(block_specs, inner.mesh.abstract())
 
-    def loop(params: Any, x: Array, *side: Array) -> tuple[Array, Any]:
-        x, stats = _loop(partial(stage_fn, layout=inner), params, x, side, pipe.schedule, pipe.stage_axes,
-                         inner, x_axes, side_axes, block_shardings)
+    def loop(params: Any, histories: Any, x: Array, *side: Array) -> tuple[Array, Any]:
+        x, stats = _loop(partial(stage_fn, layout=inner), params, histories, x, side, pipe.schedule,
+                         pipe.stage_axes, inner, x_axes, side_axes, block_shardings)
         return x, (jax.lax.psum(stats, manual) if manual else stats)  # each replica summed its own rows
 
     if not manual:
-        return loop(params, x, *side)
+        return loop(params, histories, x, *side)
     rows = PartitionSpec(manual)
-    sharded = jax.shard_map(loop, mesh=layout.mesh.abstract(),
-                            in_specs=(PartitionSpec(), rows, *(rows for _ in side)),
+
+    def per_replica(params: Any, copies: Any, x: Array, *side: Array) -> tuple[Array, Any]:
+        return loop(params, jax.tree.map(lambda copy: copy[0], copies), x, *side)
+
+    sharded = jax.shard_map(per_replica, mesh=layout.mesh.abstract(),
+                            in_specs=(PartitionSpec(), rows, rows, *(rows for _ in side)),
                             out_specs=(rows, PartitionSpec()), axis_names=set(manual), check_vma=False)
-    return sharded(params, x, *side)
+    replicas = math.prod(layout.mesh.sizes[axis] for axis in manual)
+    return sharded(params, spread(histories, replicas), x, *side)
 
 
-def _blocks(params: Any, schedule: Schedule) -> Any:
-    """Stacked leaves [L, ...] or [R, L/R, ...] -> [R, S, L/(S R), ...]: block (r, s) runs on stage s in repeat r."""
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def spread(tree: Any, copies: int) -> Any:
+    """`copies` copies of every leaf along a new leading axis; the backward takes the max over the copies (for
+    histories a shard_map hands each shard, whose observations its transpose would add; the MoE experts' too)."""
+    return jax.tree.map(lambda a: jnp.broadcast_to(a, (copies, *a.shape)), tree)
+
+
+spread.defvjp(lambda tree, copies: (spread(tree, copies), None),
+             lambda copies, _, cotangent: (jax.tree.map(lambda c: jnp.max(c, axis=0), cotangent),))
+
+
+@jax.custom_vjp
+def _fork(tree: Any) -> tuple[Any, Any]:
+    """(tree, tree); the backward takes the elementwise max of the two cotangents instead of their sum."""
+    return tree, tree
+
+
+_fork.defvjp(lambda tree: (_fork(tree), None), lambda _, cotangents: (jax.tree.map(jnp.maximum, *cotangents),))
+
+
+def _blocks(params: Any, schedule: Schedule, lead: int | None = None) -> Any:
+    """Stacked leaves [L, ...] or [R, L/R, ...] (`lead`: their stacked dims, 1 or 2; None: 2 when circular, as the
+    parameters) -> [R, S, L/(S R), ...]: block (r, s) runs on stage s in repeat r."""
     r, s, n = schedule.num_repeats, schedule.num_stages, schedule.layers_per_block
-    lead = 1 if r == 1 else 2
+    lead = (1 if r == 1 else 2) if lead is None else lead
     return jax.tree.map(lambda p: p.reshape(r, s, n, *p.shape[lead:]), params)
 
 
-def _loop(stage_fn: StageFn, params: Any, x: Array, side: Sequence[Array], schedule: Schedule,
+def _loop(stage_fn: StageFn, params: Any, histories: Any, x: Array, side: Sequence[Array], schedule: Schedule,
           stage_axes: tuple[str, ...], inner: ModelLayout, x_axes: Sequence[str], side_axes: Sequence[str],
           block_shardings: Any = None) -> Array:
     """The M x R + S - 1 iterations, constrained by `inner`: rules that name no manual axis, over the loop's mesh.
@@ -123,15 +160,18 @@ def _loop(stage_fn: StageFn, params: Any, x: Array, side: Sequence[Array], sched
     def per_stage(mask: Array, a: Array, b: Array) -> Array:
         return jnp.where(mask.reshape(-1, *([1] * (a.ndim - 1))), a, b)
 
+    def pick(tree: Any, task: Any) -> Any:  # each stage's block of this iteration
+        return jax.tree.map(lambda p: p[0], tree) if r_count == 1 else pick_repeat(tree, task.repeat)
+
     def default_weights(task: Any) -> Any:
-        return jax.tree.map(lambda p: p[0], blocks) if r_count == 1 else pick_repeat(blocks, task.repeat)
+        return pick(blocks, task)
 
     def make_iteration(weights_of: Callable[[Any], Any]) -> Callable:
         return lambda carry, t: iteration(carry, t, weights_of)
 
-    def iteration(carry: tuple[Array, Array, Any], t: Array, weights_of: Callable[[Any], Any]
-                  ) -> tuple[tuple[Array, Array, Any], None]:
-        state, buffer, stats = carry
+    def iteration(carry: tuple[Array, Array, Any, Any], t: Array, weights_of: Callable[[Any], Any]
+                  ) -> tuple[tuple[Array, Array, Any, Any], None]:
+        state, buffer, stats, kept = carry
         task = stage_task(t, stages, m_count, r_count)
         first = stage_task(t, 0, m_count, r_count)
         fresh = jax.lax.dynamic_index_in_dim(buffer, first.microbatch, axis=1, keepdims=False)
@@ -142,7 +182,9 @@ def _loop(stage_fn: StageFn, params: Any, x: Array, side: Sequence[Array], sched
         # and remat. Gathering once before the loop is what pipeline_fsdp_ag_once asks for.
         weights, inputs = jax.lax.optimization_barrier((weights, inputs))
         side_now = [inner.constrain(a[task.microbatch], (STAGED, *side_axes)) for a in micro_side]
-        outputs, block_stats = run_stages(weights, inputs, *side_now)
+        kept, read = _fork(kept)
+        read = jax.tree.map(lambda h: per_stage(task.active, h, jax.lax.stop_gradient(h)), pick(read, task))
+        outputs, block_stats = run_stages(weights, read, inputs, *side_now)
         outputs = inner.constrain(outputs, (STAGED, *x_axes))
         # Block (repeat, stage) of each active stage adds this iteration's sums; idle stages add nothing.
         slot = ((jnp.arange(r_count)[:, None] == task.repeat[None, :]) & task.active[None, :]).astype(jnp.float32)
@@ -153,23 +195,26 @@ def _loop(stage_fn: StageFn, params: Any, x: Array, side: Sequence[Array], sched
         slot = jax.lax.dynamic_index_in_dim(buffer, last.microbatch, axis=1, keepdims=False)
         buffer = jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(last.active, passed, slot),
                                                      last.microbatch, axis=1)
-        return (passed, buffer, stats), None
+        return (passed, buffer, stats, kept), None
 
     first_side = [inner.constrain(a[0], side_axes) for a in micro_side]
-    stats_shape = jax.eval_shape(lambda: run_stages(default_weights(stage_task(0, stages, m_count, r_count)),
+    history_blocks = _blocks(histories, schedule, lead=1)
+    task0 = stage_task(0, stages, m_count, r_count)
+    stats_shape = jax.eval_shape(lambda: run_stages(default_weights(task0), pick(history_blocks, task0),
                                                     state, *(jnp.broadcast_to(a, (s_count, *a.shape))
                                                              for a in first_side))[1])
     stats = jax.tree.map(lambda leaf: jnp.zeros((r_count, *leaf.shape), jnp.float32), stats_shape)
     if block_shardings is None:
-        (_, buffer, stats), _ = jax.lax.scan(make_iteration(default_weights), (state, buffer, stats),
-                                             jnp.arange(schedule.num_iterations))
+        (_, buffer, stats, _), _ = jax.lax.scan(make_iteration(default_weights),
+                                                (state, buffer, stats, history_blocks),
+                                                jnp.arange(schedule.num_iterations))
         return inner.constrain(merge_microbatches(buffer[0]), tuple(x_axes)), stats
 
     # FsdpGather.PER_REPEAT: window w runs iterations [w M, (w + 1) M) (the last one the S - 1 after them), in which
     # stage s runs repeat w - 1 for its first s iterations and repeat w after (repeats past R - 1: idle). Each
     # window is rematerialized: the backward pass gathers its blocks and re-runs its forward again, so only one
     # window's gathered blocks (and activations) are alive at a time.
-    carry = (state, buffer, stats)
+    carry = (state, buffer, stats, history_blocks)
     for window in range(r_count + 1):
         needed = tuple(sorted({min(max(window - 1, 0), r_count - 1), min(window, r_count - 1)}))
         length = m_count if window < r_count else s_count - 1
@@ -178,11 +223,11 @@ def _loop(stage_fn: StageFn, params: Any, x: Array, side: Sequence[Array], sched
     return inner.constrain(merge_microbatches(carry[1][0]), tuple(x_axes)), carry[2]
 
 
-def _window(make_iteration: Callable, blocks: Any, carry: tuple[Array, Array, Any], block_shardings: Any,
-            repeats: tuple[int, ...], start: int, length: int, per_stage: Callable) -> tuple[Array, Array, Any]:
+def _window(make_iteration: Callable, blocks: Any, carry: tuple[Array, Array, Any, Any], block_shardings: Any,
+            repeats: tuple[int, ...], start: int, length: int, per_stage: Callable) -> tuple[Array, Array, Any, Any]:
     """`length` pipeline iterations from `start` with the blocks of `repeats` gathered once for all of them."""
     @jax.checkpoint
-    def run(blocks: Any, carry: tuple[Array, Array, Any]) -> tuple[Array, Array, Any]:
+    def run(blocks: Any, carry: tuple[Array, Array, Any, Any]) -> tuple[Array, Array, Any, Any]:
         gathered = [jax.lax.with_sharding_constraint(jax.tree.map(lambda p, r=r: p[r], blocks), block_shardings)
                     for r in repeats]
 

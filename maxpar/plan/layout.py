@@ -37,7 +37,8 @@ class Tensor:
     dtype: str
     logical: tuple[str | None, ...]
     mesh_axes: tuple[tuple[str, ...], ...]
-    layered: bool                       # one slice per decoder layer (scanned stack or layers_i)
+    layered: bool                       # one slice per decoder layer (scanned stack or layers_i); not a pipelined
+                                        # run's dense prefix, which runs whole before the loop
 
     @property
     def size(self) -> int:
@@ -186,7 +187,7 @@ def _declared_role(path: tuple, logical: tuple[str | None, ...]) -> ParamRole:
     """A parameter's role, checked against the logical axes the model declares for it (`maxpar.model.roles`)."""
     keys = path_keys(path)
     role = param_role(keys)
-    per_layer = tuple(n for n in logical if n not in (Logical.LAYERS, Logical.REPEATS))
+    per_layer = tuple(n for n in logical if n not in (Logical.LAYERS, Logical.DENSE_LAYERS, Logical.REPEATS))
     if role is None or per_layer != role.axes:
         raise ValueError(f"parameter {'/'.join(keys)} with logical axes {per_layer} is not declared in "
                          f"maxpar.model.roles (declared: {role and role.axes}); the planner reads parameters by role")
@@ -210,5 +211,6 @@ def build_layout(config: Config, mesh: MeshShape, state: TracedState) -> Layout:
         role = _declared_role(path[1:], logical_names) if group == "params" else None
         tensors.append(Tensor(path=name, group=group, role=role, shape=tuple(leaf.shape),
                               dtype=str(leaf.dtype), logical=logical_names, mesh_axes=mesh_axes,
-                              layered=Logical.LAYERS in logical_names or stack.in_unrolled_unit(path)))
+                              layered=Logical.LAYERS in logical_names or stack.in_unrolled_unit(path)
+                              or (Logical.DENSE_LAYERS in logical_names and not run.pipelined)))
     return Layout(run=run, tensors=tuple(tensors))

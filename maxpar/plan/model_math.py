@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 from maxpar.core.axes import Logical
-from maxpar.core.config import Config
+from maxpar.core.config import EXPLICIT_BACKWARD, Config
 from maxpar.core.layout import TracedState
-from maxpar.io.metrics import matmul_params, parameter_counts, training_flops_per_token
+from maxpar.io.metrics import attention_head_widths, matmul_params, parameter_counts, training_flops_per_token
 from maxpar.model.roles import Block, ParamRole
 from maxpar.model.routing import expert_capacity
 from maxpar.plan.layout import Layout, Tensor
@@ -21,11 +21,13 @@ from maxpar.plan.layout import Layout, Tensor
 
 def param_breakdown(state: TracedState, layout: Layout) -> dict[str, int]:
     """total, embedding (token table), attention, mlp (dense MLPs and routers), experts, output projection,
-    norms, and active: what one token uses (of each MoE layer's experts, only num_experts_per_tok)."""
+    norms, and active: what one token uses (of each MoE layer's experts, only num_experts_per_tok); mtp and
+    mtp_active: the multi-token prediction modules' share of total and active."""
     counts = parameter_counts(state.abstract.params, layout.config.num_experts_per_tok)
     by_block = {str(block): sum(t.size for t in layout.params(block))
                 for block in (Block.ATTENTION, Block.MLP, Block.EXPERTS, Block.OUTPUT, Block.NORM)}
-    return {"total": counts["total"], "embedding": counts["embedding"], **by_block, "active": counts["active"]}
+    return {"total": counts["total"], "embedding": counts["embedding"], **by_block, "active": counts["active"],
+            "mtp": counts["mtp"], "mtp_active": counts["mtp_active"]}
 
 
 def attention_flops_per_token(config: Config) -> float:
@@ -35,11 +37,13 @@ def attention_flops_per_token(config: Config) -> float:
 
 def fp8_matmul_params(config: Config) -> int:
     """Weights per token that quantization=fp8 runs in fp8 matmuls: every matmul weight but the output projection
-    and the MoE layers' router (q, k, v, out, the dense MLP and the experts' active weights); 0 without fp8."""
+    and the MoE layers' router (q, k, v, out, the dense MLP and the experts' active weights); 0 without fp8. The
+    multi-token prediction modules' layers count, their projections and output projections do not."""
     if config.quantization != "fp8":
         return 0
-    router = config.num_moe_layers * config.emb_dim * config.num_experts
-    return matmul_params(config) - config.emb_dim * config.vocab_size - router
+    e, mtp = config.emb_dim, config.mtp_num_layers
+    router = (config.num_moe_layers + (mtp if config.num_experts > 1 else 0)) * e * config.num_experts
+    return matmul_params(config) - (1 + mtp) * e * config.vocab_size - mtp * 2 * e * e - router
 
 
 def dtype_bytes(name: str) -> int:
@@ -54,12 +58,23 @@ def tp_degrees(layout: Layout) -> dict[str, int]:
         return layout.group_degree([a for a in tensor.dim_axes(logical) if a not in layout.batch_axes])
     # The feed-forward's hidden layer: the dense MLPs', else (every layer MoE) the experts'.
     mlp = layout.param(ParamRole.MLP_GATE) or layout.param(ParamRole.EXPERT_GATE)
-    return {"heads": of(layout.param(ParamRole.QUERY), Logical.HEADS),
+    return {"heads": of(layout.param(ParamRole.QUERY) or layout.param(ParamRole.QUERY_B), Logical.HEADS),
             "kv_heads": of(layout.param(ParamRole.KEY), Logical.KV_HEADS),
             "mlp": of(mlp, Logical.MLP),
             "vocab": of(layout.param(ParamRole.OUTPUT) or layout.param(ParamRole.EMBEDDING), Logical.VOCAB),
             "length": layout.group_degree([a for a in layout.residual_axes[1] if a not in layout.batch_axes]),
             "embed": layout.group_degree([a for a in layout.residual_axes[2] if a not in layout.batch_axes])}
+
+
+def attention_widths(config: Config, tp: dict[str, int]) -> tuple[float, float, float]:
+    """Per-token features one device holds of q, of k and v together, and of the attention output. MLA's k and v
+    are expanded per head (maxpar/model/mla.py), split like q's heads."""
+    if config.attention_type == "mla":
+        qk, dv = attention_head_widths(config)
+        heads = config.num_query_heads / tp["heads"]
+        return heads * qk, heads * (qk + dv), heads * dv
+    hd = config.num_query_heads * config.head_dim / tp["heads"]
+    return hd, 2 * (config.num_kv_heads * config.head_dim / tp["kv_heads"]), hd
 
 
 def activation_bytes_per_token(config: Config, layout: Layout) -> dict[str, float]:
@@ -82,15 +97,14 @@ def activation_bytes_per_token(config: Config, layout: Layout) -> dict[str, floa
     cp = layout.context_degree
     a = dtype_bytes(config.dtype)
     e = config.emb_dim / (tp["length"] * tp["embed"])
-    hd = config.num_query_heads * config.head_dim / tp["heads"]
-    kvd = config.num_kv_heads * config.head_dim / tp["kv_heads"]
+    q, kv, out = attention_widths(config, tp)
     heads, m, s = config.num_query_heads / tp["heads"], config.mlp_dim / tp["mlp"], config.max_target_length
     if config.attention == "blockwise":
-        gathered = 2 * kvd * a * (cp - 1) if config.context_parallel_strategy == "all_gather" else 0.0
-        none = ((hd + 2 * kvd + hd + 3 * m) * a + heads * 4 + gathered + 2 * 4) / cp + 4 * e * a
+        gathered = kv * a * (cp - 1) if config.context_parallel_strategy == "all_gather" else 0.0
+        none = ((q + kv + out + 3 * m) * a + heads * 4 + gathered + 2 * 4) / cp + 4 * e * a
     else:
-        none = (4 * e + hd + 2 * kvd + hd + 3 * m) * a + heads * s * (4 + a) + s + 2 * 4
-    projections = (hd + 2 * kvd + 2 * m) * a / cp + e * a
+        none = (4 * e + q + kv + out + 3 * m) * a + heads * s * (4 + a) + s + 2 * 4
+    projections = (q + kv + 2 * m) * a / cp + e * a
     full = e * a
     return {"none": none, "minimal": projections + full, "full": full, "projections": projections}
 
@@ -113,8 +127,8 @@ def moe_rows_per_token(config: Config, layout: Layout) -> float:
 def moe_activation_bytes_per_token(config: Config, layout: Layout, masked_ragged_dot: bool = False) -> dict[str, float]:
     """Bytes per local token a MoE layer keeps for the backward pass beyond a dense MLP's, per remat policy.
 
-    `none`: per computed copy its input row and gate/up/product (rows x (emb + 3 mlp)),
-    the k results combined per token, router logits and probabilities (float32).
+    `none`: per computed copy its input row and gate/up/product (rows x (emb + 3 moe_mlp_dim)),
+    the k results combined per token, router logits and probabilities (float32), the shared experts' gate/up/product.
     `minimal` keeps the router logits (named like the projections) instead of
     the dense MLP's gate and up. `masked_ragged_dot`: the backend lowers
     `ragged_dot` as a dense dot of a group-masked copy of its input per local
@@ -125,15 +139,18 @@ def moe_activation_bytes_per_token(config: Config, layout: Layout, masked_ragged
     """
     if config.num_moe_layers == 0:
         return {"none": 0.0, "minimal": 0.0, "full": 0.0, "working": 0.0}
-    a = dtype_bytes(config.dtype)
-    e, m, n, k = config.emb_dim, config.mlp_dim / tp_degrees(layout)["mlp"], config.num_experts, config.num_experts_per_tok
+    a, tp = dtype_bytes(config.dtype), tp_degrees(layout)["mlp"]
+    e, n, k = config.emb_dim, config.num_experts, config.num_experts_per_tok
+    m, x = config.mlp_dim / tp, (config.moe_mlp_dim or config.mlp_dim) / tp  # the dense MLP's, an expert's width
+    shared = config.num_shared_experts * x  # the shared experts: a dense SwiGLU every token runs
     rows = moe_rows_per_token(config, layout)
-    none = rows * (e + 3 * m) * a + k * e * a + 2 * n * 4
+    none = rows * (e + 3 * x) * a + k * e * a + 2 * n * 4 + 3 * shared * a
     masked = 0.0
     if masked_ragged_dot and config.capacity_factor == 0:
         experts = layout.params(Block.EXPERTS)[0]
-        masked = n / layout.group_degree(experts.dim_axes(Logical.EXP)) * rows * (2 * e + m) * a
-    return {"none": none + masked - 4 * m * a, "minimal": n * 4 - 2 * m * a, "full": 0.0, "working": masked}
+        masked = n / layout.group_degree(experts.dim_axes(Logical.EXP)) * rows * (2 * e + x) * a
+    return {"none": none + masked - 4 * m * a, "minimal": n * 4 + 2 * (shared - m) * a, "full": 0.0,
+            "working": masked}
 
 
 def layer_split(layout: Layout) -> int:
@@ -213,10 +230,11 @@ def _pipelined_activation_bytes(config: Config, layout: Layout, tokens_per_micro
     tp = tp_degrees(layout)
     residual = loop_tokens * config.emb_dim / (tp["length"] * tp["embed"]) * dtype_bytes(config.dtype)
     saved += 2 * residual  # stage 0's microbatch buffer and its gradient
+    saved += loop_tokens * per_token[config.remat_policy] * config.first_num_dense_layers  # the prefix, before it
     working = run_tokens * _rerun_layer_bytes(config, per_token)
     if config.num_moe_layers:  # a block's MoE layers, on the same tokens
         moe = moe_activation_bytes_per_token(config, layout, masked_ragged_dot)
-        moe_per_block = pipe.layers_per_block * config.num_moe_layers / config.num_decoder_layers
+        moe_per_block = pipe.layers_per_block * config.num_moe_layers / config.num_stack_layers
         saved += run_tokens * moe[config.remat_policy] * moe_per_block * pipe.num_iterations
         rerun = moe["working"] if config.remat_policy != "none" else 0.0
         working += run_tokens * (moe["none"] + rerun)
@@ -225,10 +243,11 @@ def _pipelined_activation_bytes(config: Config, layout: Layout, tokens_per_micro
 
 def _one_f_one_b_activation_bytes(config: Config, layout: Layout, tokens_per_microbatch: float
                                   ) -> tuple[float, float]:
-    """(saved, working) activation bytes of pipeline_schedule=1f1b (`maxpar.pipeline.one_f_one_b`): a stage keeps
-    at most min(S, M) stage inputs and as many waiting cotangents (one pipeline microbatch each), and the loop's
-    input and its cotangent (all M); a backward re-runs the stage's block on one microbatch (the block's saved
-    activations and one layer's re-run, transient), whatever M."""
+    """(saved, working) activation bytes of pipeline_schedule=1f1b or zero_bubble (`maxpar.pipeline.one_f_one_b`):
+    a stage keeps at most min(S, M) stage inputs and as many waiting cotangents (one pipeline microbatch each; under
+    zero_bubble both wait for W, and every stage holds S), and the loop's input and its cotangent (all M); a backward
+    op (B, or zero_bubble's B or W) re-runs the stage's block on one microbatch (the block's saved activations and
+    one layer's re-run, transient), whatever M."""
     pipe = layout.pipeline
     per_token = activation_bytes_per_token(config, layout)
     loop_tokens = tokens_per_microbatch * pipe.num_stages  # in the loop every stage sees its shard's rows
@@ -249,7 +268,7 @@ def layer_activation_bytes(config: Config, layout: Layout, tokens_per_microbatch
                            masked_ragged_dot: bool) -> tuple[float, float]:
     """(saved, working): the activations the layers keep for the backward pass, and the one layer's re-run (or
     kept) at a time, dense and MoE."""
-    if layout.pipeline and config.pipeline_schedule == "1f1b":
+    if layout.pipeline and config.pipeline_schedule in EXPLICIT_BACKWARD:
         return _one_f_one_b_activation_bytes(config, layout, tokens_per_microbatch)
     if layout.pipeline:
         return _pipelined_activation_bytes(config, layout, tokens_per_microbatch, masked_ragged_dot)

@@ -27,9 +27,9 @@ import dataclasses
 
 from maxpar.core.axes import Logical
 from maxpar.core.config import Config
-from maxpar.model.roles import Block
+from maxpar.model.roles import Block, ParamRole
 from maxpar.model.routing import expert_capacity
-from maxpar.plan.comms import BACKWARD, FORWARD, Comm, expert_all_to_all_bytes, hierarchical, stage_loop
+from maxpar.plan.comms import BACKWARD, FORWARD, Comm, expert_all_to_all_bytes, hierarchical, stage_loop, tp_axes
 from maxpar.plan.layout import Layout, Tensor
 from maxpar.plan.model_math import dtype_bytes, layer_split
 
@@ -54,7 +54,9 @@ def expert_weight_comms(layout: Layout, microbatches: int) -> list[Comm]:
         gather = gathered_axes(layout, t)
         full = size * layout.group_degree(gather)
         common = dict(dtype=config.dtype, scales=False, tensor=t.name)
-        looped = microbatches * loop.per_iteration
+        # The MTP modules' experts run once per microbatch after the loop, like unpipelined ones.
+        in_loop = loop.pipelined and t.layered
+        looped = microbatches * (loop.per_iteration if t.layered else 1)
         comms += hierarchical(layout, "MoE expert-weight all-gather (forward)", gather, "all-gather", size,
                               count=looped, phase=FORWARD, **common)
         comms += hierarchical(layout, "MoE expert-weight all-gather recomputed by remat (backward)", gather,
@@ -64,7 +66,7 @@ def expert_weight_comms(layout: Layout, microbatches: int) -> list[Comm]:
                                                      **common)]
         reduce = layout.live(a for a in layout.weight_batch_axes(t) if a not in t.axes)
         inner = tuple(a for a in reduce if a not in loop.manual)
-        if loop.pipelined and inner:
+        if in_loop and inner:
             comms += hierarchical(layout, "MoE expert-weight gradient all-reduce (DP, per pipeline iteration)", inner,
                                   "all-reduce", size, count=looped, phase=BACKWARD, **common)
             reduce = tuple(a for a in reduce if a in loop.manual)
@@ -102,27 +104,47 @@ def expert_activation_comms(layout: Layout, tokens: float, microbatches: int) ->
     experts = next(iter(layout.params(Block.EXPERTS)))
     ep_axes = layout.live(experts.dim_axes(Logical.EXP))
     hidden = layout.live(a for a in experts.dim_axes(Logical.MLP) if a not in layout.batch_axes)
-    pipe = layout.pipeline
+    pipe, tokens_per_microbatch = layout.pipeline, tokens
     if pipe:  # every iteration (bubble too) runs a block's MoE layers on a pipeline microbatch of all stages' rows
-        count = pipe.num_iterations * pipe.layers_per_block * config.num_moe_layers / config.num_decoder_layers \
+        count = pipe.num_iterations * pipe.layers_per_block * config.num_moe_layers / config.num_stack_layers \
             * microbatches
         tokens = tokens * pipe.num_stages / pipe.num_microbatches
     else:
         count = config.num_moe_layers / layer_split(layout) * microbatches
+    comms = _moe_layer_comms(layout, ep_axes, hidden, tokens, count)
+    if config.mtp_num_layers:  # the MTP modules' MoE layers: after the stack, on whole microbatches
+        comms += _moe_layer_comms(layout, ep_axes, hidden, tokens_per_microbatch,
+                                  config.mtp_num_layers * microbatches, "MTP ")
+    return comms
+
+
+def _moe_layer_comms(layout: Layout, ep_axes: tuple[str, ...], hidden: tuple[str, ...], tokens: float,
+                     count: float, label: str = "") -> list[Comm]:
+    """EP all-to-alls and TP all-reduces of `count` MoE layer runs on `tokens` per batch shard each; the shared
+    experts, a dense MLP split like the experts' mlp dim, all-reduce their output and input gradient (of the gate
+    and up projections apart on XLA:CPU) besides."""
+    config = layout.config
     recomputed = 0 if config.remat_policy == "none" else 2
     comms: list[Comm] = []
     if ep_axes:
         size = dispatch_bytes(config, tokens, layout.group_degree(ep_axes))
         for phase, n in ((FORWARD, 2), (BACKWARD, 2 + recomputed)):
-            comms += hierarchical(layout, f"EP token all-to-all ({phase})", ep_axes, "all-to-all", size,
+            comms += hierarchical(layout, f"{label}EP token all-to-all ({phase})", ep_axes, "all-to-all", size,
                                   count=count * n, phase=phase, dtype=config.dtype, scales=True)
         if config.capacity_factor == 0:  # tokens per expert, sent ahead of the tokens (int32)
-            comms += hierarchical(layout, "EP expert-count all-to-all (forward)", ep_axes, "all-to-all",
+            comms += hierarchical(layout, f"{label}EP expert-count all-to-all (forward)", ep_axes, "all-to-all",
                                   config.num_experts * 4, count=count * (1 + recomputed // 2), phase=FORWARD,
                                   dtype="int32", scales=False)
     if hidden:
         residual = tokens * config.emb_dim * dtype_bytes(config.dtype)
         for phase, what in ((FORWARD, "output"), (BACKWARD, "input-gradient")):
-            comms += hierarchical(layout, f"TP MoE {what} all-reduce ({phase})", hidden, "all-reduce", residual,
-                                  count=count, phase=phase, dtype=config.dtype, scales=True)
+            comms += hierarchical(layout, f"{label}TP MoE {what} all-reduce ({phase})", hidden, "all-reduce",
+                                  residual, count=count, phase=phase, dtype=config.dtype, scales=True)
+    shared = tp_axes(layout, layout.param(ParamRole.SHARED_GATE), Logical.MLP)
+    if shared:
+        residual = tokens * config.emb_dim * dtype_bytes(config.dtype)
+        for phase, what, parts in ((FORWARD, "output", 1), (BACKWARD, "input-gradient", 2)):
+            comms += hierarchical(layout, f"{label}TP shared-expert {what} all-reduce ({phase})", shared,
+                                  "all-reduce", residual, count=count, phase=phase, dtype=config.dtype, scales=True,
+                                  cpu_parts=parts)
     return comms

@@ -20,9 +20,10 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from maxpar.core.axes import Physical
-from maxpar.core.config import Config, ConfigError
+from maxpar.core.config import EXPLICIT_BACKWARD, Config, ConfigError
 from maxpar.core.layout import TracedState, batch_shape
 from maxpar.core.mesh import MeshShape, resolve_mesh_shape
+from maxpar.core.op_schedule import OpSchedule
 from maxpar.io.metrics import matmul_params, training_flops_per_token
 from maxpar.model.roles import Block
 from maxpar.plan import rooflines
@@ -33,7 +34,7 @@ from maxpar.plan.layout import Layout, build_layout
 from maxpar.plan.model_math import (attention_flops_per_token, dtype_bytes, fp8_matmul_params,
                                     memory_per_device, param_breakdown, state_bytes, tp_degrees)
 from maxpar.plan.moe_comms import predict_moe_comms
-from maxpar.plan.pipeline_comms import pipeline_comms
+from maxpar.plan.pipeline_comms import explicit_backward_comms, pipeline_comms
 from maxpar.plan.tensor_comms import lookup_comms, tensor_comms
 from maxpar.plan.weight_comms import weight_comms
 from maxpar.plan.zero_comms import zero_comms
@@ -241,9 +242,12 @@ def step_comms(layout: Layout, batch: Batch) -> list[Comm]:
     local = batch.tokens_per_shard / layout.context_degree  # context parallelism: each device holds 1/C of the tokens
     runs = layer_runs(layout, local, microbatches)
     args = (layout, batch.tokens_per_shard, microbatches)
-    return (zero_comms(layout, weight_comms(layout, microbatches))
+    if layout.pipeline and layout.config.pipeline_schedule in EXPLICIT_BACKWARD:  # its own gradient reductions
+        weights, stages = [], explicit_backward_comms(layout, local, runs, microbatches)
+    else:
+        weights, stages = weight_comms(layout, microbatches), pipeline_comms(layout, local, runs, microbatches)
+    return (zero_comms(layout, weights) + stages
             + tensor_comms(layout, runs, local, microbatches)
-            + pipeline_comms(layout, local, runs, microbatches)
             + lookup_comms(layout, local, microbatches)
             + predict_moe_comms(*args) + predict_context_comms(*args))
 
@@ -345,6 +349,14 @@ class StepTime:
         return [p for p in PHASES if comm_seconds(self.network, p) > self.compute[p]]
 
 
+def pipeline_bubble(config: Config, pipe: Any) -> float:
+    """The stages' idle fraction: gPipe's and circular's formula, or counted on the op table of a schedule with an
+    explicit backward (1f1b: the same; zero_bubble: (S-1)/(3M+S-1) for M >= S, its B and W one tick each)."""
+    if config.pipeline_schedule in EXPLICIT_BACKWARD:
+        return OpSchedule(config.pipeline_schedule, pipe.num_stages, pipe.num_microbatches).bubble
+    return pipe.bubble
+
+
 def step_time(layout: Layout, hardware: Hardware, batch: Batch, network: dict[tuple[str, str], float],
               tokens_per_device: float) -> StepTime:
     """Matmul, HBM and collective time per phase, and the step they make with the pipeline bubble."""
@@ -352,7 +364,7 @@ def step_time(layout: Layout, hardware: Hardware, batch: Batch, network: dict[tu
     flops = compute_flops(config, tokens_per_device)
     compute = compute_seconds(flops, fp8_flops(config, tokens_per_device), hardware)
     hbm = hbm_seconds(layout, batch.microbatches, hardware)
-    bubble = layout.pipeline.bubble if layout.pipeline else 0.0
+    bubble = pipeline_bubble(config, layout.pipeline) if layout.pipeline else 0.0
     return StepTime(flops=flops, compute=compute, hbm=hbm, network=network, bubble=bubble,
                     seconds=step_seconds(compute, hbm, network, bubble))
 

@@ -60,6 +60,8 @@ def _summary(plan: dict[str, Any]) -> list[str]:
     return out + [
         f"  params     total {si(p['total'])} (token embedding {si(p['embedding'])}, attention {si(p['attention'])}, "
         f"mlp {si(p['mlp'])}, {experts}output {si(p['output'])}, norms {si(p['norm'])}; active {si(p['active'])})",
+        *([f"             main model {si(p['total'] - p['mtp'])} total, {si(p['active'] - p['mtp_active'])} active; "
+           f"MTP modules {si(p['mtp'])} ({si(p['mtp_active'])} active)"] if p.get("mtp") else []),
         f"  batch      {plan['global_batch_rows']:,.6g} rows = {plan['global_batch_tokens']:,.0f} tokens per step "
         f"({plan['tokens_per_device']:,.1f} per device, {plan['microbatches']} microbatch(es))",
         f"  flops      {plan['flops_per_token']:.4g} per token (training: 6 x matmul params + causal attention "

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
+from maxpar.core.axes import Logical
 from maxpar.model.roles import Block
 from maxpar.plan.comms import (BACKWARD, FORWARD, Comm, StageLoop, fsdp_axes, hierarchical,
                                sequence_axes, stage_loop)
@@ -55,7 +56,8 @@ class WeightMoves:
     sequence_gather: tuple[str, ...]    # of those, the ones that also split it (the vocab dim): gathered like FSDP
     full: float                         # bytes of its gradient before the reduce-scatter
     reduce: tuple[str, ...]             # DP: batch axes that do not shard it
-    partial_gradients: int              # 2 for a tied table (the lookup's and the output projection's), else 1
+    partial_gradients: int              # reduced one by one: a tied table's lookup and output projection, and each
+                                        # MTP module's besides the main model's (they share the table and the head)
 
 
 def weight_moves(layout: Layout, t: Tensor, loop: StageLoop) -> WeightMoves:
@@ -73,10 +75,11 @@ def weight_moves(layout: Layout, t: Tensor, loop: StageLoop) -> WeightMoves:
     # is taken by their length): the weight is gathered over it too, like FSDP.
     sequence_gather = tuple(a for a in sequence if a in t.axes)
     tied = t.block == Block.EMBEDDING and layout.config.logits_via_embedding
+    heads = 1 + layout.config.mtp_num_layers if t.block in (Block.EMBEDDING, Block.OUTPUT) else 1
     return WeightMoves(tensor=t, elements=elements, dtype=dtype, size=size, gather=gather, sequence=sequence,
                        sequence_gather=sequence_gather, full=size * layout.group_degree(gather + sequence_gather),
                        reduce=layout.live(a for a in layout.weight_batch_axes(t) if a not in t.axes),
-                       partial_gradients=2 if tied else 1)
+                       partial_gradients=(2 if tied else 1) * heads)
 
 
 def stacked_weight_gathers(layout: Layout, w: WeightMoves, loop: StageLoop, microbatches: int) -> list[Comm]:
@@ -103,6 +106,18 @@ def stacked_weight_gathers(layout: Layout, w: WeightMoves, loop: StageLoop, micr
     return [c for phase in ((FORWARD,) if kept else (FORWARD, BACKWARD))
             for c in hierarchical(layout, f"FSDP weight all-gather ({phase})", w.gather, "all-gather", w.size,
                                   count=microbatches * loop.per_iteration, phase=phase, dtype=w.dtype, **common)]
+
+
+def prefix_gathers(layout: Layout, w: WeightMoves, microbatches: int) -> list[Comm]:
+    """A pipelined run's dense prefix (first_num_dense_layers): a layer scan of its own before the loop, gathered
+    per pass like an unpipelined stack's weights."""
+    if not w.gather:
+        return []
+    kept = not regathers_in_backward(layout.config) and not sequence_parallel(layout)
+    return [c for phase in ((FORWARD,) if kept else (FORWARD, BACKWARD))
+            for c in hierarchical(layout, f"FSDP dense-prefix weight all-gather ({phase})", w.gather, "all-gather",
+                                  w.size, count=microbatches, phase=phase, dtype=w.dtype, scales=False,
+                                  tensor=w.tensor.name)]
 
 
 def top_level_gathers(layout: Layout, w: WeightMoves) -> list[Comm]:
@@ -182,10 +197,12 @@ def weight_comms(layout: Layout, microbatches: int) -> list[Comm]:
             continue
         w = weight_moves(layout, t, loop)
         comms += (stacked_weight_gathers(layout, w, loop, microbatches) if t.layered
+                  else prefix_gathers(layout, w, microbatches) if Logical.DENSE_LAYERS in t.logical
                   else top_level_gathers(layout, w))
         comms += sequence_gradient_reduction(layout, w, microbatches)
-        lookup = lookup_gradient_reduction(layout, w, microbatches)
+        lookups = 1 + layout.config.mtp_num_layers  # the main model's and each MTP module's
+        lookup = lookup_gradient_reduction(layout, w, microbatches * lookups)
         comms += lookup or []
         comms += matmul_gradient_reduction(layout, w, loop, microbatches,
-                                           w.partial_gradients - (lookup is not None))
+                                           w.partial_gradients - (lookups if lookup is not None else 0))
     return comms

@@ -285,7 +285,8 @@ TITLES = {"bench_moe": "Mixture of experts by EP degree", "bench_pipeline": "Pip
           "compiled_programs": "The compiled programs side by side (maxpar, MaxText)",
           "sharding_matrix": "Sharding matrix agreement", "end_to_end": "End-to-end script runtimes",
           "install": "Install size", "tests": "Test suite runtime",
-          "fp8_gemm_check": "Do fp8 matmuls become fp8 GEMMs on the GPU?"}
+          "fp8_gemm_check": "Do fp8 matmuls become fp8 GEMMs on the GPU?",
+          "moe_balance": "Expert load: aux-loss-free bias, auxiliary loss, none"}
 
 
 def other_section(records: Sequence[Record], shown: set[str]) -> str:

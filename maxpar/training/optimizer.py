@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from maxpar.core.config import Config
+from maxpar.model.roles import ParamRole, param_role
 
 
 def learning_rate_schedule(config: Config) -> optax.Schedule:
@@ -27,6 +28,8 @@ def make_optimizer(config: Config) -> optax.GradientTransformation:
     adamw = optax.adamw(learning_rate_schedule(config), b1=config.adam_b1, b2=config.adam_b2,
                         eps=config.adam_eps, weight_decay=config.adam_weight_decay, mask=decay_mask)
     transforms.append(state_in_dtype(adamw, jnp.dtype(config.moments_dtype)))
+    if config.routed_bias:
+        transforms.append(optax.masked(optax.set_to_zero(), not_optimized_mask))
     return optax.chain(*transforms)
 
 
@@ -57,8 +60,20 @@ def state_in_dtype(inner: optax.GradientTransformation, dtype: Any) -> optax.Gra
     return optax.GradientTransformation(init, update)
 
 
+# Parameters the train step sets itself, outside the gradient (their gradient is zero): no update, no weight decay.
+# Their moments stay in the state (zeros), so that the state has one structure for every sharding and pipeline.
+NOT_OPTIMIZED = (ParamRole.ROUTING_BIAS,)
+
+
+def not_optimized_mask(params: Any) -> Any:
+    """True for the parameters (boxed or not) of a NOT_OPTIMIZED role: the last transform zeroes their updates."""
+    def frozen(path, _):
+        return param_role(tuple(str(key.key) for key in path if hasattr(key, "key"))) in NOT_OPTIMIZED
+    return jax.tree_util.tree_map_with_path(frozen, params)
+
+
 def decay_mask(params):
-    """Weight decay on matmul weights and embeddings, not on norm scales."""
-    def is_decayed(path, _):
-        return not any(getattr(key, "key", None) == "scale" for key in path)
-    return jax.tree_util.tree_map_with_path(is_decayed, params)
+    """Weight decay on matmul weights and embeddings, not on norm scales nor on what the optimizer leaves alone."""
+    def is_decayed(path, _, is_frozen):
+        return not is_frozen and not any(getattr(key, "key", None) == "scale" for key in path)
+    return jax.tree_util.tree_map_with_path(is_decayed, params, not_optimized_mask(params))

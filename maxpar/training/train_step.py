@@ -14,14 +14,15 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from maxpar.core.config import Config, model_config
+from maxpar.core.config import EXPLICIT_BACKWARD, Config, model_config
 from maxpar.core.layout import RunLayout, TracedState, resolve_layout, split_microbatches
 from maxpar.core.mesh import MeshShape
 from maxpar.core.sharding import logical_specs, named_shardings, replicated
 from maxpar.model import Transformer
 from maxpar.model.context_parallel import reorder_batch
 from maxpar.model.fp8 import FP8_META, combine_observed, update_histories
-from maxpar.model.moe import MOE_STATS, moe_totals
+from maxpar.model.moe import MOE_STATS, load_max_over_mean, moe_totals, routed_counts, routing_bias_update
+from maxpar.model.mtp import MTP, mtp_inputs, mtp_loss_sum, with_mtp_targets
 from maxpar.model.staged import staged_value_and_grad
 from maxpar.model.transformer import stacked_layers
 from maxpar.training.optimizer import learning_rate_schedule, make_optimizer
@@ -116,28 +117,38 @@ def objective(params: Any, fp8_meta: Any, batch: Batch, *, model: nn.Module, con
     Dense: the summed cross-entropy. MoE: plus load_balance_loss_weight x the
     load-balancing loss (mean over the MoE layers) x the microbatch's real
     tokens, so that dividing by the step's tokens adds the weighted,
-    token-averaged balance loss to the mean cross-entropy.
+    token-averaged balance loss to the mean cross-entropy. MTP (mtp_num_layers > 0, a `with_mtp_targets` batch):
+    plus mtp_loss_scaling_factor x the modules' mean summed cross-entropy, divided by the step's tokens the same way.
     """
-    if config.num_experts == 1:
-        loss_sum, count = loss_sum_and_count(params, model, batch, fp8_meta)
-        return loss_sum, {"loss_sum": loss_sum, "tokens": count}
-    logits, variables = model.apply(model_variables(params, fp8_meta), batch["inputs"], batch["positions"],
-                                    batch["segment_ids"], mutable=[MOE_STATS])
+    moe = config.num_experts > 1
+    outputs, variables = model.apply(model_variables(params, fp8_meta), batch["inputs"], batch["positions"],
+                                     batch["segment_ids"], mtp_inputs(batch, config.mtp_num_layers),
+                                     mutable=[MOE_STATS] if moe else [])
+    logits, mtp_logits = outputs if config.mtp_num_layers else (outputs, None)
     loss_sum, count = _cross_entropy(logits, batch)
-    totals = moe_totals(variables[MOE_STATS])
+    sums = {"loss_sum": loss_sum, "tokens": count}
+    total = loss_sum
+    if mtp_logits is not None:
+        sums["mtp_sum"] = mtp_loss_sum(mtp_logits, batch)
+        total = total + config.mtp_loss_scaling_factor * sums["mtp_sum"]
+    if not moe:
+        return total, sums
+    # the balance loss is the layer stack's: the MTP layers' routers are trained by the MTP loss only
+    totals = moe_totals({key: value for key, value in variables[MOE_STATS].items() if key != MTP})
     balance = totals["load_balance_loss"] / config.num_moe_layers
-    sums = {"loss_sum": loss_sum, "tokens": count, "balance_sum": balance * count, "dropped": totals["dropped"],
-            "routed": totals["routed"]}
-    return loss_sum + config.load_balance_loss_weight * balance * count, sums
+    sums |= {"balance_sum": balance * count, "dropped": totals["dropped"], "routed": totals["routed"]}
+    # every MoE layer's, the MTP layers' too: what the bias update and the load metrics read
+    sums["expert_routed"] = routed_counts(variables[MOE_STATS])
+    return total + config.load_balance_loss_weight * balance * count, sums
 
 
 def _grads(params: Any, fp8_meta: Any, model: nn.Module, batch: Batch, config: Config
            ) -> tuple[Any, Any, dict[str, jax.Array]]:
     """Gradient of the summed objective, the amaxes the fp8 matmuls observed (the amax histories' cotangents:
     maxpar.model.fp8) and the metric sums, accumulated over microbatches with a scan (the amaxes by max)."""
-    batch = reorder_batch(batch, model.layout)
-    if config.pipeline_schedule == "1f1b":  # the schedule runs the backward itself: maxpar.model.staged
-        grad_fn = staged_value_and_grad(model, _token_losses)
+    batch = reorder_batch(with_mtp_targets(batch, config.mtp_num_layers), model.layout)
+    if config.pipeline_schedule in EXPLICIT_BACKWARD:  # the schedule runs the backward itself: maxpar.model.staged
+        grad_fn = staged_value_and_grad(model, _token_losses, config.pipeline_schedule)
     else:
         grad_fn = jax.value_and_grad(partial(objective, model=model, config=config), argnums=(0, 1), has_aux=True)
     if config.gradient_accumulation_steps == 1:
@@ -160,11 +171,14 @@ def _grads(params: Any, fp8_meta: Any, model: nn.Module, batch: Batch, config: C
 
 
 def moe_metrics(sums: dict[str, jax.Array], count: jax.Array) -> dict[str, jax.Array]:
-    """The step's MoE metrics (none for a dense model): balance loss, dropped token copies and their share."""
+    """The step's MoE metrics (none for a dense model): balance loss, dropped token copies and their share, and
+    the busiest expert's load over the mean load, averaged over the MoE layers and in the worst layer."""
     if "balance_sum" not in sums:
         return {}
+    ratio = load_max_over_mean(sums["expert_routed"])
     return {"moe_load_balance_loss": sums["balance_sum"] / count, "moe_dropped_tokens": sums["dropped"],
-            "moe_dropped_fraction": sums["dropped"] / jnp.maximum(sums["routed"], 1.0)}
+            "moe_dropped_fraction": sums["dropped"] / jnp.maximum(sums["routed"], 1.0),
+            "moe_load_max_over_mean": jnp.mean(ratio), "moe_load_max_over_mean_worst": jnp.max(ratio)}
 
 
 def split_over_zero_axis(tree: Any, update_shardings: Any) -> Any:
@@ -190,12 +204,15 @@ def train_step(state: TrainState, batch: Batch, *, model: nn.Module, tx: optax.G
     if update_shardings is not None:
         updates = split_over_zero_axis(updates, update_shardings)
     params = optax.apply_updates(state.params, updates)
+    if config.routed_bias and config.num_experts > 1:  # a dense model (routed_bias in its preset) has no routers
+        params = routing_bias_update(params, sums["expert_routed"], config.routed_bias_update_rate)
     metrics = {
         "loss": sums["loss_sum"] / count,
         "grad_norm": optax.tree.norm(grads),
         "learning_rate": learning_rate_schedule(config)(state.step),
         "tokens": count,
         **moe_metrics(sums, count),
+        **({"mtp_loss": sums["mtp_sum"] / count} if "mtp_sum" in sums else {}),
     }
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                       fp8_meta=update_histories(state.fp8_meta, seen)), metrics
