@@ -137,3 +137,14 @@ def train_metrics(run_dir: Path, corpus: str, devices, steps: int, *overrides: s
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     return {name: np.array([r[name] for r in rows], dtype=float) for name in metrics}
+
+
+def packed_batch(rows: int, length: int, vocab: int = 264) -> dict[str, np.ndarray]:
+    """Random tokens in rows of two packed documents (so attention masking matters), int32 like the loader's."""
+    rng = np.random.default_rng(0)
+    cut = rng.integers(4, length - 4, rows)[:, None]
+    columns = np.arange(length)[None, :]
+    return {"inputs": rng.integers(0, vocab, (rows, length)).astype(np.int32),
+            "targets": rng.integers(0, vocab, (rows, length)).astype(np.int32),
+            "segment_ids": np.where(columns < cut, 1, 2).astype(np.int32),
+            "positions": np.where(columns < cut, columns, columns - cut).astype(np.int32)}

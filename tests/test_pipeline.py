@@ -23,7 +23,7 @@ import optax
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
-from helpers import tiny_config
+from helpers import packed_batch, tiny_config
 from maxpar.core.config import model_config
 from maxpar.model import stack
 from maxpar.model import Transformer
@@ -49,14 +49,7 @@ CASES = {  # name: (stages, microbatches, repeats, other mesh axes and options)
 
 
 def make_batch() -> dict[str, np.ndarray]:
-    """Random tokens in rows of two packed documents (so attention masking matters)."""
-    rng = np.random.default_rng(0)
-    cut = rng.integers(4, LENGTH - 4, ROWS)[:, None]
-    columns = np.arange(LENGTH)[None, :]
-    return {"inputs": rng.integers(0, 264, (ROWS, LENGTH)).astype(np.int32),
-            "targets": rng.integers(0, 264, (ROWS, LENGTH)).astype(np.int32),
-            "segment_ids": np.where(columns < cut, 1, 2).astype(np.int32),
-            "positions": np.where(columns < cut, columns, columns - cut).astype(np.int32)}
+    return packed_batch(ROWS, LENGTH)
 
 
 def logits_and_grads(model: nn.Module):

@@ -21,7 +21,7 @@ import numpy as np
 import optax
 import pytest
 
-from helpers import read_metrics, tiny_config, write_corpus
+from helpers import packed_batch, read_metrics, tiny_config, write_corpus
 from maxpar.core.config import ConfigError, model_config
 from maxpar.core.op_schedule import OpSchedule
 from maxpar.model import Transformer
@@ -62,13 +62,7 @@ def test_program_branches_follow_the_table_and_stores_hold_at_most_s_microbatche
 
 
 def make_batch() -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
-    cut = rng.integers(4, LENGTH - 4, ROWS)[:, None]
-    columns = np.arange(LENGTH)[None, :]
-    return {"inputs": rng.integers(0, 264, (ROWS, LENGTH)).astype(np.int32),
-            "targets": rng.integers(0, 264, (ROWS, LENGTH)).astype(np.int32),
-            "segment_ids": np.where(columns < cut, 1, 2).astype(np.int32),
-            "positions": np.where(columns < cut, columns, columns - cut).astype(np.int32)}
+    return packed_batch(ROWS, LENGTH)
 
 
 def summed_loss(logits, targets, segment_ids):
