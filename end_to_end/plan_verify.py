@@ -56,6 +56,14 @@ EXTENDED = {
     "PP(2)xDP(2)xFSDP(2) gPipe remat=full": ["ici_stage_parallelism=2", "ici_data_parallelism=2",
                                              "ici_fsdp_parallelism=2", "num_pipeline_microbatches=2",
                                              "remat_policy=full"],
+    "PP(2)xDP(2)xFSDP(2) 1f1b": ["ici_stage_parallelism=2", "ici_data_parallelism=2", "ici_fsdp_parallelism=2",
+                                 "num_decoder_layers=4", "num_pipeline_microbatches=4", "pipeline_schedule=1f1b"],
+    "PP(2)xDP(2)xFSDP(2) zero_bubble": ["ici_stage_parallelism=2", "ici_data_parallelism=2", "ici_fsdp_parallelism=2",
+                                        "num_decoder_layers=4", "num_pipeline_microbatches=4",
+                                        "pipeline_schedule=zero_bubble"],
+    "PP(2)xDP(4) interleaved_1f1b": ["ici_stage_parallelism=2", "ici_data_parallelism=4", "ici_fsdp_parallelism=1",
+                                     "num_pipeline_repeats=2", "num_pipeline_microbatches=4", "per_device_batch_size=2",
+                                     "pipeline_schedule=interleaved_1f1b"],
 }
 
 

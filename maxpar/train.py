@@ -176,7 +176,8 @@ def _print_header(run: RunSetup, run_dir: epath.Path, peak: float | None, log: C
     log(f"  data {run.data_description}")
     if run.pipeline is not None:
         if config.pipeline_schedule in EXPLICIT_BACKWARD:  # the backward is scheduled too: maxpar.core.op_schedule
-            ops = OpSchedule(config.pipeline_schedule, run.pipeline.num_stages, run.pipeline.num_microbatches)
+            ops = OpSchedule(config.pipeline_schedule, run.pipeline.num_stages, run.pipeline.num_microbatches,
+                             run.pipeline.num_repeats)
             log(f"  {ops.describe()}")
         else:
             log(f"  {run.pipeline.describe()}")

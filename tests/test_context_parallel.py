@@ -52,8 +52,6 @@ def test_context_parallel_matches_single_device(name, tmp_path, corpus, referenc
     (["attention=blockwise", "attention_block_size=12"], ["attention_block_size=12", "32"]),
     (["ici_context_parallelism=2", "ici_stage_parallelism=2", "ici_fsdp_parallelism=-1", "attention=blockwise"],
      ["ici_stage_parallelism=2", "pipeline"]),
-    (["ici_context_parallelism=2", "ici_fsdp_parallelism=-1", "attention=blockwise", "num_experts=4"],
-     ["num_experts=4"]),
     (["ici_context_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2", "attention=blockwise",
       "extra_logical_axis_rules=[[activation_length,[tensor]]]"], ["activation_length", "TP-sequence"]),
 ])

@@ -91,12 +91,13 @@ MESHES = {
 }
 
 
-def save_hf_model(directory: Path, name: str, seed: int = 0, **changes) -> Path:
-    """A random model of MODELS[name] (its config `changes`d) saved by transformers; weights far from init so every
-    tensor matters."""
-    config_class, model_class, dims, dtype, shard = {**MODELS, **DEEPSEEK}[name]
+def save_hf_model(directory: Path, name: str, seed: int = 0, dtype: torch.dtype | None = None, **changes) -> Path:
+    """A random model of MODELS[name] (its config `changes`d) saved by transformers in its dtype (or `dtype`), with
+    the modules transformers keeps in float32 (DeepSeek-V3's router) so; weights far from init so every tensor
+    matters."""
+    config_class, model_class, dims, saved_dtype, shard = {**MODELS, **DEEPSEEK}[name]
     torch.manual_seed(seed)
-    model = model_class(config_class(**{**dims, **changes}))
+    model = model_class._from_config(config_class(**{**dims, **changes}), dtype=dtype or saved_dtype)
     with torch.no_grad():
         for param_name, param in model.named_parameters():
             if param_name.endswith("norm.weight"):
@@ -106,7 +107,7 @@ def save_hf_model(directory: Path, name: str, seed: int = 0, **changes) -> Path:
         for buffer_name, buffer in model.named_buffers():
             if buffer_name.endswith("e_score_correction_bias"):  # DeepSeek's routing bias: a saved buffer
                 buffer.normal_(0.0, 0.15)
-    model.to(dtype).save_pretrained(directory, **({"max_shard_size": shard} if shard else {}))
+    model.save_pretrained(directory, **({"max_shard_size": shard} if shard else {}))
     return directory
 
 
@@ -390,6 +391,26 @@ def test_qwen3_published_configs_are_the_presets(name):
     hf = qwen3_published(name)
     config = resolve_config(model_keys(hf, ARCHITECTURES[hf["architectures"][0]]), [f"model_name={name}"], BASE)
     assert training_overrides(config, BASE) == [f"model_name={name}"]
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+def test_bfloat16_round_trip_is_bitwise_in_either_weight_dtype(name, tmp_path):
+    """A bfloat16 checkpoint (DeepSeek-V3's router and routing bias in float32, as transformers keeps them) through
+    from_hf -> to_hf gives back every tensor in its dtype, whether widened to float32 weights and exported with
+    --dtype bfloat16, or kept in weight_dtype=bfloat16 (maxpar's router is float32 whatever weight_dtype)."""
+    hf_dir = save_hf_model(tmp_path / "hf", name, dtype=torch.bfloat16)
+    original = read_all(hf_dir)
+    router = next(value for key, value in original.items() if key.endswith("mlp.gate.weight"))
+    assert router.dtype == (np.float32 if name == "deepseek_v3" else original["model.embed_tokens.weight"].dtype)
+    for weights, export in (("float32", ["--dtype", "bfloat16"]), ("bfloat16", [])):
+        converted, back = tmp_path / f"maxpar_{weights}", tmp_path / f"back_{weights}"
+        assert main(["from_hf", "--hf_path", str(hf_dir), "--out", str(converted), f"weight_dtype={weights}"]) == 0
+        assert main(["to_hf", "--checkpoint", str(converted), "--out", str(back), "--hf_template", str(hf_dir),
+                     *export]) == 0
+        ours = read_all(back)
+        assert sorted(ours) == sorted(original)
+        for tensor_name, value in original.items():
+            assert ours[tensor_name].dtype == value.dtype and np.array_equal(ours[tensor_name], value), tensor_name
 
 
 def test_qwen3_moe_sparse_step_is_the_moe_layer_interval():

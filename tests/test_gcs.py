@@ -8,21 +8,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # gcs, helpers, also for the launched worker processes
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gcs, helpers
 
 import pytest  # noqa: E402
 
 from gcs import DERIVED, emulator, filesystem, process_env  # noqa: E402
-from helpers import REPO, TINY, compilation_cache_env, train_command  # noqa: E402
+from helpers import REPO, compilation_cache_env, train_command  # noqa: E402
 from maxpar.core import storage  # noqa: E402
 from maxpar.train import main as train_main  # noqa: E402
 
@@ -86,20 +83,6 @@ def test_a_run_writes_everything_into_the_bucket(trained, gcs, tmp_path):
     assert [r["step"] for r in rows(fs, f"{BUCKET}/runs/r/metrics.jsonl")] == list(range(1, STEPS + 1))
     assert f"checkpoint: {RUN}/checkpoints/6" in output
     assert not (REPO / "gs:").exists() and not (tmp_path / "gs:").exists()
-
-
-def test_the_same_run_name_resumes_from_the_bucket_bitwise(trained, gcs):
-    command, _, env = trained
-    fs = filesystem(gcs)
-    uninterrupted = rows(fs, f"{BUCKET}/runs/r/metrics.jsonl")
-    fs.rm(f"{BUCKET}/runs/r/checkpoints/6", recursive=True)  # as if the run had stopped after step 3's checkpoint
-    done = run(command, env)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "dropped the rows after step 3" in done.stdout + done.stderr
-    resumed = rows(fs, f"{BUCKET}/runs/r/metrics.jsonl")
-    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
-    assert [r["loss"] for r in resumed] == [r["loss"] for r in uninterrupted]  # bitwise: floats from JSON
-    assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in uninterrupted]
 
 
 def test_the_printed_sample_command_runs_from_the_bucket(trained, gcs):
@@ -302,87 +285,14 @@ def test_each_kind_of_refused_write_is_named():
                    ).startswith("no usable credentials: Forbidden")
 
 
-# ---------------------------------------------------------------- a 2-process job on gs://: kill -9, damage, resume
-
-def kill_both_after_save(step_to_kill: int) -> None:
-    """Make both processes SIGKILL themselves at the first save after `step_to_kill`'s, once that checkpoint is
-    complete in the bucket and the metrics up to it uploaded (the loop uploads them after starting its save): the
-    steps trained since are lost, and no newer checkpoint is begun."""
-    import jax
-    from jax.experimental import multihost_utils
-
-    from maxpar.io import checkpoint
-    save = checkpoint.Saver.save
-
-    def saving(self, step, *args, **kwargs):
-        if step > step_to_kill:
-            self.manager.wait_until_finished()
-            multihost_utils.sync_global_devices("maxpar test: the save is complete on both processes")
-            if jax.process_index() == 1:
-                os.kill(os.getpid(), signal.SIGKILL)
-            time.sleep(2)  # rank 0 dies too, by its own kill or by the launcher's
-            os.kill(os.getpid(), signal.SIGKILL)
-        save(self, step, *args, **kwargs)
-
-    checkpoint.Saver.save = saving
-
-
-def worker(spec_path: str) -> int:
-    """One process of a launched job: `maxpar.train.main` for each run of the spec, in order."""
-    for spec in json.loads(Path(spec_path).read_text()):
-        if spec.get("kill_after"):
-            kill_both_after_save(spec["kill_after"])
-        code = train_main(spec["argv"])
-        if code:
-            return code
-    return 0
-
-
-def launch(root: Path, name: str, runs: list[dict], env: dict[str, str]) -> subprocess.CompletedProcess:
-    (root / f"{name}.json").write_text(json.dumps(runs))
-    return run([sys.executable, "-m", "launch.local", "--num_processes", "2", "--devices_per_process", "1",
-                "--grace_s", "2", "--timeout_s", "280", "--module", "tests.test_gcs", "--", str(root / f"{name}.json")],
-               env)
-
-
-def test_a_2_process_job_killed_mid_run_resumes_bitwise_from_the_bucket(server, gcs, tmp_path):
-    """One launch: an uninterrupted run (steps 2, 4, 6 saved), then a run whose processes are SIGKILLed after
-    step 6, once its step-4 checkpoint is complete in the bucket. A second launch: the killed run resumes from step 4 and logs the
-    uninterrupted run's losses bit for bit."""
-    env = process_env(server, compilation_cache_env(tmp_path / "jax_cache"))
-    argv = [str(REPO / "configs" / "base.yml"), *TINY, "dataset_type=synthetic", "per_device_batch_size=1",
-            "steps=6", "enable_checkpointing=true", "checkpoint_period=2", "dcn_data_parallelism=1",
-            "dcn_fsdp_parallelism=2", f"base_output_directory=gs://{BUCKET}/job"]
-    fs = filesystem(gcs)
-    root = f"{BUCKET}/job"
-    first = launch(tmp_path, "first", [{"argv": [*argv, "run_name=reference"]},
-                                       {"argv": [*argv, "run_name=killed"], "kill_after": 4}], env)
-    output = first.stdout + first.stderr
-    assert re.search(r"rank [01] was killed by signal 9", output), output[-4000:]
-    reference = rows(fs, f"{root}/reference/metrics.jsonl")
-    assert [r["step"] for r in reference] == [1, 2, 3, 4, 5, 6]
-
-    def steps(run_name: str) -> list[str]:
-        return sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{root}/{run_name}/checkpoints"))
-
-    assert steps("reference") == ["2", "4", "6"] and steps("killed") == ["2", "4"], output[-4000:]
-    assert all(fs.exists(f"{root}/killed/checkpoints/{s}/commit_success.txt") for s in (2, 4))  # gs://'s marker
-
-    second = launch(tmp_path, "second", [{"argv": [*argv, "run_name=killed"]}], env)
-    output = second.stdout + second.stderr
-    assert second.returncode == 0, output[-4000:]
-    assert re.findall(r"resumed from checkpoint at step (\d+)", output) == ["4"], output[-4000:]
-    assert steps("killed") == ["2", "4", "6"]
-    resumed = rows(fs, f"{root}/killed/metrics.jsonl")
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
-    assert [r["loss"] for r in resumed] == [r["loss"] for r in reference]  # bitwise: floats from JSON
-    assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in reference]
-
+# ---------------------------------------------------------------- damage, resume
+# A 2-process job on gs:// killed mid-run resumes bitwise from the bucket: tests/test_checkpoint_local.py, whose
+# 2-process job keeps its run outputs and persistent tier on this emulator.
 
 def test_a_damaged_newest_checkpoint_in_the_bucket_falls_back_and_is_set_aside(trained, gcs, capsys):
     """A copy of the trained run whose step-6 params lost an array object's tail (as a bad copy leaves it): the
     same command resumes from step 3 with the warning a local run prints, sets step 6 aside as STEP.unusable in
-    the bucket, and logs the uninterrupted losses again."""
+    the bucket, drops the bucket's metrics rows after step 3 and logs the uninterrupted losses again, bit for bit."""
     fs = filesystem(gcs)
     run_dir = f"{BUCKET}/runs/damaged"
     fs.copy(f"{BUCKET}/runs/r/checkpoints", f"{run_dir}/checkpoints", recursive=True)
@@ -394,8 +304,9 @@ def test_a_damaged_newest_checkpoint_in_the_bucket_falls_back_and_is_set_aside(t
     argv = [word.replace("run_name=r", "run_name=damaged") for word in command[3:]]
     assert "run_name=damaged" in argv
     status = train_main(argv)
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert status == 0, err[-4000:]
+    assert "dropped the rows after step 3" in out, out[-4000:]
     assert (f"checkpoint step 6 in gs://{run_dir}/checkpoints is unusable (" in err
             and "falling back to step 3" in err), err[-4000:]
     assert f"moved unusable checkpoint step 6 aside to gs://{run_dir}/checkpoints/6.unusable" in err, err[-4000:]
@@ -404,8 +315,5 @@ def test_a_damaged_newest_checkpoint_in_the_bucket_falls_back_and_is_set_aside(t
     assert fs.cat(arrays[-1].replace("/checkpoints/6/", "/checkpoints/6.unusable/")) == data[: len(data) // 2]
     again, uninterrupted = rows(fs, f"{run_dir}/metrics.jsonl"), rows(fs, f"{BUCKET}/runs/r/metrics.jsonl")
     assert [r["step"] for r in again] == list(range(1, STEPS + 1))
-    assert [r["loss"] for r in again] == [r["loss"] for r in uninterrupted]
-
-
-if __name__ == "__main__":
-    sys.exit(worker(sys.argv[1]))
+    assert [r["loss"] for r in again] == [r["loss"] for r in uninterrupted]  # bitwise: floats from JSON
+    assert [r["grad_norm"] for r in again] == [r["grad_norm"] for r in uninterrupted]

@@ -1,4 +1,5 @@
-"""The op tables of schedules with an explicit backward (gPipe, 1F1B, zero-bubble ZB-H1) on their own: no JAX."""
+"""The op tables of schedules with an explicit backward (gPipe, 1F1B, zero-bubble ZB-H1, interleaved 1F1B) on their
+own: no JAX."""
 
 from __future__ import annotations
 
@@ -6,13 +7,17 @@ import itertools
 
 import pytest
 
-from maxpar.core.op_schedule import B, F, KINDS, W, Op, OpSchedule, check, stage_order
+from maxpar.core.op_schedule import (B, F, KINDS, W, Op, OpSchedule, check, held_inputs, interleaved_order,
+                                     stage_order)
 from maxpar.core.schedule import pipeline_bubble
 
 SIZES = [(s, m) for s, m in itertools.product((1, 2, 3, 4, 8), (1, 2, 4, 8, 16))]
+ONE_BLOCK = tuple(kind for kind in KINDS if kind != "interleaved_1f1b")  # one block per stage
+# (S, M, R) of interleaved 1F1B: M a multiple of S
+INTERLEAVED = [(s, s * k, r) for s, k, r in itertools.product((1, 2, 3, 4, 8), (1, 2, 3), (2, 3, 4))]
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ONE_BLOCK)
 @pytest.mark.parametrize("stages,microbatches", SIZES)
 def test_every_op_runs_once_after_what_it_depends_on(kind, stages, microbatches):
     schedule = OpSchedule(kind, stages, microbatches)
@@ -118,5 +123,57 @@ def test_check_rejects_a_table_out_of_dependency_order_or_with_a_missing_op():
 
 
 def test_unknown_schedule_is_refused():
-    with pytest.raises(ValueError, match="valid: gpipe, 1f1b, zero_bubble"):
-        OpSchedule("interleaved_1f1b", 2, 2)
+    with pytest.raises(ValueError, match="valid: gpipe, 1f1b, zero_bubble, interleaved_1f1b"):
+        OpSchedule("interleaved", 2, 2)
+
+
+@pytest.mark.parametrize("stages,microbatches,repeats", INTERLEAVED)
+def test_interleaved_runs_every_block_op_once_in_block_order(stages, microbatches, repeats):
+    """Block v = r S + s runs on stage s; F(m, v) after F(m, v - 1), including the wrap from stage S - 1 to stage 0
+    of the next repeat; B in reverse; each op once."""
+    schedule = OpSchedule("interleaved_1f1b", stages, microbatches, repeats)
+    check(schedule)
+    blocks = stages * repeats
+    tick = {(op.kind, op.microbatch, op.repeat * stages + op.stage): op.tick for op in schedule.ops()}
+    assert len(tick) == len(schedule.ops()) == 2 * microbatches * blocks
+    for m, v in itertools.product(range(microbatches), range(blocks)):
+        assert tick[(B, m, v)] > tick[(F, m, v)]
+        if v:
+            assert tick[(F, m, v)] >= tick[(F, m, v - 1)] + 1
+        if v < blocks - 1:
+            assert tick[(B, m, v)] >= tick[(B, m, v + 1)] + 1
+
+
+@pytest.mark.parametrize("stages,microbatches,repeats", INTERLEAVED)
+def test_interleaved_divides_the_bubble_by_about_r_and_holds_its_warm_up(stages, microbatches, repeats):
+    """2 (R M + S - 1) ticks of one block's op: circular's bubble (S-1)/(RM+S-1), 1F1B's over about R; stage s
+    holds its warm-up's 2 (S - s - 1) + (R - 1) S block inputs + 1, at most all R M."""
+    schedule = OpSchedule("interleaved_1f1b", stages, microbatches, repeats)
+    assert schedule.num_ticks == 2 * (repeats * microbatches + stages - 1)
+    assert schedule.bubble == pytest.approx(pipeline_bubble(stages, microbatches, repeats))
+    one_f_one_b = OpSchedule("1f1b", stages, microbatches).bubble
+    assert schedule.bubble < one_f_one_b or stages == 1
+    assert schedule.peak_in_flight() == [min(repeats * microbatches, 2 * (stages - s - 1) + (repeats - 1) * stages + 1)
+                                         for s in range(stages)]
+    assert held_inputs("interleaved_1f1b", stages, microbatches, repeats) == max(schedule.peak_in_flight())
+
+
+def test_interleaved_stage_order_goes_through_groups_of_s_microbatches():
+    """Megatron-LM's order: F over the repeats for a group of S microbatches, B the repeats reversed; stage 0 of
+    S = 2 warms up with 2 + 2 forwards."""
+    assert interleaved_order(0, 2, 4, 2) == [
+        (F, 0, 0), (F, 1, 0), (F, 0, 2), (F, 1, 2), (F, 2, 0), (B, 0, 2), (F, 3, 0), (B, 1, 2), (F, 2, 2), (B, 0, 0),
+        (F, 3, 2), (B, 1, 0), (B, 2, 2), (B, 3, 2), (B, 2, 0), (B, 3, 0)]
+    assert OpSchedule("interleaved_1f1b", 2, 2, 2).render().splitlines() == [
+        "interleaved_1f1b: S=2 stages, M=2 microbatches, R=2 repeats, 10 ticks, bubble 20.0%",
+        "t   0 | F0.0 .", "t   1 | F1.0 F0.0", "t   2 | F0.1 F1.0", "t   3 | F1.1 F0.1", "t   4 | .    B0.1",
+        "t   5 | B0.1 F1.1", "t   6 | .    B1.1", "t   7 | B1.1 B0.0", "t   8 | B0.0 B1.0", "t   9 | B1.0 ."]
+
+
+@pytest.mark.parametrize("args,message", [
+    (("interleaved_1f1b", 4, 6, 2), "multiple of the stages, got 6 for 4"),
+    (("1f1b", 2, 4, 2), "1f1b runs one block per stage, not 2"),
+])
+def test_what_interleaved_cannot_run_is_refused(args, message):
+    with pytest.raises(ValueError, match=message):
+        OpSchedule(*args)

@@ -2,10 +2,11 @@
 and training.
 
 Gradient level: every parameter's gradient of the summed cross-entropy, by the executor on 8 simulated devices
-(stages x data), equals jax.grad of the one-device unpipelined model (float32), (S, M) = (2, 4), (4, 8). Training
-level: 3 steps under gradient accumulation have the one-device run's per-step losses and gradient norms (rtol
-1e-5), one run per schedule (1F1B at S=4, zero-bubble at S=2), so the optimizer, the accumulation loop and the run
-header see both schedules and both S. Three training runs in all.
+(stages x data), equals jax.grad of the one-device unpipelined model (float32), (S, M) = (2, 4), (4, 8); and at
+S = 2 with FSDP and tensor parallelism inside the stages, remat policies and both pipeline_fsdp_ag_* modes.
+Training level: 3 steps under gradient accumulation have the one-device run's per-step losses and gradient norms
+(rtol 1e-5), one run per schedule (1F1B at S=4 x data, zero-bubble at S=2 x FSDP x tensor), so the optimizer, the
+accumulation loop and the run header see both schedules and both S. Three training runs in all.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import pytest
 
 from helpers import packed_batch, read_metrics, tiny_config, write_corpus
 from maxpar.core.config import ConfigError, model_config
+from maxpar.core.layout import spec_axes
 from maxpar.core.op_schedule import OpSchedule
 from maxpar.model import Transformer
 from maxpar.model.staged import staged_grads
@@ -94,6 +96,10 @@ def test_gradients_equal_the_unpipelined_model(kind, stages, microbatches, refer
     schedule = OpSchedule(kind, stages, microbatches)
     step = jax.jit(lambda p, b: staged_grads(model_config(config), run.model.layout, schedule, p, b, summed_loss))
     sums, got = step(jax.device_put(params, run.state_shardings.params), jax.device_put(make_batch(), run.in_sharding))
+    assert_reference_gradients(sums, got, want_loss, want)
+
+
+def assert_reference_gradients(sums, got, want_loss, want):
     np.testing.assert_allclose(float(sums["loss_sum"]), want_loss, rtol=1e-6)
     flat_want = jax.tree_util.tree_leaves_with_path(want)
     assert jax.tree.structure(got) == jax.tree.structure(want) and len(flat_want) == 12
@@ -104,13 +110,53 @@ def test_gradients_equal_the_unpipelined_model(kind, stages, microbatches, refer
                                    err_msg=jax.tree_util.keystr(path))
 
 
+# S = 2 stages x FSDP / tensor parallelism inside them (the executor's shard_map leaves those axes automatic),
+# under remat policies and both pipeline_fsdp_ag_* modes, one compile each: (schedule, the executor's manual batch
+# axes of degree > 1, the mesh axes of the stage weights' gradients, overrides).
+INSIDE = {
+    "1f1b fsdp x tensor": ("1f1b", (), {"stage", "fsdp", "tensor"},
+                           ("ici_data_parallelism=1", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2")),
+    "zero_bubble data x tensor remat=full": ("zero_bubble", ("data",), {"stage", "tensor"},
+                                             ("ici_data_parallelism=2", "ici_tensor_parallelism=2",
+                                              "remat_policy=full")),
+    # gathered before the executor: fsdp is a replica axis there, the gradients are reduced once, after it
+    "1f1b fsdp x tensor ag_once": ("1f1b", ("fsdp",), {"stage", "tensor"},
+                                   ("ici_data_parallelism=1", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2",
+                                    "pipeline_fsdp_ag_once=true")),
+    "zero_bubble data x fsdp ag_per_repeat remat=minimal": ("zero_bubble", ("data",), {"stage", "fsdp"},
+                                                            ("ici_data_parallelism=2", "ici_fsdp_parallelism=2",
+                                                             "pipeline_fsdp_ag_per_repeat=true",
+                                                             "remat_policy=minimal")),
+}
+
+
+@pytest.mark.parametrize("case", list(INSIDE))
+def test_gradients_with_fsdp_and_tensor_parallelism_inside_the_stages(case, reference):
+    """The unpipelined gradients, and the stage weights' gradients leave the executor as split as the weights
+    (FSDP keeps its memory saving), but under pipeline_fsdp_ag_once."""
+    params, want_loss, want = reference
+    kind, manual, grad_axes, overrides = INSIDE[case]
+    config = tiny_config(*BASE, *stages_and_data(2, 4, f"pipeline_schedule={kind}"), *overrides)
+    run = setup_run(config, jax.devices())
+    sizes = run.model.layout.mesh.sizes
+    assert tuple(a for a in run.model.layout.pipeline.executor.batch_axes if sizes[a] > 1) == manual
+    step = jax.jit(lambda p, b: staged_grads(model_config(config), run.model.layout, OpSchedule(kind, 2, 4), p, b,
+                                             summed_loss))
+    sums, got = step(jax.device_put(params, run.state_shardings.params), jax.device_put(make_batch(), run.in_sharding))
+    assert_reference_gradients(sums, got, want_loss, want)
+    assert {a for g in jax.tree.leaves(got["decoder"]) for a in spec_axes(g.sharding.spec)} == grad_axes
+
+
 # ---------------------------------------------------------------- training
 
 STEPS = 3
 # Accumulation runs the executor once per accumulation microbatch: 2 x 2 rows per device, 32 per step.
-SCHEDULES = {"1f1b_s4_m4": ("1f1b", 4, 4), "zero_bubble_s2_m4": ("zero_bubble", 2, 4)}
-RUNS = {name: stages_and_data(s, m, f"pipeline_schedule={kind}", "gradient_accumulation_steps=2")
-        for name, (kind, s, m) in SCHEDULES.items()}
+# The zero-bubble run splits its stages over FSDP x tensor parallelism too.
+SCHEDULES = {"1f1b_s4_m4": ("1f1b", 4, 4, ()),
+             "zero_bubble_s2_m4_fsdp_tensor": ("zero_bubble", 2, 4, ("ici_data_parallelism=1", "ici_fsdp_parallelism=2",
+                                                                     "ici_tensor_parallelism=2"))}
+RUNS = {name: stages_and_data(s, m, f"pipeline_schedule={kind}", "gradient_accumulation_steps=2", *more)
+        for name, (kind, s, m, more) in SCHEDULES.items()}
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +183,7 @@ def test_run_header_prints_the_op_schedule(trainings):
     assert ("1f1b pipeline: S=4 stages, M=4 microbatches, 14 ticks (a block's forward or backward each); "
             "bubble 42.9% = (S-1)/(M+S-1); at most 4 of the M stage inputs held per stage"
             ) in trainings["1f1b_s4_m4 printed"]
-    assert OpSchedule("zero_bubble", 2, 4).describe() in trainings["zero_bubble_s2_m4 printed"]
+    assert OpSchedule("zero_bubble", 2, 4).describe() in trainings["zero_bubble_s2_m4_fsdp_tensor printed"]
 
 
 @pytest.mark.parametrize("name", list(RUNS))
@@ -188,16 +234,15 @@ def test_the_sampling_command_of_a_1f1b_run_puts_the_schedule_back():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (("ici_stage_parallelism=2", "ici_fsdp_parallelism=4", "pipeline_schedule=1f1b"),
-     "pipeline_schedule=1f1b with mesh axes fsdp=4: .* set ici_fsdp_parallelism=1"),
-    (("ici_stage_parallelism=2", "ici_data_parallelism=2", "ici_fsdp_parallelism=1", "ici_tensor_parallelism=2",
-      "pipeline_schedule=1f1b"), "mesh axes tensor=2"),
+    (("ici_stage_parallelism=2", "ici_fsdp_parallelism=2", "ici_expert_parallelism=2", "num_experts=3",
+      "pipeline_schedule=1f1b"), "num_experts=3 is not divisible by the expert-parallel degree 2"),
+    (("ici_stage_parallelism=2", "ici_fsdp_parallelism=2", "ici_context_parallelism=2", "attention=blockwise",
+      "pipeline_schedule=1f1b"),
+     "ici_context_parallelism=2 .* context parallelism with pipeline stages is not supported"),
     (("ici_stage_parallelism=2", "num_pipeline_repeats=2", "pipeline_schedule=1f1b"),
      "pipeline_schedule=1f1b with num_pipeline_repeats=2"),
     (("ici_stage_parallelism=2", "pipeline_schedule=circular"), "pipeline_schedule=circular needs"),
     (("pipeline_schedule=1f1b",), "pipeline_schedule=1f1b need"),
-    (("ici_stage_parallelism=2", "ici_fsdp_parallelism=4", "pipeline_schedule=zero_bubble"),
-     "pipeline_schedule=zero_bubble with mesh axes fsdp=4"),
     (("ici_stage_parallelism=2", "pipeline_schedule=interleaved_1f1b"), "pipeline_schedule"),
 ])
 def test_what_1f1b_cannot_run_is_a_config_error(overrides, message):

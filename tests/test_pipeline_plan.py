@@ -74,9 +74,15 @@ VERIFIED = {
                                    "ici_stage_parallelism=2", "num_pipeline_repeats=2", "num_pipeline_microbatches=4"],
     "FSDP(2)xPP(4) gPipe ag_once": ["ici_fsdp_parallelism=2", "ici_stage_parallelism=4",
                                     "num_pipeline_microbatches=8", "pipeline_fsdp_ag_once=true"],
-    # Two permutes per tick, the head's gradients moved from the last stage, the input's cotangent an all-to-all.
-    "DP(4)xPP(2) 1f1b": ["ici_data_parallelism=4", "ici_fsdp_parallelism=1", "ici_stage_parallelism=2",
-                         "num_pipeline_microbatches=4", "pipeline_schedule=1f1b"],
+    # Two permutes per tick, the head's gradients moved from the last stage, the input's cotangent an all-to-all;
+    # under FSDP each tick's switch runs one op's gathers (B's twice: its forward is recomputed) and the head's
+    # at the last stage's F ops. float32: bfloat16's XLA:CPU temporaries are a known misprediction under FSDP.
+    "DP(2)xFSDP(2)xPP(2) 1f1b": ["ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_stage_parallelism=2",
+                                 "num_pipeline_microbatches=4", "pipeline_schedule=1f1b", "dtype=float32"],
+    # MoE stages: the balance loss's forward-only pass adds its permutes; the executor's psum reduces the experts.
+    "DP(4)xPP(2) 1f1b MoE": ["ici_data_parallelism=4", "ici_fsdp_parallelism=1", "ici_stage_parallelism=2",
+                             "num_pipeline_microbatches=4", "pipeline_schedule=1f1b", "num_experts=4",
+                             "num_experts_per_tok=2", "capacity_factor=0", "load_balance_loss_weight=0.01"],
 }
 
 
@@ -86,7 +92,11 @@ def test_verify_passes_for_pipelines(name):
     v = result["verify"]
     assert status == 0 and v["passed"], text
     ok = {(b["axis"], b["collective"]) for b in v["buckets"] if b["status"] == "ok"}
-    assert {("stage", "collective-permute"), ("stage", "all-gather"), ("stage", "all-reduce")} <= ok, text
+    assert ("stage", "collective-permute") in ok, text
+    stage = [b for b in v["buckets"] if b["axis"] == "stage" and b["collective"] in ("all-gather", "all-reduce")]
+    assert len(stage) == 2 and all(abs(b["error"]) <= 0.1 for b in stage), text  # small, so maybe 'negligible'
+    if "FSDP" in name:
+        assert {("fsdp", "all-gather"), ("fsdp", "all-reduce")} <= ok, text
     assert all(b["status"] != "MISMATCH" for b in v["buckets"])
 
 

@@ -374,3 +374,66 @@ def test_the_planner_reads_parameters_by_the_roles_the_model_declares():
         assert {t.block for t in layout.params()} >= {Block.ATTENTION, Block.MLP, Block.EXPERTS, Block.NORM}
     mla = plan_layout(config(*small, "attention_type=mla", "qk_norm=false", "q_lora_rank=8"), Target(V5P, 8, 1))
     assert {t.role for t in mla.params()} >= MLA_ROLES
+
+
+# The tiny DeepSeek model without its experts (context parallelism refuses MoE layers).
+DEEPSEEK_DENSE = ("model_name=deepseek-tiny", "num_experts=1", "num_experts_per_tok=1", "n_routing_groups=0",
+                  "topk_routing_group=0", "first_num_dense_layers=0", "max_target_length=64")
+DEEPSEEK_CP = (*DEEPSEEK_DENSE, "attention=blockwise", "ici_context_parallelism=4", "ici_fsdp_parallelism=-1",
+               "per_device_batch_size=1", "dtype=bfloat16")
+
+
+def test_context_parallelism_under_mla_moves_every_heads_keys_and_values_for_each_layer_and_mtp_module():
+    """MLA's k [qk_nope + qk_rope] and v [v_head_dim] are expanded per head from the latent before attention: CP
+    gathers H heads of each (num_kv_heads and head_dim are unused), for the stack's layers and each MTP module's."""
+    def kv(result, what):
+        return sum(r["bytes_per_device"] for r in result["comms"] if r["pattern"] == f"CP {what} all-gather (forward)")
+    c = config(*DEEPSEEK_CP)
+    local_tokens = 8 / 2 * c.max_target_length / 4  # 8 rows over fsdp (2), a quarter of each row per shard
+    layers = c.num_decoder_layers + c.mtp_num_layers
+    with_mtp = plan(*DEEPSEEK_CP, devices=8)
+    for what, width in (("k", c.qk_nope_head_dim + c.qk_rope_head_dim), ("v", c.v_head_dim)):
+        assert kv(with_mtp, what) == pytest.approx(local_tokens * c.num_query_heads * width * 2 * 3 * layers)
+    without = plan(*DEEPSEEK_CP, "mtp_num_layers=0", devices=8)
+    assert kv(without, "k") == pytest.approx(kv(with_mtp, "k") * c.num_decoder_layers / layers)
+    assert with_mtp["rules_of_thumb"]["cp_intensity"] == c.max_target_length / 4  # KV = H
+
+
+def test_unsharded_weights_are_reduced_over_context_first():
+    """A gradient summed over context shards and other batch shards (the norm scales, MLA's latent-side weights):
+    the partitioner reduces the context shards' partial sums first, then the rest; never both axes at once."""
+    result = make_plan(config(*DEEPSEEK_CP), Target(V5P, 8, 1))
+    norm = [c for c in result.collectives if c.tensor == "decoder/layers/attention/key_value_a_norm/scale"
+            and c.collective == "all-reduce"]
+    assert sorted(c.axis for c in norm) == ["context", "fsdp"]
+
+
+def test_mtp_modules_and_mla_latents_are_in_the_activation_memory():
+    """Each MTP module keeps its layer's activations, its float32 logits and its inputs; MLA's compressed q and kv
+    and their normed copies add to a layer's activations."""
+    from maxpar.plan.model_math import activation_bytes_per_token, mla_latent_widths, tp_degrees
+    from maxpar.plan.predict import plan_layout
+    base = (*DEEPSEEK_DENSE, "ici_fsdp_parallelism=-1", "per_device_batch_size=1", "dtype=float32")
+    memory = {n: plan(*base, f"mtp_num_layers={n}", devices=8)["memory_per_device_bytes"]["activations"]
+              for n in (0, 1, 2)}
+    c = config(*base)
+    layout = plan_layout(c, Target(V5P, 8, 1))
+    tokens = c.max_target_length  # one row per device
+    per_module = tokens * (activation_bytes_per_token(c, layout)["none"] + c.vocab_size * 4 + 3 * c.emb_dim * 4)
+    assert memory[2] - memory[1] == pytest.approx(per_module)
+    assert memory[1] - memory[0] >= per_module  # and its layer's re-run, with the stack's done
+    latents, _ = mla_latent_widths(c, tp_degrees(layout))
+    assert latents == 2 * c.q_lora_rank + 2 * c.kv_lora_rank + c.qk_rope_head_dim
+    gqa = load_config([BASE, "attention_type=gqa"])
+    assert mla_latent_widths(gqa, tp_degrees(plan_layout(gqa, Target(V5P, 8, 1)))) == (0.0, 0.0)
+
+
+def test_a_rematerialized_mtp_layer_of_an_unscanned_model_gathers_its_weights_again():
+    """remat's prevent_cse (unscanned layers) keeps the MTP layer's re-run apart from its forward pass: its FSDP
+    weights are gathered again in the backward pass; with a scanned stack XLA merges the two."""
+    def phases(*extra):
+        result = make_plan(config(*DEEPSEEK_CP, "remat_policy=minimal", *extra), Target(V5P, 8, 1))
+        return {c.phase for c in result.collectives
+                if (c.tensor or "").startswith("mtp/module_1/layer/") and c.collective == "all-gather"}
+    assert phases("scan_layers=false") == {"forward", "backward"}
+    assert phases() == {"forward"}

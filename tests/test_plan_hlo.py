@@ -83,6 +83,71 @@ def test_collectives_count_loop_trips_fold_async_pairs_and_split_tuples():
     assert sorted(hlo.while_loops(MODULE)) == [("inner_body", 3, 2), ("outer_body", 2, 0)]
 
 
+# A tick loop (4 trips) whose body switches between an idle branch, one with an all-gather and one whose
+# layer loop (2 trips) all-reduces, as the explicit-backward pipeline executor compiles.
+SWITCH = """\
+HloModule jit_step, entry_computation_layout={(f32[4,8]{1,0})->f32[]}
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%idle (a: f32[4,8]) -> f32[4,8] {
+  ROOT %a = f32[4,8]{1,0} parameter(0)
+}
+
+%forward (b: f32[4,8]) -> f32[4,8] {
+  %b = f32[4,8]{1,0} parameter(0)
+  %ag = f32[8,8]{1,0} all-gather(%b), channel_id=1, replica_groups={{0,1},{2,3},{4,5},{6,7}}, dimensions={0}
+  ROOT %y = f32[4,8]{1,0} slice(%ag), slice={[0:4], [0:8]}
+}
+
+%layer (l: f32[4,8]) -> f32[4,8] {
+  %l = f32[4,8]{1,0} parameter(0)
+  ROOT %ar = f32[4,8]{1,0} all-reduce(%l), channel_id=2, replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add
+}
+
+%layer_cond (l: f32[4,8]) -> pred[] {
+  %l = f32[4,8]{1,0} parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+%backward (w: f32[4,8]) -> f32[4,8] {
+  %w = f32[4,8]{1,0} parameter(0)
+  ROOT %layers = f32[4,8]{1,0} while(%w), condition=%layer_cond, body=%layer, backend_config={"known_trip_count":{"n":"2"}}
+}
+
+%tick (t: f32[4,8]) -> f32[4,8] {
+  %t = f32[4,8]{1,0} parameter(0)
+  %k = s32[] constant(1)
+  ROOT %op = f32[4,8]{1,0} conditional(%k, %t, %t, %t), branch_computations={%idle, %forward, %backward}
+}
+
+%tick_cond (t: f32[4,8]) -> pred[] {
+  %t = f32[4,8]{1,0} parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[4,8]) -> f32[4,8] {
+  %a = f32[4,8]{1,0} parameter(0)
+  ROOT %ticks = f32[4,8]{1,0} while(%a), condition=%tick_cond, body=%tick, backend_config={"known_trip_count":{"n":"4"}}
+}
+"""
+
+
+def test_conditional_branches_count_as_bound_or_by_their_runs():
+    # Unknown branch choice: every branch counted each trip, flagged as a bound (nested loops included).
+    bound = {c.name: c for c in hlo.collectives(SWITCH, 8)}
+    assert (bound["ag"].count, bound["ar"].count) == (4, 8) and bound["ag"].every_branch and bound["ar"].every_branch
+    # Known: per loop entry, F runs 1.5 times and B 2 times per device on average (the rest idle).
+    runs = {c.name: c for c in hlo.collectives(SWITCH, 8, {3: (0.5, 1.5, 2.0)})}
+    assert (runs["ag"].count, runs["ar"].count) == (1.5, 4.0)
+    assert not runs["ag"].every_branch and not runs["ar"].every_branch
+    assert {c.name: c.count for c in hlo.collectives(SWITCH, 8, {2: (1.0, 1.0)})} == {"ag": 4, "ar": 8}
+
+
 def test_groups_are_labelled_with_mesh_axes():
     found = {c.name: c for c in hlo.collectives(MODULE, 8)}
     parts = hlo.axis_partitions(AXES)

@@ -193,13 +193,23 @@ DEEPSEEK = {
                             {("fsdp+expert", "all-gather"), ("expert", "all-to-all"), ("fsdp", "reduce-scatter"),
                              ("stage", "collective-permute")},
                             ("FSDP dense-prefix weight all-gather (backward)", "MTP EP token all-to-all")),
+    # Without its experts (CP refuses MoE layers): the ring carries every head's k [qk_nope + qk_rope] and
+    # v [v_head_dim] for the stack's layers and the MTP module's; the unsharded weights' gradients (norms, MLA's
+    # latent side) summed over context first, then fsdp.
+    "CP(4, ring)xFSDP(2)": (["num_experts=1", "num_experts_per_tok=1", "n_routing_groups=0", "topk_routing_group=0",
+                             "first_num_dense_layers=0", "ici_context_parallelism=4", "ici_fsdp_parallelism=2",
+                             "attention=blockwise", "attention_block_size=8", "context_parallel_strategy=ring"],
+                            {("context", "collective-permute"), ("context", "all-reduce"), ("fsdp", "all-reduce"),
+                             ("fsdp+context", "all-gather")},
+                            ("CP ring dk collective-permute (backward)", "CP ring v collective-permute (forward)")),
 }
 
 
 @pytest.mark.parametrize("name", list(DEEPSEEK))
 def test_verify_passes_for_the_deepseek_model(name):
-    """MLA (its head-split projections' latent input gradients), the shared experts' and the MTP module's
-    collectives (its layer, lookup and output head) are predicted on the tiny DeepSeek model."""
+    """MLA (its head-split projections' latent input gradients, its per-head k and v under CP), the shared
+    experts' and the MTP module's collectives (its layer, lookup and output head) are predicted on the tiny
+    DeepSeek model."""
     overrides, expected, patterns = DEEPSEEK[name]
     result, text, status = run([BASE, *SMALL, "model_name=deepseek-tiny", "num_decoder_layers=3", *overrides,
                                 "--verify"])

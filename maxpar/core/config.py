@@ -48,8 +48,10 @@ def _key(doc: str, *, min: float | None = None, max: float | None = None,
 
 
 AxisRule = tuple[str, tuple[str, ...]]
-PIPELINE_SCHEDULES = ("auto", "gpipe", "circular", "1f1b", "zero_bubble")  # docs/pipelines.md
-EXPLICIT_BACKWARD = ("1f1b", "zero_bubble")  # schedules whose backward maxpar.pipeline.one_f_one_b runs itself
+# docs/pipelines.md
+PIPELINE_SCHEDULES = ("auto", "gpipe", "circular", "1f1b", "zero_bubble", "interleaved_1f1b")
+# the schedules whose backward maxpar.pipeline.one_f_one_b runs itself
+EXPLICIT_BACKWARD = ("1f1b", "zero_bubble", "interleaved_1f1b")
 
 
 class RopeScaling(typing.NamedTuple):
@@ -303,7 +305,9 @@ class Config:
                                   "1f1b (each stage alternates forward and backward: at most S microbatches' "
                                   "stage inputs held, not M; stages x data parallelism only) | zero_bubble "
                                   "(ZB-H1: 1f1b's memory, the backward split into input and weight gradients, "
-                                  "the latter filling the bubble)",
+                                  "the latter filling the bubble) | interleaved_1f1b (1f1b over R = "
+                                  "num_pipeline_repeats > 1 blocks per stage, circular's layout: the bubble "
+                                  "divided by about R, M a multiple of S)",
                                   choices=PIPELINE_SCHEDULES)
     pipeline_fsdp_ag_per_repeat: bool = _key("all-gather the FSDP-sharded stage weights once per pipeline repeat "
                                              "(a window of M iterations; two repeats' blocks held at a time), "
@@ -864,16 +868,13 @@ def _validate_pipeline(config: Config) -> None:
 
 
 def _validate_pipeline_schedule(config: Config) -> None:
-    """pipeline_schedule against num_pipeline_repeats (circular is R > 1) and what 1f1b runs (dense layers)."""
+    """pipeline_schedule against num_pipeline_repeats (circular is R > 1) and what 1f1b runs (no MTP modules)."""
     kind, repeats = config.pipeline_schedule, config.num_pipeline_repeats
-    if kind == "circular" and repeats == 1:
-        raise ConfigError("pipeline_schedule=circular needs num_pipeline_repeats > 1 (the blocks each stage runs)")
-    if kind in ("gpipe", *EXPLICIT_BACKWARD) and repeats > 1:
+    if kind in ("circular", "interleaved_1f1b") and repeats == 1:
+        raise ConfigError(f"pipeline_schedule={kind} needs num_pipeline_repeats > 1 (the blocks each stage runs)")
+    if kind in ("gpipe", "1f1b", "zero_bubble") and repeats > 1:
         raise ConfigError(f"pipeline_schedule={kind} with num_pipeline_repeats={repeats}: {kind} runs one block per "
-                          f"stage; set num_pipeline_repeats=1, or pipeline_schedule=circular")
-    if kind in EXPLICIT_BACKWARD and config.num_experts > 1:
-        raise ConfigError(f"pipeline_schedule={kind} with num_experts={config.num_experts}: the {kind} executor runs "
-                          f"dense layers only; use pipeline_schedule=gpipe or circular for MoE")
+                          f"stage; set num_pipeline_repeats=1, or pipeline_schedule=circular or interleaved_1f1b")
     if kind in EXPLICIT_BACKWARD and config.mtp_num_layers > 0:
         raise ConfigError(f"pipeline_schedule={kind} with mtp_num_layers={config.mtp_num_layers}: the {kind} loss head "
                           f"takes the final hidden state's logits only, not the MTP modules; use "

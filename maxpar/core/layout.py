@@ -24,7 +24,7 @@ from maxpar.core.config import CUDNN_ATTENTION, EXPLICIT_BACKWARD, AxisRule, Con
 from maxpar.core.mesh import MeshShape
 from maxpar.core.schedule import Schedule
 from maxpar.core.sharding import (check_divisible, constrain, entry_axes, mesh_axes, mesh_shardings, mesh_specs,
-                                  shard_optimizer_state, with_zero_axis)
+                                  named_shardings, shard_optimizer_state, with_zero_axis)
 
 Axes = tuple[str, ...]
 
@@ -91,13 +91,23 @@ class MeshAxes:
 class ExpertAxes:
     """Mesh axes of the MoE computation, resolved from the logical axis rules."""
 
-    tokens: Axes                # split the tokens (activation_batch)
+    tokens: Axes                # split the rows (activation_batch)
     experts: Axes               # split the expert dim of the expert weights: expert parallelism
     hidden: Axes                # split the mlp dim but not the tokens: tensor parallelism, partial sums
     gate: tuple[Axes, ...]      # per dim of wi_gate / wi_up [exp, embed, mlp]
     down: tuple[Axes, ...]      # per dim of wo [exp, mlp, embed]
     mesh: MeshAxes
     pipelined: bool             # the layers run under the pipeline loop's vmap over the stages
+    length: Axes = ()           # split each row's tokens (activation_length: context parallelism)
+
+    @property
+    def splitting(self) -> Axes:
+        """Every axis that splits the tokens, the rows' and the sequence's: each device routes its own share."""
+        return tuple(dict.fromkeys(self.tokens + self.length))
+
+    def token_spec(self, whole_rows: bool = False) -> PartitionSpec:
+        """[batch, length, ...] arrays split as the tokens are; whole_rows: every device holds its rows whole."""
+        return PartitionSpec(self.live(self.tokens) or None, None if whole_rows else self.live(self.length) or None)
 
     def degree(self, axes: Axes) -> int:
         sizes = self.mesh.sizes
@@ -120,9 +130,12 @@ EXPERT_DOWN = (Logical.EXP, Logical.MLP, Logical.EMBED)   # wo: [experts, mlp, e
 def expert_axes(rules: Sequence[AxisRule], mesh: MeshAxes, pipelined: bool) -> ExpertAxes:
     gate = tuple(mesh_axes(EXPERT_GATE, rules))
     down = tuple(mesh_axes(EXPERT_DOWN, rules))
-    tokens = mesh_axes((Logical.BATCH,), rules)[0]
-    return ExpertAxes(tokens=tokens, experts=gate[0], hidden=tuple(a for a in gate[2] if a not in tokens), gate=gate,
-                      down=down, mesh=mesh, pipelined=pipelined)
+    tokens, length = mesh_axes((Logical.BATCH, Logical.LENGTH), rules)
+    hidden = tuple(a for a in gate[2] if a not in tokens)
+    # An axis that splits the sequence and the experts' mlp dim (TP-sequence) stays tensor-parallel: the dispatch
+    # gathers the sequence over it. The others (context) split the tokens as the batch axes do.
+    return ExpertAxes(tokens=tokens, experts=gate[0], hidden=hidden, gate=gate, down=down, mesh=mesh,
+                      pipelined=pipelined, length=tuple(a for a in length if a not in hidden + tokens))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,6 +220,26 @@ def fsdp_gather(config: Config) -> FsdpGather:
 
 
 @dataclasses.dataclass(frozen=True)
+class ExecutorLayout:
+    """How the explicit-backward executor (`maxpar.pipeline.one_f_one_b`: 1f1b, zero_bubble) runs over the mesh.
+
+    Its shard_map is manual over the stages and `batch_axes` (the leading batch axes that shard no stage weight:
+    one replica per shard, gradients reduced once per step); the other axes (FSDP, tensor, expert) stay automatic, so
+    the blocks and the head run under `inner`, whose rules name no manual axis (the MoE dispatch's own shard_map
+    splits the tokens and experts over the expert axis there). `rows`: a microbatch's stage input
+    and its cotangent [b, length, embed] there; `weights`: a stage's weights [L/S, ...] there, which their
+    float32 gradients keep (FSDP stays memory-saving); `gathered` (pipeline_fsdp_ag_per_repeat, one repeat) the
+    same weights gathered over the batch axes before the ticks.
+    """
+
+    batch_axes: Axes
+    inner: ModelLayout
+    rows: PartitionSpec
+    weights: tuple[PartitionSpec, ...]
+    gathered: tuple[PartitionSpec, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class PipelineLayout:
     """How the pipeline loop (`maxpar.pipeline.spmd`) runs over the mesh, resolved with the rest of the layout.
 
@@ -227,6 +260,11 @@ class PipelineLayout:
     weight_tree: Any = None
     gathered_weights: tuple[PartitionSpec, ...] = ()
     gathered_blocks: tuple[PartitionSpec, ...] = ()
+    executor: ExecutorLayout | None = None
+
+    def executor_shardings(self, specs: tuple[PartitionSpec, ...]) -> Any:
+        """`executor`'s per-stage weight `specs` (leaves) as the stage weights' tree of shardings inside it."""
+        return named_shardings(jax.tree.unflatten(self.weight_tree, specs), self.executor.inner.mesh.abstract())
 
     def gathered_weight_specs(self) -> Any:
         """The stacked weights' mesh specs once gathered before the loop (FsdpGather.ONCE), else None."""
@@ -311,9 +349,20 @@ def pipeline_layout(config: Config, schedule: Schedule, outer: ModelLayout, row_
     blocks = ()
     if gather == FsdpGather.PER_REPEAT:
         blocks = tuple(gathered_block_spec(s, schedule, stage_axes, set(batch_axes)) for s in leaves)
+    executor = None
+    if config.pipeline_schedule in EXPLICIT_BACKWARD:
+        hidden = set(manual) | set(stage_axes)
+        step_rules = strip_rules(rules, hidden)
+        executor = ExecutorLayout(
+            batch_axes=manual, inner=outer.in_pipeline_loop(step_rules, (*stage_axes, *manual)),
+            rows=PartitionSpec(*(axes or None for axes in mesh_axes(RESIDUAL, step_rules))),
+            weights=tuple(without_axes(s, hidden) for s in leaves),
+            gathered=tuple(without_axes(s, hidden | set(batch_axes)) for s in leaves)
+            if gather == FsdpGather.PER_REPEAT else ())
     return PipelineLayout(schedule=schedule, stage_axes=stage_axes, loop_batch_axes=batch_axes, manual=manual,
                           inner=outer.in_pipeline_loop(inner_rules, manual), fsdp_gather=gather, weight_tree=tree,
-                          gathered_weights=tuple(leaves) if gather == FsdpGather.ONCE else (), gathered_blocks=blocks)
+                          gathered_weights=tuple(leaves) if gather == FsdpGather.ONCE else (), gathered_blocks=blocks,
+                          executor=executor)
 
 
 # ---------------------------------------------------------------- the run layout
@@ -429,8 +478,6 @@ def resolve_layout(config: Config, mesh: MeshShape, state: TracedState, *, check
     abstract_mesh = AbstractMesh(mesh.shape, mesh.axis_names)
     shardings = mesh_shardings(state.specs, abstract_mesh, rules)
     check_divisible(state.abstract, shardings)
-    if schedule is not None and config.pipeline_schedule in EXPLICIT_BACKWARD:
-        check_one_f_one_b(sizes, loop_batch_axes(rules, input_axes[0]), shardings.params, config.pipeline_schedule)
     update_specs = None
     if config.shard_optimizer_over_data:  # ZeRO-1: the moments, gradients and updates also split over data
         shardings = shard_optimizer_state(state.abstract, shardings)
@@ -510,6 +557,10 @@ def check_pipeline(config: Config, stages: int) -> None:
         raise ConfigError(f"num_pipeline_repeats={repeats} (circular) needs num_pipeline_microbatches >= the "
                           f"{stages} stages, got {micro}: a microbatch leaving the last stage must find stage 0 "
                           f"free (the seed recommends 2 x stages)")
+    if config.pipeline_schedule == "interleaved_1f1b" and (stages if micro == -1 else micro) % stages:
+        raise ConfigError(f"pipeline_schedule=interleaved_1f1b needs num_pipeline_microbatches={micro} to be a "
+                          f"multiple of the {stages} stages (its microbatches go through in groups of S); use "
+                          f"{stages * (micro // stages)} or {stages * (micro // stages + 1)}")
 
 
 def pipeline_schedule(config: Config, sizes: dict[str, int], rules: Sequence[AxisRule]) -> Schedule | None:
@@ -526,20 +577,6 @@ def pipeline_schedule(config: Config, sizes: dict[str, int], rules: Sequence[Axi
     micro = config.num_pipeline_microbatches
     return Schedule(num_stages=stages, num_microbatches=stages if micro == -1 else micro,
                     num_repeats=config.num_pipeline_repeats, num_layers=config.num_stack_layers)
-
-
-def check_one_f_one_b(sizes: dict[str, int], batch_axes: Axes, param_shardings: Any, kind: str) -> None:
-    """pipeline_schedule=1f1b (or zero_bubble) runs each device's stage block whole, on its replica's rows
-    (`maxpar.pipeline.one_f_one_b`): every mesh axis but the stages must split only the batch, and no parameter
-    may be split over any axis but the stages (no FSDP, tensor, expert or context parallelism)."""
-    split = {a for s in jax.tree.leaves(param_shardings) for a in spec_axes(s.spec) if sizes.get(a, 1) > 1}
-    bad = sorted({a for a, n in sizes.items() if n > 1 and a != STAGE_AXIS and a not in batch_axes}
-                 | (split - {STAGE_AXIS}))
-    if bad:
-        degrees = ", ".join(f"{a}={sizes[a]}" for a in bad)
-        raise ConfigError(f"pipeline_schedule={kind} with mesh axes {degrees}: besides the stages {kind} splits "
-                          f"only the batch (data parallelism); set ici_{bad[0]}_parallelism=1 and dcn_{bad[0]}_parallelism=1 "
-                          f"(moving the degree to data), or pipeline_schedule=gpipe")
 
 
 def check_pipeline_batch(schedule: Schedule, microbatch_rows: int, loop_shards: int) -> None:
@@ -569,18 +606,18 @@ def check_expert_layout(config: Config, axes: ExpertAxes) -> None:
         raise ConfigError(f"num_experts={config.num_experts} is not divisible by the expert-parallel degree {ep} "
                           f"(mesh axes {degrees} split the experts; ici_expert_parallelism x dcn_expert_parallelism): "
                           f"use an EP degree that divides {config.num_experts}")
-    stray = [a for a in axes.live(axes.experts) if a not in axes.tokens]
+    stray = [a for a in axes.live(axes.experts) if a not in axes.splitting]
     if stray:
         raise ConfigError(f"logical_axis_rules: the experts are split over {stray}, which does not split the "
-                          f"tokens (activation_batch -> {list(axes.tokens)}); expert parallelism exchanges tokens "
-                          f"over the axes that split both")
+                          f"tokens (activation_batch -> {list(axes.tokens)}, activation_length -> "
+                          f"{list(axes.length)}); expert parallelism exchanges tokens over the axes that split both")
     for name, dims, logical in (("wi_gate/wi_up", axes.gate, EXPERT_GATE), ("wo", axes.down, EXPERT_DOWN)):
         for dim_axes, dim in zip(axes.gathered(dims, logical), logical):
-            stray = [a for a in dim_axes if a not in axes.tokens]
+            stray = [a for a in dim_axes if a not in axes.splitting]
             if stray:
                 raise ConfigError(f"logical_axis_rules: the {dim} dim of the expert weights {name} is split over "
-                                  f"{stray}, which neither splits the tokens (FSDP) nor is a tensor-parallel mlp "
-                                  f"axis; map {dim} to batch axes or leave it unsplit")
+                                  f"{stray}, which neither splits the tokens (FSDP, context) nor is a tensor-parallel "
+                                  f"mlp axis; map {dim} to batch axes or leave it unsplit")
 
 
 def check_attention_sharding(config: Config, rules: Sequence[AxisRule], sizes: dict[str, int]) -> None:
@@ -645,9 +682,6 @@ def check_context(config: Config, degree: int, stages: int) -> None:
             raise ConfigError(f"{degree_keys} with ici_stage_parallelism={config.ici_stage_parallelism}, "
                               f"dcn_stage_parallelism={config.dcn_stage_parallelism}: context parallelism with "
                               f"pipeline stages is not supported yet; use stage degree 1")
-        if config.num_experts > 1:
-            raise ConfigError(f"{degree_keys} with num_experts={config.num_experts}: context parallelism with "
-                              f"mixture-of-experts layers is not supported yet (routing capacity is per row)")
     if config.attention == "blockwise":
         local = length // degree
         block = min(config.attention_block_size, local)

@@ -18,6 +18,13 @@ W fills the ticks a stage would wait. The dependencies:
            the last stage's B starts from the loss head's cotangent, computed with its F;
   W(m, s)  after B(m, s) on the same stage.
 `check` asserts these on any table, so the tests and the executor read one definition.
+
+Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM's virtual pipeline) gives each stage R blocks of
+L / (S R) layers, circular's layout (`maxpar.core.schedule`): block v = r S + s is repeat r of stage s. The rules
+above then hold per block: F(m, v) after F(m, v - 1) (from stage S - 1 to stage 0 of the next repeat too),
+B(m, v) after B(m, v + 1). A tick is one block's op, 1 / R of a 1F1B tick, and the ramp of S - 1 ticks at each
+end is the same in ticks: 2 (R M + S - 1) ticks, the bubble (S - 1) / (R M + S - 1), circular's, 1F1B's divided
+by about R for M >> S; a stage holds up to 2 (S - s - 1) + (R - 1) S + 1 block inputs (its warm-up's, + 1).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import dataclasses
 from typing import NamedTuple
 
 F, B, W = "F", "B", "W"
-KINDS = ("gpipe", "1f1b", "zero_bubble")
+KINDS = ("gpipe", "1f1b", "zero_bubble", "interleaved_1f1b")
 
 
 class Op(NamedTuple):
@@ -34,6 +41,10 @@ class Op(NamedTuple):
     stage: int
     microbatch: int
     kind: str  # F | B | W
+    repeat: int = 0  # which of the stage's blocks (interleaved_1f1b): block repeat x S + stage
+
+    def block(self, stages: int) -> int:
+        return self.repeat * stages + self.stage
 
 
 def op_kinds(kind: str) -> tuple[str, ...]:
@@ -67,12 +78,46 @@ def stage_order(kind: str, stage: int, stages: int, microbatches: int) -> list[t
     return order + [(W, m) for m in deferred]
 
 
-def _ready(op: tuple[str, int], stage: int, stages: int, done: dict[tuple[str, int, int], int]) -> int | None:
-    """The first tick `op` of `stage` may run at, given the ticks of the ops `done` so far; None: not yet."""
-    kind, m = op
-    needs = {F: [(F, m, stage - 1)] if stage else [],
-             B: [(F, m, stage)] + ([(B, m, stage + 1)] if stage < stages - 1 else []),
-             W: [(B, m, stage)]}[kind]
+def interleaved_order(stage: int, stages: int, microbatches: int, repeats: int) -> list[tuple[str, int, int]]:
+    """The order of `stage`'s ops under interleaved 1F1B: [(op, microbatch, block), ...] (Megatron-LM's).
+
+    The microbatches go through in groups of S: a group's F over the stage's blocks in repeat order, its B in
+    reverse, so that the F of group g's repeat r + 1 finds its inputs, sent by stage S - 1, at stage 0. The
+    stage warms up with (S - s - 1) x 2 + (R - 1) x S forwards (Megatron-LM's count: the first B of the last
+    block needs every stage's first group through every repeat), then alternates F and B, then cools down.
+    """
+    group = stages * repeats
+
+    def nth(k: int, backward: bool) -> tuple[int, int]:
+        r = (k % group) // stages
+        return (k // group) * stages + k % stages, (repeats - 1 - r if backward else r) * stages + stage
+    total = microbatches * repeats
+    warmup = min((stages - stage - 1) * 2 + (repeats - 1) * stages, total)
+    order = [(F, *nth(k, False)) for k in range(warmup)]
+    for k in range(total):
+        if k + warmup < total:
+            order.append((F, *nth(k + warmup, False)))
+        order.append((B, *nth(k, True)))
+    return order
+
+
+def held_inputs(kind: str, stages: int, microbatches: int, repeats: int = 1) -> int:
+    """The most block inputs one stage holds at once (`OpSchedule.peak_in_flight`'s maximum, stage 0's), without
+    building the table: M for gPipe, min(S, M) for 1F1B and ZB-H1, the warm-up + 1 for interleaved 1F1B."""
+    if kind == "gpipe":
+        return microbatches
+    if kind == "interleaved_1f1b":
+        return min(microbatches * repeats, 2 * (stages - 1) + (repeats - 1) * stages + 1)
+    return min(stages, microbatches)
+
+
+def _ready(op: tuple[str, int, int], blocks: int, done: dict[tuple[str, int, int], int]) -> int | None:
+    """The first tick `op` (kind, microbatch, block) may run at, given the ticks of the (kind, microbatch, block)
+    ops `done` so far, for `blocks` blocks in all (S x R); None: not yet."""
+    kind, m, v = op
+    needs = {F: [(F, m, v - 1)] if v else [],
+             B: [(F, m, v)] + ([(B, m, v + 1)] if v < blocks - 1 else []),
+             W: [(B, m, v)]}[kind]
     if any(n not in done for n in needs):
         return None
     return max((done[n] + 1 for n in needs), default=0)
@@ -80,22 +125,40 @@ def _ready(op: tuple[str, int], stage: int, stages: int, done: dict[tuple[str, i
 
 @dataclasses.dataclass(frozen=True)
 class OpSchedule:
-    """The op table of schedule `kind` for S stages and M microbatches (one block of L / S layers per stage)."""
+    """The op table of schedule `kind` for S stages, M microbatches and R blocks per stage (R > 1: interleaved_1f1b
+    only; else one block of L / S layers per stage)."""
 
     kind: str
     num_stages: int
     num_microbatches: int
+    num_repeats: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown schedule {self.kind!r}; valid: {', '.join(KINDS)}")
-        if min(self.num_stages, self.num_microbatches) < 1:
-            raise ValueError(f"no schedule for {self.num_stages} stages, {self.num_microbatches} microbatches")
+        if min(self.num_stages, self.num_microbatches, self.num_repeats) < 1:
+            raise ValueError(f"no schedule for {self.num_stages} stages, {self.num_microbatches} microbatches, "
+                             f"{self.num_repeats} repeats")
+        if self.kind != "interleaved_1f1b" and self.num_repeats > 1:
+            raise ValueError(f"{self.kind} runs one block per stage, not {self.num_repeats}")
+        if self.kind == "interleaved_1f1b" and self.num_microbatches % self.num_stages:
+            raise ValueError(f"interleaved_1f1b needs microbatches a multiple of the stages, got "
+                             f"{self.num_microbatches} for {self.num_stages}")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_stages * self.num_repeats
+
+    def stage_ops(self, stage: int) -> list[tuple[str, int, int]]:
+        """`stage`'s ops in its order: [(op, microbatch, block), ...]."""
+        if self.kind == "interleaved_1f1b":
+            return interleaved_order(stage, self.num_stages, self.num_microbatches, self.num_repeats)
+        return [(k, m, stage) for k, m in stage_order(self.kind, stage, self.num_stages, self.num_microbatches)]
 
     def ops(self) -> list[Op]:
         """Every op with its tick, by list-scheduling each stage's order (module docstring), sorted by tick."""
-        s_count, m_count = self.num_stages, self.num_microbatches
-        pending = [stage_order(self.kind, s, s_count, m_count) for s in range(s_count)]
+        s_count = self.num_stages
+        pending = [self.stage_ops(s) for s in range(s_count)]
         done: dict[tuple[str, int, int], int] = {}
         table: list[Op] = []
         tick = 0
@@ -103,11 +166,11 @@ class OpSchedule:
             ran = []
             for s in range(s_count):
                 runnable = (i for i, op in enumerate(pending[s]) if (i == 0 or op[0] == W)
-                            and (ready := _ready(op, s, s_count, done)) is not None and ready <= tick)
+                            and (ready := _ready(op, self.num_blocks, done)) is not None and ready <= tick)
                 i = next(runnable, None)
                 if i is not None:
-                    kind, m = pending[s].pop(i)
-                    ran.append(((kind, m, s), Op(tick, s, m, kind)))
+                    kind, m, v = pending[s].pop(i)
+                    ran.append(((kind, m, v), Op(tick, s, m, kind, v // s_count)))
             if not ran and tick > max(done.values(), default=0) + 1:
                 raise AssertionError(f"{self.kind}: the stage orders deadlock")
             for key, op in ran:  # what ran at this tick is ready for others from the next one
@@ -134,13 +197,13 @@ class OpSchedule:
         return 1 - len(ops) / (self.num_ticks * self.num_stages)
 
     def peak_in_flight(self) -> list[int]:
-        """Per stage, the most microbatches whose F has run and whose last backward op (W if split, else B) has
-        not: the stage inputs it must hold."""
-        last = op_kinds(self.kind)[-1]
+        """Per stage, the most (microbatch, block) pairs whose F has run and whose last backward op (W if split,
+        else B) has not: the stage inputs it must hold."""
+        last, ops = op_kinds(self.kind)[-1], self.ops()
         peaks = []
         for s in range(self.num_stages):
             live, peak = 0, 0
-            for op in self.ops():
+            for op in ops:
                 if op.stage == s and op.kind in (F, last):
                     live += 1 if op.kind == F else -1
                     peak = max(peak, live)
@@ -152,19 +215,25 @@ class OpSchedule:
         s, m = self.num_stages, self.num_microbatches
         if self.kind == "zero_bubble":
             ops, formula = "a block's forward, input backward or weight backward each", "(S-1)/(3M+S-1) for M >= S"
+        elif self.kind == "interleaved_1f1b":
+            ops, formula = (f"one of a stage's R={self.num_repeats} blocks' forward or backward each",
+                            "(S-1)/(RM+S-1)")
         else:
             ops, formula = "a block's forward or backward each", "(S-1)/(M+S-1)"
         return (f"{self.kind} pipeline: S={s} stages, M={m} microbatches, {self.num_ticks} ticks ({ops}); "
-                f"bubble {self.bubble:.1%} = {formula}; at most {max(self.peak_in_flight())} of the M stage inputs "
-                f"held per stage")
+                f"bubble {self.bubble:.1%} = {formula}; at most {max(self.peak_in_flight())} of the "
+                f"{'R*M block' if self.num_repeats > 1 else 'M stage'} inputs held per stage")
 
     def render(self) -> str:
-        """The table, one line per tick: 't   3 | F2 B0 .  F1' (op and microbatch per stage; '.' idle)."""
-        width = len(str(self.num_microbatches - 1)) + 1
+        """The table, one line per tick: 't   3 | F2 B0 .  F1' (op and microbatch per stage, then '.r' its
+        repeat when a stage has R > 1 blocks; '.' idle)."""
+        repeats = self.num_repeats > 1
+        width = len(str(self.num_microbatches - 1)) + 1 + (len(str(self.num_repeats - 1)) + 1 if repeats else 0)
         lines = [f"{self.kind}: S={self.num_stages} stages, M={self.num_microbatches} microbatches, "
-                 f"{self.num_ticks} ticks, bubble {self.bubble:.1%}"]
+                 + (f"R={self.num_repeats} repeats, " if repeats else "")
+                 + f"{self.num_ticks} ticks, bubble {self.bubble:.1%}"]
         for t, row in enumerate(self.grid()):
-            cells = [f"{op.kind}{op.microbatch}" if op else "." for op in row]
+            cells = [f"{op.kind}{op.microbatch}" + (f".{op.repeat}" if repeats else "") if op else "." for op in row]
             lines.append((f"t {t:3d} | " + " ".join(c.ljust(width) for c in cells)).rstrip())
         return "\n".join(lines)
 
@@ -173,13 +242,15 @@ def check(schedule: OpSchedule) -> None:
     """Assert that `schedule`'s table runs every (microbatch, stage, op) once, one op per stage and tick, each
     after what it depends on (module docstring); raises AssertionError naming the first violation."""
     ops = schedule.ops()
-    keys = [(op.kind, op.microbatch, op.stage) for op in ops]
-    expected = {(k, m, s) for k in op_kinds(schedule.kind) for m in range(schedule.num_microbatches)
-                for s in range(schedule.num_stages)}
+    s_count = schedule.num_stages
+    keys = [(op.kind, op.microbatch, op.block(s_count)) for op in ops]
+    expected = {(k, m, v) for k in op_kinds(schedule.kind) for m in range(schedule.num_microbatches)
+                for v in range(schedule.num_blocks)}
     assert len(keys) == len(set(keys)) and set(keys) == expected, "not every op exactly once"
     slots = [(op.tick, op.stage) for op in ops]
     assert len(slots) == len(set(slots)), "two ops on one stage at one tick"
     tick = dict(zip(keys, (op.tick for op in ops)))
-    for (kind, m, s), t in tick.items():
-        ready = _ready((kind, m), s, schedule.num_stages, tick)
-        assert ready is not None and t >= ready, f"{kind}{m} on stage {s} at tick {t} before its inputs"
+    for (kind, m, v), t in tick.items():
+        ready = _ready((kind, m, v), schedule.num_blocks, tick)
+        assert ready is not None and t >= ready, (f"{kind}{m} on stage {v % s_count} (block {v}) at tick {t} "
+                                                  f"before its inputs")

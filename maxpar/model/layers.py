@@ -75,12 +75,13 @@ def amax_history(module: nn.Module, name: str, experts: int = 0) -> Array | None
 
 
 def kernel(module: ModelModule, name: str, shape: Sequence[int], axes: Sequence[str],
-           fan_in_axes: Sequence[int]) -> Array:
-    """A matmul weight with fan-in-scaled truncated-normal init and logical axes."""
+           fan_in_axes: Sequence[int], dtype: jnp.dtype | None = None) -> Array:
+    """A matmul weight with fan-in-scaled truncated-normal init and logical axes, in weight_dtype unless `dtype`."""
     fan_out_axes = tuple(i for i in range(len(shape)) if i not in tuple(fan_in_axes))
     init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal",
                                             in_axis=tuple(fan_in_axes), out_axis=fan_out_axes)
-    return module.param(name, nn.with_logical_partitioning(init, tuple(axes)), tuple(shape), module.weight_dtype)
+    return module.param(name, nn.with_logical_partitioning(init, tuple(axes)), tuple(shape),
+                        dtype or module.weight_dtype)
 
 
 class RMSNorm(ModelModule):

@@ -1,7 +1,7 @@
 """The mixture-of-experts feed-forward block (Mixtral-style) and its per-step statistics.
 
 Parameters (a contract: the Hugging Face Mixtral and DeepSeek-V3 converters map onto these):
-`router` [emb, experts], `wi_gate` and `wi_up` [experts, emb, mlp], `wo`
+`router` [emb, experts] (float32), `wi_gate` and `wi_up` [experts, emb, mlp], `wo`
 [experts, mlp, emb] (mlp = moe_mlp_dim); the expert weights carry the logical axis
 `exp` on their leading dim (the rules map it to the `expert` mesh axis). With
 num_shared_experts, `shared_experts` is a dense SwiGLU (`maxpar.model.layers.Mlp`,
@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxpar.core.axes import RESIDUAL, Logical
+from maxpar.model.context_parallel import sequence_layout
 from maxpar.model.layers import Mlp, ModelModule, amax_history, kernel
 from maxpar.model.matmul import PROJECTION
 from maxpar.model.moe_dispatch import capacity_local, dropless_local, expert_parallel, on_token_shards
@@ -49,7 +50,8 @@ class MoeBlock(ModelModule):
         cfg, dt = self.config, self.dtype
         axes = self.layout.experts if self.layout else None
         e, m, n, k = cfg.emb_dim, cfg.moe_mlp_dim or cfg.mlp_dim, cfg.num_experts, cfg.num_experts_per_tok
-        router = kernel(self, "router", (e, n), (Logical.EMBED, None), (0,))
+        # float32 whatever weight_dtype, as DeepSeek-V3's checkpoints keep it: a narrower copy would round it.
+        router = kernel(self, "router", (e, n), (Logical.EMBED, None), (0,), dtype=jnp.float32)
         w_gate = kernel(self, "wi_gate", (n, e, m), (Logical.EXP, Logical.EMBED, Logical.MLP), (1,))
         w_up = kernel(self, "wi_up", (n, e, m), (Logical.EXP, Logical.EMBED, Logical.MLP), (1,))
         w_down = kernel(self, "wo", (n, m, e), (Logical.EXP, Logical.MLP, Logical.EMBED), (1,))
@@ -75,8 +77,12 @@ class MoeBlock(ModelModule):
         fp8 = cfg.quantization == "fp8"  # the experts' matmuls: current scales, or delayed ones from `histories`
         if cfg.capacity_factor > 0:
             capacity = expert_capacity(x.shape[1], k, n, cfg.capacity_factor)
-            slots, kept = on_token_shards(functools.partial(capacity_slots, num_experts=n, capacity=capacity),
-                                          axes, routing.experts, valid)
+            # A row's tokens compete for its capacity in sequence order: the whole row, in its original order.
+            context = self.layout.context if self.layout else None
+            order = sequence_layout(x.shape[1], context.degree, True) if context and context.balanced else None
+            slots, kept = on_token_shards(functools.partial(capacity_slots, num_experts=n, capacity=capacity,
+                                                            order=order),
+                                          axes, routing.experts, valid, whole_rows=True)
             combine = jnp.where(kept, routing.weights, 0.0)
             y = expert_parallel(capacity_local, axes, x, (routing.experts, slots, combine), *weights, flat_tokens=False,
                                 fp8=fp8, histories=histories, num_experts=n, capacity=capacity)

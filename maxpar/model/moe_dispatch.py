@@ -135,8 +135,12 @@ def capacity_local(x: Array, experts: Array, slots: Array, weights: Array, w_gat
     A dropped copy has slot == capacity: it is written nowhere and reads back
     zero (its weight is zero as well). With EP the buffers of the experts on
     another device are sent there whole (all-to-all) and come back the same way.
+    A context shard holds L/C tokens of each row, at most one copy each per expert: where that is less than the
+    row's capacity, its kept copies are packed into buffers of L/C slots (the same copies kept, the same results).
     """
-    rows = x.shape[0]
+    rows, length = x.shape[:2]
+    if length < capacity:
+        slots, capacity = _packed_slots(experts, slots < capacity, num_experts), length
     row_index = jnp.broadcast_to(jnp.arange(rows)[:, None, None], experts.shape)
     copies = jnp.broadcast_to(x[:, :, None, :], (*experts.shape, x.shape[-1]))
     buffers = jnp.zeros((num_experts, rows, capacity, x.shape[-1]), x.dtype)
@@ -148,20 +152,30 @@ def capacity_local(x: Array, experts: Array, slots: Array, weights: Array, w_gat
     return jnp.einsum("blke,blk->ble", gathered.astype(jnp.float32), weights)
 
 
+def _packed_slots(experts: Array, kept: Array, num_experts: int) -> Array:
+    """Each kept copy's rank among the kept copies of its row and expert on this device [B, L, k]; dropped: L."""
+    batch, length, k = experts.shape
+    onehot = jax.nn.one_hot(experts, num_experts, dtype=jnp.int32) * kept[..., None].astype(jnp.int32)
+    flat = onehot.reshape(batch, length * k, num_experts)
+    rank = (jnp.cumsum(flat, axis=1) - flat).reshape(onehot.shape)
+    return jnp.where(kept, jnp.sum(rank * onehot, axis=-1), length).astype(jnp.int32)
+
+
 # ---------------------------------------------------------------- running it on the mesh
 
 def on_token_shards(fn: Callable[..., Any], axes: ExpertAxes | None, *arrays: Array,
-                    whole: tuple[Array, ...] = ()) -> Any:
+                    whole: tuple[Array, ...] = (), whole_rows: bool = False) -> Any:
     """fn(*whole, *arrays) applied to each device's tokens: for per-token (per-row) work such as routing.
 
     The partitioner would all-gather top_k's operand across the batch shards;
     under shard_map each device routes its own tokens, with no collective.
-    `whole`: arrays every device takes in full (the routing bias).
+    `whole`: arrays every device takes in full (the routing bias). whole_rows: fn needs every token of its
+    rows (capacity slots), so a sequence split over context is gathered first.
     axes None: no mesh (one device, or a reference), fn runs on the whole arrays.
     """
     if axes is None:
         return fn(*whole, *arrays)
-    spec = PartitionSpec(axes.live(axes.tokens) or None)
+    spec = axes.token_spec(whole_rows)
     in_specs = (*(PartitionSpec() for _ in whole), *(spec for _ in arrays))
     return jax.shard_map(fn, mesh=axes.mesh.abstract(), in_specs=in_specs, out_specs=spec)(*whole, *arrays)
 
@@ -172,7 +186,8 @@ def expert_parallel(local: Callable[..., Array], axes: ExpertAxes | None, x: Arr
     """Run a dispatch function on every device's tokens with its experts; [B, L, emb] in x's dtype.
 
     With axes None (model.init, a single-device reference) it runs on the whole
-    arrays. With the layout's axes: tokens split over the `activation_batch` axes,
+    arrays. With the layout's axes: tokens split over the `activation_batch` axes and
+    the rows' sequence over the `activation_length` ones (context),
     expert weights over `exp` (EP) and `mlp` (TP), their other dims all-gathered
     here (FSDP; the gradient is reduce-scattered back), TP partial sums added.
     fp8: the experts' matmuls in fp8, each amax a max over the mesh axes that split its tensor; with `histories`
@@ -180,11 +195,11 @@ def expert_parallel(local: Callable[..., Array], axes: ExpertAxes | None, x: Arr
     but not the experts: every device gets a copy of its experts' histories (`spread`: their observations
     combine by max, where the shard_map's transpose would add them).
     """
-    batch, length, emb = x.shape
-
+    emb = x.shape[-1]
     delayed = histories[0] is not None
 
     def run(x, per_token, w_gate, w_up, w_down, **axes):
+        length = x.shape[1]  # this device's share of a row under context parallelism
         if flat_tokens:
             x = x.reshape(-1, emb)
             per_token = tuple(a.reshape(-1, a.shape[-1]) for a in per_token)
@@ -194,13 +209,13 @@ def expert_parallel(local: Callable[..., Array], axes: ExpertAxes | None, x: Arr
     if axes is None:
         return run(x, per_token, w_gate, w_up, w_down, fp8_axes=() if fp8 else None, histories=histories)
     # Axes of size 1 are left out: they split nothing, and shard_map would count them as varying.
-    token_spec = PartitionSpec(axes.live(axes.tokens) or None)
+    token_spec = axes.token_spec()
     gate_spec = PartitionSpec(*(axes.live(a) or None for a in axes.gate))
     down_spec = PartitionSpec(*(axes.live(a) or None for a in axes.down))
 
     def gather(w: Array, dims: tuple[Axes, ...], logical: tuple[str, ...]) -> Array:
         # Varying over the token axes first, so that the transpose reduce-scatters before it all-reduces.
-        spread = tuple(a for a in axes.live(axes.tokens) if not any(a in d for d in dims))
+        spread = tuple(a for a in axes.live(axes.splitting) if not any(a in d for d in dims))
         w = jax.lax.pcast(w, spread, to="varying") if spread else w
         for dim, gathered in enumerate(axes.gathered(dims, logical)):
             if gathered:
@@ -208,7 +223,7 @@ def expert_parallel(local: Callable[..., Array], axes: ExpertAxes | None, x: Arr
         return w
 
     ep, hidden = axes.live(axes.experts), axes.live(axes.hidden)
-    split = axes.live(tuple(dict.fromkeys(axes.tokens + axes.experts + axes.hidden)))
+    split = axes.live(tuple(dict.fromkeys(axes.splitting + axes.experts + axes.hidden)))
     copies = tuple(a for a in split if a not in ep)  # what splits an expert's tokens or weights
 
     def body(x, per_token, w_gate, w_up, w_down, histories):

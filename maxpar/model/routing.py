@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 
@@ -103,7 +104,8 @@ def expert_capacity(row_length: int, k: int, num_experts: int, capacity_factor: 
     return max(1, math.ceil(capacity_factor * row_length * k / num_experts - 1e-9))
 
 
-def capacity_slots(experts: Array, valid: Array, num_experts: int, capacity: int) -> tuple[Array, Array]:
+def capacity_slots(experts: Array, valid: Array, num_experts: int, capacity: int,
+                   order: np.ndarray | None = None) -> tuple[Array, Array]:
     """(slot [B, L, k] int32, kept [B, L, k] bool): each assignment's place in its expert's buffer of the row.
 
     Priority within a row: every token's first choice (in sequence order) before
@@ -111,7 +113,14 @@ def capacity_slots(experts: Array, valid: Array, num_experts: int, capacity: int
     before others keep their k-th). Assignments beyond `capacity` are dropped;
     padding tokens (`valid` False) take no capacity and are dropped too. A
     dropped assignment's slot is `capacity` (one past the buffer).
+    `order` [L]: each row position's token index in the original sequence (context parallelism's load-balancing
+    reorder), whose order is the priority, so the same tokens drop as in the unreordered row; None: the identity.
     """
+    if order is not None:
+        back = np.argsort(order)  # the row position of each original token
+        slot, kept = capacity_slots(jnp.take(experts, back, axis=1), jnp.take(valid, back, axis=1), num_experts,
+                                    capacity)
+        return jnp.take(slot, order, axis=1), jnp.take(kept, order, axis=1)
     batch, length, k = experts.shape
     onehot = jax.nn.one_hot(experts, num_experts, dtype=jnp.int32) * valid[:, :, None, None].astype(jnp.int32)
     by_priority = onehot.transpose(0, 2, 1, 3).reshape(batch, k * length, num_experts)

@@ -3,8 +3,9 @@
 `maxpar.pipeline.spmd` pipelines the forward and lets autodiff derive the backward, which then runs after
 every forward: gPipe's order, whatever the forward's. Here the backward is scheduled too. The op table of
 `maxpar.core.op_schedule` says, per tick and stage, F (forward) or B (backward) of one microbatch, and one
-`lax.scan` over the ticks runs it inside a `jax.shard_map` manual over every mesh axis: each device is one
-stage of one data-parallel replica and branches (`lax.switch`) on its own op:
+`lax.scan` over the ticks runs it inside a `jax.shard_map` manual over the stages and the data-parallel
+replicas (the other mesh axes, FSDP and tensor, left to the partitioner): each stage of a replica branches
+(`lax.switch`) on its own op:
 - F: the stage input (stage 0: the microbatch's embedded rows; later stages: what the previous stage sent)
   is kept in a slot of `acts` and the stage's block runs on it. On the last stage the loss head runs too,
   with its VJP: the loss sums, the head's gradient and the cotangent that starts the microbatch's backward.
@@ -14,25 +15,33 @@ stage of one data-parallel replica and branches (`lax.switch`) on its own op:
 - zero_bubble splits B: B is the VJP with respect to the stage input only (the cotangent goes back), W the
   VJP with respect to the stage weights at the same kept input and cotangent, which stay in their slots
   until W (each recomputes the block's forward).
-After every tick two `ppermute`s move the F outputs one stage on and the B cotangents one stage back; what
-arrives is written into the receiver's slot for that microbatch (which slot: `slot_counts`, from the table).
+- interleaved_1f1b gives each stage R blocks (circular's weights [R, L/R, ...]): an op names its block too, picks
+  that block's weights and adds to that block's gradient; block 0 takes the embedded rows, the last the head.
+After every tick two `ppermute`s move the F outputs one stage on and the B cotangents one stage back (with R
+blocks around the ring: stage S - 1 feeds stage 0's next block); what arrives is written into the receiver's
+slot for that (microbatch, block), which `program` assigns from the table.
 
-What it runs is generic: `block_fn(block_params, x, *side) -> y` (one stage's layers) and
-`head_fn(head_params, y, *head_side) -> (objective, sums)` (the loss of a microbatch: the gradient is taken of
-`objective`, `sums` are summed over microbatches as they are). It returns the objective's gradient with respect
-to the stage weights, the head's weights and the embedded input x: the caller finishes the backward of
-whatever made x (the embedding) with the latter.
+What it runs is generic: `block_fn(block_params, x, *side) -> (y, stats)` (one stage's layers; stats: a tree of
+the block's sums for one microbatch, `{}` for none) and `head_fn(head_params, y, *head_side) -> (objective, sums)`
+(the loss of a microbatch: the gradient is taken of `objective`, `sums` are summed over microbatches as they
+are). The blocks' stats are summed over microbatches too. With `block_objective(stats, totals) -> scalar` a block
+adds its own part to the objective (an auxiliary loss), which may depend on `totals`, the step's sums of the
+stats over every microbatch and replica: a forward-only pass of the same op table (its F ops, no head) computes
+those before the first backward needs them, and B and W then take the VJP of (y, that part) with cotangent
+(the next stage's, 1). It returns the objective's gradient with respect to the stage weights, the head's weights
+and the embedded input x: the caller finishes the backward of whatever made x (the embedding) with the latter.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AbstractMesh, PartitionSpec
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from maxpar.core.layout import merge_microbatches, split_microbatches
 from maxpar.core.op_schedule import B, F, W, OpSchedule, op_kinds
@@ -43,52 +52,75 @@ IDLE, FORWARD, FORWARD_HEAD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHTS = range(
 
 
 class Program(NamedTuple):
-    """The op table as arrays [ticks, S] for the scan, and the slot counts of the stores."""
+    """The op table as arrays [ticks, S] for the scan, and the slots of the stores: a block input or cotangent
+    keeps one slot from the tick it arrives to its last read, so a stage holds as many as are live at once."""
 
-    branch: np.ndarray      # IDLE / FORWARD / FORWARD_HEAD (the last stage's F) / BACKWARD[_INPUT|_WEIGHTS]
+    branch: np.ndarray      # IDLE / FORWARD / FORWARD_HEAD (the last block's F) / BACKWARD[_INPUT|_WEIGHTS]
     microbatch: np.ndarray  # the op's microbatch (0 when idle)
-    act_slots: int          # stage inputs kept per stage: microbatch m in slot m % act_slots
-    cot_slots: int          # cotangents waiting per stage: microbatch m in slot m % cot_slots
+    act_slots: int          # block inputs kept per stage
+    cot_slots: int          # cotangents waiting per stage
+    repeat: np.ndarray      # which of the stage's blocks the op runs (interleaved_1f1b; else 0)
+    act_slot: np.ndarray    # the slot of the op's block input
+    cot_slot: np.ndarray    # the slot of the op's cotangent
+    act_recv: np.ndarray    # the slot of the block input that arrives after the tick (-1: none)
+    cot_recv: np.ndarray    # the slot of the cotangent that arrives after the tick (-1: none)
 
 
-def _fewest_slots(intervals: Sequence[tuple[int, int, int]]) -> int:
-    """The least K such that values (microbatch m, live from tick a to tick b inclusive) kept in slot m % K
-    never overwrite one another on one stage."""
-    for k in range(1, len(intervals) + 1):
-        by_slot: dict[int, list[tuple[int, int]]] = {}
-        for m, a, b in intervals:
-            by_slot.setdefault(m % k, []).append((a, b))
-        if all(x[1] < y[0] for spans in by_slot.values() for x, y in zip(sorted(spans), sorted(spans)[1:])):
-            return k
-    return max(len(intervals), 1)
+def _slots(intervals: dict[Any, tuple[int, int]]) -> dict[Any, int]:
+    """A slot per value (key: live from tick a to tick b inclusive) such that no two values live at one tick
+    share one: the first free slot in order of arrival, which uses as many as are ever live at once."""
+    free_at: list[int] = []  # per slot, the first tick it is free from
+    slot = {}
+    for key, (a, b) in sorted(intervals.items(), key=lambda item: item[1]):
+        i = next((i for i, free in enumerate(free_at) if free <= a), len(free_at))
+        free_at[i:i + 1] = [b + 1]
+        slot[key] = i
+    return slot
 
 
 def program(schedule: OpSchedule) -> Program:
     """`schedule`'s table for the executor: per tick and stage the branch and microbatch, and how many slots
     the stores need so that a value is never overwritten while it is still to be read.
 
-    A stage input is live from the tick it arrives (the tick after the previous stage's F; stage 0: its own F)
-    to its last backward op (W if split, else B); a cotangent from the tick it arrives (after the next stage's
-    B; the last stage: its own F, where the loss head makes it) to the same op.
+    A block's input is live from the tick it arrives (the tick after the previous block's F; block 0: its own
+    F) to its last backward op (W if split, else B); a cotangent from the tick it arrives (after the next
+    block's B; the last block: its own F, where the loss head makes it) to the same op. Blocks are stages but
+    under interleaved_1f1b, where block v = r S + s is repeat r of stage s.
     """
-    s_count, ticks = schedule.num_stages, schedule.num_ticks
+    s_count, ticks, repeats = schedule.num_stages, schedule.num_ticks, schedule.num_repeats
+    blocks = schedule.num_blocks
     split = W in op_kinds(schedule.kind)
     branch = np.full((ticks, s_count), IDLE, np.int32)
-    micro = np.zeros((ticks, s_count), np.int32)
-    when = {(op.kind, op.microbatch, op.stage): op.tick for op in schedule.ops()}
+    micro, repeat = np.zeros((ticks, s_count), np.int32), np.zeros((ticks, s_count), np.int32)
+    when = {(op.kind, op.microbatch, op.block(s_count)): op.tick for op in schedule.ops()}
     backward = {B: BACKWARD_INPUT if split else BACKWARD, W: BACKWARD_WEIGHTS}
-    for (kind, m, s), t in when.items():
-        branch[t, s] = backward[kind] if kind in backward else (FORWARD_HEAD if s == s_count - 1 else FORWARD)
-        micro[t, s] = m
+    for (kind, m, v), t in when.items():
+        s = v % s_count
+        branch[t, s] = backward[kind] if kind in backward else (FORWARD_HEAD if v == blocks - 1 else FORWARD)
+        micro[t, s], repeat[t, s] = m, v // s_count
     last = W if split else B
-    acts, cots = [], []
+    act_slot, cot_slot = np.zeros_like(micro), np.zeros_like(micro)
+    act_recv, cot_recv = np.full_like(micro, -1), np.full_like(micro, -1)
+    counts = []
     for s in range(s_count):
-        ms = range(schedule.num_microbatches)
-        acts.append(_fewest_slots([(m, when[(F, m, s - 1)] + 1 if s else when[(F, m, s)], when[(last, m, s)])
-                                   for m in ms]))
-        cots.append(_fewest_slots([(m, when[(B, m, s + 1)] + 1 if s < s_count - 1 else when[(F, m, s)],
-                                    when[(last, m, s)]) for m in ms]))
-    return Program(branch, micro, max(acts), max(cots))
+        keys = [(m, v) for m in range(schedule.num_microbatches) for v in range(s, blocks, s_count)]
+        acts = _slots({(m, v): (when[(F, m, v - 1)] + 1 if v else when[(F, m, v)], when[(last, m, v)])
+                       for m, v in keys})
+        cots = _slots({(m, v): (when[(B, m, v + 1)] + 1 if v < blocks - 1 else when[(F, m, v)], when[(last, m, v)])
+                       for m, v in keys})
+        for (m, v), i in acts.items():
+            for kind in (F, *op_kinds(schedule.kind)[1:]):
+                act_slot[when[(kind, m, v)], s] = i
+            if v:
+                act_recv[when[(F, m, v - 1)], s] = i
+        for (m, v), i in cots.items():
+            for kind in op_kinds(schedule.kind):
+                cot_slot[when[(kind, m, v)], s] = i
+            if v < blocks - 1:
+                cot_recv[when[(B, m, v + 1)], s] = i
+        counts.append((max(acts.values()) + 1, max(cots.values()) + 1))
+    return Program(branch, micro, max(a for a, _ in counts), max(c for _, c in counts), repeat, act_slot, cot_slot,
+                   act_recv, cot_recv)
 
 
 class Grads(NamedTuple):
@@ -96,114 +128,182 @@ class Grads(NamedTuple):
     stage: Any    # gradient of the stage weights, leaves [L, ...] like `stage_params`
     head: Any     # gradient of the head's weights
     x: Array      # cotangent of the embedded input [B, ...]
+    stats: Any    # block_fn's stats over every microbatch and replica, leaves like `stage_params`'s
 
 
-def one_f_one_b(block_fn: Callable[..., Array], head_fn: Callable[..., tuple[Array, Any]], stage_params: Any,
-                head_params: Any, x: Array, side: Sequence[Array], head_side: Sequence[Array], *,
+class Placement(NamedTuple):
+    """Shardings over the mesh axes the executor leaves automatic (FSDP, tensor), on its mesh with the manual
+    axes Manual: so that the partitioner keeps the rows split and the gradients as split as the weights."""
+
+    rows: NamedSharding  # a microbatch's stage input and cotangent [b, ...]
+    weights: Any         # a stage's weights [L/S, ...] and their float32 gradients, a tree like them
+    gathered: Any = None  # the stage weights gathered once before the ticks (None: used as they come)
+
+
+def _pin(x: Array, sharding: NamedSharding | None, lead: int = 0) -> Array:
+    """`x` constrained to `sharding` behind `lead` unsplit leading dims (no constraint without one)."""
+    if sharding is None:
+        return x
+    spec = PartitionSpec(*(None,) * lead, *sharding.spec)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(sharding.mesh, spec))
+
+
+def one_f_one_b(block_fn: Callable[..., tuple[Array, Any]], head_fn: Callable[..., tuple[Array, Any]],
+                stage_params: Any, head_params: Any, x: Array, side: Sequence[Array], head_side: Sequence[Array], *,
                 schedule: OpSchedule, mesh: AbstractMesh, stage_axes: tuple[str, ...],
-                batch_axes: tuple[str, ...]) -> Grads:
+                batch_axes: tuple[str, ...], block_objective: Callable[[Any, Any], Array] | None = None,
+                placement: Placement | None = None) -> Grads:
     """Run `schedule` (module docstring) over the stages of `stage_axes`, each replica of `batch_axes` on its rows.
 
-    stage_params: leaves [L, ...] split over the stages on L (stage s runs layers s L/S ...); every other mesh
-    axis must leave them and `head_params` whole (no FSDP or tensor parallelism inside the stages).
+    The shard_map is manual over `stage_axes` and `batch_axes` only: the other mesh axes stay automatic, and
+    may split the weights and rows inside a stage (FSDP, tensor and expert parallelism) as `placement` and the blocks'
+    own constraints say; `batch_axes` must shard no weight.
+    stage_params: leaves [L, ...] split over the stages on L (stage s runs layers s L/S ...); with R blocks per
+    stage (interleaved_1f1b) circular's [R, L/R, ...] split on L/R (block r S + s: stage s's slice of repeat r).
     x: [B, ...] the stage-0 input; side, head_side: per-row arrays [B, ...] the blocks and the head read.
     """
     prog = program(schedule)
     rows = PartitionSpec(batch_axes or None)
     per_stage = PartitionSpec(stage_axes)
+    blocks = per_stage if schedule.num_repeats == 1 else PartitionSpec(None, stage_axes)  # weights, grads, stats
     stacked = PartitionSpec(stage_axes, batch_axes or None)
     run = jax.shard_map(
-        lambda *a: _run(block_fn, head_fn, prog, schedule, stage_axes, batch_axes, *a), mesh=mesh,
-        in_specs=(per_stage, PartitionSpec(), rows, tuple(rows for _ in side), tuple(rows for _ in head_side)),
-        out_specs=(per_stage, per_stage, per_stage, stacked), check_vma=False)
-    sums, stage_grads, head_grads, dx = run(stage_params, head_params, x, tuple(side), tuple(head_side))
+        lambda *a: _run(block_fn, head_fn, prog, schedule, stage_axes, batch_axes, *a,
+                        block_objective=block_objective, placement=placement), mesh=mesh,
+        in_specs=(blocks, PartitionSpec(), rows, tuple(rows for _ in side), tuple(rows for _ in head_side)),
+        out_specs=(per_stage, blocks, per_stage, stacked, blocks), axis_names={*stage_axes, *batch_axes},
+        check_vma=False)
+    sums, stage_grads, head_grads, dx, stats = run(stage_params, head_params, x, tuple(side), tuple(head_side))
     last = lambda tree: jax.tree.map(lambda a: a[-1], tree)  # noqa: E731 - only the last stage has the head
-    return Grads(sums=last(sums), stage=stage_grads, head=last(head_grads), x=dx[0])
+    return Grads(sums=last(sums), stage=stage_grads, head=last(head_grads), x=dx[0], stats=stats)
 
 
 def _zeros(tree: Any) -> Any:
     return jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
 
 
-def _run(block_fn: Callable[..., Array], head_fn: Callable[..., tuple[Array, Any]], prog: Program,
+def _run(block_fn: Callable[..., tuple[Array, Any]], head_fn: Callable[..., tuple[Array, Any]], prog: Program,
          schedule: OpSchedule, stage_axes: tuple[str, ...], batch_axes: tuple[str, ...], params: Any,
-         head_params: Any, x: Array, side: tuple[Array, ...], head_side: tuple[Array, ...]) -> tuple:
-    """One device's part: stage `axis_index(stage_axes)` of its replica, over every tick."""
-    s_count, m_count = schedule.num_stages, schedule.num_microbatches
+         head_params: Any, x: Array, side: tuple[Array, ...], head_side: tuple[Array, ...], *,
+         block_objective: Callable[[Any, Any], Array] | None = None, placement: Placement | None = None) -> tuple:
+    """One device's part: stage `axis_index(stage_axes)` of its replica, over every tick (with a
+    `block_objective`, first over the F ops alone: the step's totals of the blocks' stats)."""
+    s_count, m_count, repeats = schedule.num_stages, schedule.num_microbatches, schedule.num_repeats
     stage = jax.lax.axis_index(stage_axes)
-    micro_x = split_microbatches(x, m_count)
+    # the weights (and gradient, stats) of the stage's block r: leaves [R, ...] when it has R of them
+    pick = ((lambda tree, r: tree) if repeats == 1  # noqa: E731
+            else (lambda tree, r: jax.tree.map(lambda a: a[r], tree)))
+
+    def add_at(total: Any, part: Any, r: Array) -> Any:
+        add = (lambda a, g: a + g.astype(jnp.float32)) if repeats == 1 else (
+            lambda a, g: a.at[r].add(g.astype(jnp.float32)))
+        return jax.tree.map(add, total, part)
+    rows = partial(_pin, sharding=placement and placement.rows)
+    pin_grads = ((lambda g: g) if placement is None  # noqa: E731
+                 else (lambda g: jax.lax.with_sharding_constraint(g, placement.weights)))
+    if placement is not None and placement.gathered is not None:
+        params = jax.lax.with_sharding_constraint(params, placement.gathered)
+    micro_x = rows(split_microbatches(x, m_count), lead=1)
     micro_side = [split_microbatches(a, m_count) for a in side]
     micro_head = [split_microbatches(a, m_count) for a in head_side]
     take = lambda arrays, m: [a[m] for a in arrays]  # noqa: E731
     one = micro_x[0]
-    sums_shape = jax.eval_shape(lambda: head_fn(head_params, block_fn(params, one, *take(micro_side, 0)),
+    y_shape, stats_shape = jax.eval_shape(lambda: block_fn(pick(params, 0), one, *take(micro_side, 0)))
+    if repeats > 1:
+        stats_shape = jax.tree.map(lambda a: jax.ShapeDtypeStruct((repeats, *a.shape), a.dtype), stats_shape)
+    sums_shape = jax.eval_shape(lambda: head_fn(head_params, jnp.zeros(y_shape.shape, y_shape.dtype),
                                                 *take(micro_head, 0))[1])
 
-    def forward(carry, m, head: bool):
-        acts, cots, dx, grads, head_grads, sums, _, send_cot = carry
-        slot = m % prog.act_slots
-        inputs = jnp.where(stage == 0, micro_x[m], acts[slot])
-        acts = acts.at[slot].set(inputs)
-        y = block_fn(params, inputs, *take(micro_side, m))
+    def objective_block(p: Any, a: Array, m: Array, totals: Any) -> tuple[Array, Array]:
+        """(y, the block's part of the objective): what B and W differentiate, with cotangent (cot, 1)."""
+        y, stats = block_fn(p, a, *take(micro_side, m))
+        part = jnp.zeros((), jnp.float32) if totals is None else block_objective(stats, totals)
+        return y, part.astype(jnp.float32)
+
+    def forward(carry, op, head: bool):
+        """F of microbatch m on the stage's block r: op = (m, r, its input's slot, its cotangent's slot)."""
+        m, r, a_slot, c_slot = op
+        acts, cots, dx, grads, head_grads, (sums, stats), _, send_cot = carry
+        inputs = jnp.where((stage == 0) & (r == 0), micro_x[m], acts[a_slot])
+        acts = acts.at[a_slot].set(inputs)
+        y, new_stats = block_fn(pick(params, r), inputs, *take(micro_side, m))
+        stats = add_at(stats, new_stats, r)
         if head:
             _, pull, new_sums = jax.vjp(lambda hp, y: head_fn(hp, y, *take(micro_head, m)), head_params, y,
                                         has_aux=True)
             d_head, dy = pull(jnp.ones((), jnp.float32))
             head_grads = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), head_grads, d_head)
             sums = jax.tree.map(jnp.add, sums, new_sums)
-            cots = cots.at[m % prog.cot_slots].set(dy.astype(cots.dtype))
-        return acts, cots, dx, grads, head_grads, sums, y.astype(one.dtype), send_cot
+            cots = cots.at[c_slot].set(dy.astype(cots.dtype))
+        return acts, cots, dx, grads, head_grads, (sums, stats), y.astype(one.dtype), send_cot
 
-    def backward(carry, m, inputs: bool, weights: bool):
-        """B unsplit (both), zero_bubble's B (inputs: the cotangent sent back) or W (weights)."""
+    def backward(carry, op, inputs: bool, weights: bool, totals: Any):
+        """B unsplit (both), zero_bubble's B (inputs: the cotangent sent back) or W (weights); op as forward's."""
+        m, r, a_slot, c_slot = op
         acts, cots, dx, grads, head_grads, sums, send_act, send_cot = carry
-        block = lambda p, a: block_fn(p, a, *take(micro_side, m))  # noqa: E731
-        act, cot = acts[m % prog.act_slots], cots[m % prog.cot_slots]
+        block = lambda p, a: objective_block(p, a, m, None if totals is None else pick(totals, r))  # noqa: E731
+        mine, act, cot = pick(params, r), acts[a_slot], (cots[c_slot], jnp.ones((), jnp.float32))
         if inputs and weights:
-            d_params, d_x = jax.vjp(block, params, act)[1](cot)
+            d_params, d_x = jax.vjp(block, mine, act)[1](cot)
         elif inputs:
-            (d_x,) = jax.vjp(lambda a: block(params, a), act)[1](cot)
+            (d_x,) = jax.vjp(lambda a: block(mine, a), act)[1](cot)
         else:
-            (d_params,) = jax.vjp(lambda p: block(p, act), params)[1](cot)
+            (d_params,) = jax.vjp(lambda p: block(p, act), mine)[1](cot)
         if weights:
-            grads = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads, d_params)
+            grads = pin_grads(add_at(grads, d_params, r))
         if inputs:
-            dx = dx.at[m].set(jnp.where(stage == 0, d_x, dx[m]))
+            dx = dx.at[m].set(jnp.where((stage == 0) & (r == 0), d_x, dx[m]))
             send_cot = d_x.astype(one.dtype)
         return acts, cots, dx, grads, head_grads, sums, send_act, send_cot
 
-    idle = lambda c, m: c  # noqa: E731 - also the branches the schedule never takes: XLA compiles each branch
+    idle = lambda c, op: c  # noqa: E731 - also the branches the schedule never takes: XLA compiles each branch
     split = W in op_kinds(schedule.kind)
-    branches = [idle, lambda c, m: forward(c, m, False), lambda c, m: forward(c, m, True),
-                idle if split else (lambda c, m: backward(c, m, True, True)),
-                (lambda c, m: backward(c, m, True, False)) if split else idle,
-                (lambda c, m: backward(c, m, False, True)) if split else idle]
-    forward_perm = [(i, i + 1) for i in range(s_count - 1)]
-    backward_perm = [(i + 1, i) for i in range(s_count - 1)]
-    branch_rows, micro_rows = jnp.asarray(prog.branch), jnp.asarray(prog.microbatch)
 
-    def tick(carry, t):
-        carry = jax.lax.switch(branch_rows[t, stage], branches, carry, micro_rows[t, stage])
+    def branch_table(totals: Any, forward_only: bool) -> list[Callable]:
+        """The branches by op; forward_only: F without the head, B and W idle (the pass that sums the stats)."""
+        if forward_only:
+            return [idle, *(lambda c, op: forward(c, op, False),) * 2, idle, idle, idle]
+        return [idle, lambda c, op: forward(c, op, False), lambda c, op: forward(c, op, True),
+                idle if split else (lambda c, op: backward(c, op, True, True, totals)),
+                (lambda c, op: backward(c, op, True, False, totals)) if split else idle,
+                (lambda c, op: backward(c, op, False, True, totals)) if split else idle]
+    # R blocks per stage: the last stage's F feeds stage 0's next block, stage 0's B the last stage's previous one
+    hops = s_count if repeats > 1 else s_count - 1
+    forward_perm = [(i, (i + 1) % s_count) for i in range(hops)]
+    backward_perm = [((i + 1) % s_count, i) for i in range(hops)]
+    branch_rows = jnp.asarray(prog.branch)
+    op_rows = tuple(jnp.asarray(a) for a in (prog.microbatch, prog.repeat, prog.act_slot, prog.cot_slot))
+    recv_rows = jnp.asarray(prog.act_recv), jnp.asarray(prog.cot_recv)
+
+    def tick(branches, carry, t, cotangents: bool = True):
+        carry = jax.lax.switch(branch_rows[t, stage], branches, carry, tuple(a[t, stage] for a in op_rows))
         acts, cots, dx, grads, head_grads, sums, send_act, send_cot = carry
         got_act = jax.lax.ppermute(send_act, stage_axes, forward_perm)
-        got_cot = jax.lax.ppermute(send_cot, stage_axes, backward_perm)
-        # What arrived: the previous stage's F output, the next stage's B cotangent (if they ran one).
-        prev, nxt = jnp.maximum(stage - 1, 0), jnp.minimum(stage + 1, s_count - 1)
-        act_in = (stage > 0) & (branch_rows[t, prev] == FORWARD)
-        cot_in = (stage < s_count - 1) & jnp.isin(branch_rows[t, nxt], jnp.array([BACKWARD, BACKWARD_INPUT]))
-        a_slot, c_slot = micro_rows[t, prev] % prog.act_slots, micro_rows[t, nxt] % prog.cot_slots
-        acts = acts.at[a_slot].set(jnp.where(act_in, got_act, acts[a_slot]))
-        cots = cots.at[c_slot].set(jnp.where(cot_in, got_cot, cots[c_slot]))
-        return (acts, cots, dx, grads, head_grads, sums, send_act, send_cot), None
+        # the forward-only pass moves no cotangents (what it writes to their slots is never read)
+        got_cot = jax.lax.ppermute(send_cot, stage_axes, backward_perm) if cotangents else send_cot
+        # What arrived (the previous block's F output, the next block's B cotangent) goes to its slot, if any.
+        a_slot, c_slot = recv_rows[0][t, stage], recv_rows[1][t, stage]
+        acts = acts.at[jnp.maximum(a_slot, 0)].set(jnp.where(a_slot >= 0, got_act, acts[jnp.maximum(a_slot, 0)]))
+        cots = cots.at[jnp.maximum(c_slot, 0)].set(jnp.where(c_slot >= 0, got_cot, cots[jnp.maximum(c_slot, 0)]))
+        return (rows(acts, lead=1), rows(cots, lead=1), rows(dx, lead=1), grads, head_grads, sums, send_act,
+                send_cot), None
 
-    blank = jnp.zeros_like(one)
-    carry = (jnp.zeros((prog.act_slots, *one.shape), one.dtype), jnp.zeros((prog.cot_slots, *one.shape), one.dtype),
-             jnp.zeros_like(micro_x), _zeros(params), _zeros(head_params), _zeros(sums_shape), blank, blank)
-    carry, _ = jax.lax.scan(tick, carry, jnp.arange(schedule.num_ticks))
-    _, _, dx, grads, head_grads, sums, _, _ = carry
-    if batch_axes:  # each replica ran its own rows: the weights' gradients and the sums add up over them
-        grads, head_grads, sums = jax.lax.psum((grads, head_grads, sums), batch_axes)
+    blank = rows(jnp.zeros_like(one))
+    carry = (rows(jnp.zeros((prog.act_slots, *one.shape), one.dtype), lead=1),
+             rows(jnp.zeros((prog.cot_slots, *one.shape), one.dtype), lead=1), rows(jnp.zeros_like(micro_x), lead=1),
+             pin_grads(_zeros(params)), _zeros(head_params), (_zeros(sums_shape), _zeros(stats_shape)), blank, blank)
+    # each replica ran its own rows: the weights' gradients and the sums add up over them
+    total = (lambda tree: jax.lax.psum(tree, batch_axes)) if batch_axes else (lambda tree: tree)  # noqa: E731
+    totals = None
+    if block_objective is not None:  # the F ops alone, over the ticks that hold one
+        forward_ticks = np.flatnonzero(np.isin(prog.branch, (FORWARD, FORWARD_HEAD)).any(axis=1))
+        first, _ = jax.lax.scan(partial(tick, branch_table(None, True), cotangents=False), carry,
+                                jnp.asarray(forward_ticks))
+        totals = total(first[5][1])
+    carry, _ = jax.lax.scan(partial(tick, branch_table(totals, False)), carry, jnp.arange(schedule.num_ticks))
+    _, _, dx, grads, head_grads, (sums, stats), _, _ = carry
+    grads, head_grads, sums, stats = total((grads, head_grads, sums, stats))
     cast = lambda tree, like: jax.tree.map(lambda g, p: g.astype(p.dtype), tree, like)  # noqa: E731
     expand = lambda tree: jax.tree.map(lambda a: a[None], tree)  # noqa: E731 - a leading stage dim for out_specs
     return (expand(sums), cast(grads, params), expand(cast(head_grads, head_params)),
-            merge_microbatches(dx)[None])
+            merge_microbatches(dx)[None], stats)

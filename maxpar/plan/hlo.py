@@ -55,12 +55,13 @@ class Collective:
     dtype: str                          # element type of the operand ('mixed' for tuples of several)
     operand_bytes: int                  # bytes each device contributes (all operands of a tuple collective)
     groups: tuple[tuple[int, ...], ...]  # partition ids per replica group (pairs for collective-permute)
-    count: int                          # executions per step: product of enclosing loop trip counts
+    count: float                        # executions per step: product of enclosing loop trip counts
     computation: str
     op_name: str                        # jax-level provenance from the metadata
     operands: tuple[Operand, ...] = ()
     unknown_trip_count: bool = False
     moving_fraction: float = 1.0        # collective-permute: share of the program's devices that send elsewhere
+    every_branch: bool = False          # in a conditional's branch counted as if every branch ran (a bound)
 
     @property
     def group_size(self) -> int:
@@ -237,11 +238,17 @@ def _symbols(comps) -> tuple[dict[str, str], dict[str, str]]:
     return symbols, provenance
 
 
-def _multipliers(comps) -> tuple[dict[str, int], set[str]]:
-    """(executions per step of each computation, the computations inside a loop of unknown trip count). Callers
-    are printed after their callees: walked in reverse, every caller is counted before its callees."""
-    multiplier: dict[str, int] = {name: 1 for name, entry, _ in comps if entry}
+def _multipliers(comps, branch_runs: Mapping[int, Sequence[float]]
+                 ) -> tuple[dict[str, float], set[str], set[str]]:
+    """(executions per step of each computation, the computations inside a loop of unknown trip count, the
+    branches counted as if every one ran). Callers are printed after their callees: walked in reverse, every
+    caller is counted before its callees. A conditional of n branches directly in a loop body, n in
+    `branch_runs`, runs its branch k `branch_runs[n][k]` times per entry of the loop; any other runs each of
+    its branches as often as itself: an upper bound, as only one runs."""
+    multiplier: dict[str, float] = {name: 1 for name, entry, _ in comps if entry}
+    entries: dict[str, float] = {}  # loop body -> how often its loop is entered per step
     unknown: set[str] = set()
+    bound: set[str] = set()
     for name, _, lines in reversed(comps):
         mult = multiplier.get(name)
         if mult is None:
@@ -254,13 +261,20 @@ def _multipliers(comps) -> tuple[dict[str, int], set[str]]:
                     factor = trips if trips is not None else 1
                     if trips is None:
                         unknown.add(callee)
+                    if key == "body":
+                        entries[callee] = entries.get(callee, 0) + mult
                 multiplier[callee] = multiplier.get(callee, 0) + mult * factor
                 if name in unknown:
                     unknown.add(callee)
-            branches = _attr(line, "branch_computations")
-            for callee in _OPERAND.findall(branches or ""):
-                multiplier[callee] = multiplier.get(callee, 0) + mult
-    return multiplier, unknown
+                if name in bound:
+                    bound.add(callee)
+            branches = _OPERAND.findall(_attr(line, "branch_computations") or "")
+            runs = branch_runs.get(len(branches)) if name in entries else None
+            for k, callee in enumerate(branches):
+                multiplier[callee] = multiplier.get(callee, 0) + (mult if runs is None else entries[name] * runs[k])
+                if runs is None and len(branches) > 1 or name in bound:
+                    bound.add(callee)
+    return multiplier, unknown, bound
 
 
 def _groups_and_moving(kind: str, line: str, num_partitions: int) -> tuple[tuple, float]:
@@ -273,11 +287,13 @@ def _groups_and_moving(kind: str, line: str, num_partitions: int) -> tuple[tuple
     return groups, len({s for s, t in groups if s != t}) / max(num_partitions, len(groups), 1)
 
 
-def collectives(hlo_text: str, num_partitions: int) -> list[Collective]:
-    """All collectives of a compiled module with their per-step execution counts."""
+def collectives(hlo_text: str, num_partitions: int,
+                branch_runs: Mapping[int, Sequence[float]] | None = None) -> list[Collective]:
+    """All collectives of a compiled module with their per-step execution counts (see `_multipliers` for
+    `branch_runs`: how often a loop's conditional runs each branch, averaged over the devices)."""
     comps = _split_computations(hlo_text)
     symbols, provenance = _symbols(comps)
-    multiplier, unknown = _multipliers(comps)
+    multiplier, unknown, bound = _multipliers(comps, branch_runs or {})
     found = []
     for name, _, lines in comps:
         for line in lines:
@@ -298,7 +314,7 @@ def collectives(hlo_text: str, num_partitions: int) -> list[Collective]:
                 name=m.group("name"), kind=kind, dtype=dtypes.pop() if len(dtypes) == 1 else "mixed",
                 operand_bytes=sum(o.nbytes for o in operands), groups=groups, count=multiplier.get(name, 0),
                 computation=name, op_name=op_name, operands=operands, unknown_trip_count=name in unknown,
-                moving_fraction=moving))
+                moving_fraction=moving, every_branch=name in bound))
     return found
 
 

@@ -13,6 +13,7 @@ import numpy as np
 from maxpar.core.axes import Logical
 from maxpar.core.config import EXPLICIT_BACKWARD, Config
 from maxpar.core.layout import TracedState
+from maxpar.core.op_schedule import held_inputs
 from maxpar.io.metrics import attention_head_widths, matmul_params, parameter_counts, training_flops_per_token
 from maxpar.model.roles import Block, ParamRole
 from maxpar.model.routing import expert_capacity
@@ -66,15 +67,35 @@ def tp_degrees(layout: Layout) -> dict[str, int]:
             "embed": layout.group_degree([a for a in layout.residual_axes[2] if a not in layout.batch_axes])}
 
 
-def attention_widths(config: Config, tp: dict[str, int]) -> tuple[float, float, float]:
-    """Per-token features one device holds of q, of k and v together, and of the attention output. MLA's k and v
-    are expanded per head (maxpar/model/mla.py), split like q's heads."""
+def kv_widths(config: Config, tp: dict[str, int]) -> tuple[float, float]:
+    """Per-token features one device holds of k and of v: its KV heads', or MLA's keys and values expanded per
+    head from the latent (maxpar/model/mla.py: every query head has its own), split like q's heads."""
+    qk, dv = attention_head_widths(config)
     if config.attention_type == "mla":
-        qk, dv = attention_head_widths(config)
         heads = config.num_query_heads / tp["heads"]
-        return heads * qk, heads * (qk + dv), heads * dv
-    hd = config.num_query_heads * config.head_dim / tp["heads"]
-    return hd, 2 * (config.num_kv_heads * config.head_dim / tp["kv_heads"]), hd
+    else:
+        heads = config.num_kv_heads / tp["kv_heads"]
+    return heads * qk, heads * dv
+
+
+def attention_widths(config: Config, tp: dict[str, int]) -> tuple[float, float, float]:
+    """Per-token features one device holds of q, of k and v together, and of the attention output."""
+    qk, dv = attention_head_widths(config)
+    heads = config.num_query_heads / tp["heads"]
+    return heads * qk, sum(kv_widths(config, tp)), heads * dv
+
+
+def mla_latent_widths(config: Config, tp: dict[str, int]) -> tuple[float, float]:
+    """Per-token features MLA keeps beyond q, k, v's widths (maxpar/model/mla.py; (0, 0) for GQA): without remat,
+    the compressed q and its normed copy (2 q_lora_rank), the compressed kv [kv_lora_rank + qk_rope_head_dim] and
+    its normed latent; under `minimal`, the saved projections' outputs hold the compressed q and kv but not k's
+    rope part per head (one k_rope broadcast to every head), so with many heads this term is negative. The latents
+    are not split over heads."""
+    if config.attention_type != "mla":
+        return 0.0, 0.0
+    compressed = config.kv_lora_rank + config.qk_rope_head_dim
+    shared_rope = config.num_query_heads / tp["heads"] * config.qk_rope_head_dim
+    return 2 * config.q_lora_rank + compressed + config.kv_lora_rank, config.q_lora_rank + compressed - shared_rope
 
 
 def activation_bytes_per_token(config: Config, layout: Layout) -> dict[str, float]:
@@ -92,40 +113,51 @@ def activation_bytes_per_token(config: Config, layout: Layout) -> dict[str, floa
     log-sum-exp per query and head instead (no seq term). Context parallelism splits
     every token's activations over `context` (the residual through tp["length"]), and
     the all_gather strategy keeps the gathered k, v of the whole sequence per layer.
+    MLA adds its latents (`mla_latent_widths`).
     """
     tp = tp_degrees(layout)
     cp = layout.context_degree
     a = dtype_bytes(config.dtype)
     e = config.emb_dim / (tp["length"] * tp["embed"])
     q, kv, out = attention_widths(config, tp)
+    latents, saved_latents = mla_latent_widths(config, tp)
     heads, m, s = config.num_query_heads / tp["heads"], config.mlp_dim / tp["mlp"], config.max_target_length
     if config.attention == "blockwise":
         gathered = kv * a * (cp - 1) if config.context_parallel_strategy == "all_gather" else 0.0
-        none = ((q + kv + out + 3 * m) * a + heads * 4 + gathered + 2 * 4) / cp + 4 * e * a
+        none = ((q + kv + out + latents + 3 * m) * a + heads * 4 + gathered + 2 * 4) / cp + 4 * e * a
     else:
-        none = (4 * e + q + kv + out + 3 * m) * a + heads * s * (4 + a) + s + 2 * 4
-    projections = (q + kv + 2 * m) * a / cp + e * a
+        none = (4 * e + q + kv + out + latents + 3 * m) * a + heads * s * (4 + a) + s + 2 * 4
+    projections = (q + kv + saved_latents + 2 * m) * a / cp + e * a
     full = e * a
     return {"none": none, "minimal": projections + full, "full": full, "projections": projections}
+
+
+def capacity_slots_per_row(config: Config, context: int = 1) -> int:
+    """Slots per expert and row in one device's capacity buffers: the row's capacity, at most the L / context
+    tokens a context shard holds of the row (maxpar.model.moe_dispatch.capacity_local)."""
+    k, n = config.num_experts_per_tok, config.num_experts
+    capacity = expert_capacity(config.max_target_length, k, n, config.capacity_factor)
+    return min(capacity, config.max_target_length // context)
 
 
 def moe_rows_per_token(config: Config, layout: Layout) -> float:
     """Token copies one device's experts compute per local token (maxpar.model.moe_dispatch).
 
     Dropless: k without EP; with EP the fixed chunks, EP x min(k, experts per device).
-    Capacity: the buffers' experts x capacity slots per row, over the row's tokens.
+    Capacity: the buffers' experts x slots per row, over the row's tokens on this device (L / context degree).
     """
     k, n = config.num_experts_per_tok, config.num_experts
     if config.capacity_factor > 0:
-        capacity = expert_capacity(config.max_target_length, k, n, config.capacity_factor)
-        return n * capacity / config.max_target_length
+        cp = layout.context_degree
+        return n * capacity_slots_per_row(config, cp) * cp / config.max_target_length
     experts = layout.params(Block.EXPERTS)[0]
     ep = layout.group_degree(experts.dim_axes(Logical.EXP))
     return k if ep == 1 else ep * min(k, n // ep)
 
 
 def moe_activation_bytes_per_token(config: Config, layout: Layout, masked_ragged_dot: bool = False) -> dict[str, float]:
-    """Bytes per local token a MoE layer keeps for the backward pass beyond a dense MLP's, per remat policy.
+    """Bytes per token of a batch shard a MoE layer keeps for the backward pass beyond a dense MLP's, per remat
+    policy (context parallelism: each of the C shards holds 1/C of the tokens).
 
     `none`: per computed copy its input row and gate/up/product (rows x (emb + 3 moe_mlp_dim)),
     the k results combined per token, router logits and probabilities (float32), the shared experts' gate/up/product.
@@ -149,8 +181,9 @@ def moe_activation_bytes_per_token(config: Config, layout: Layout, masked_ragged
     if masked_ragged_dot and config.capacity_factor == 0:
         experts = layout.params(Block.EXPERTS)[0]
         masked = n / layout.group_degree(experts.dim_axes(Logical.EXP)) * rows * (2 * e + x) * a
-    return {"none": none + masked - 4 * m * a, "minimal": n * 4 + 2 * (shared - m) * a, "full": 0.0,
-            "working": masked}
+    cp = layout.context_degree
+    return {"none": (none + masked - 4 * m * a) / cp, "minimal": (n * 4 + 2 * (shared - m) * a) / cp, "full": 0.0,
+            "working": masked / cp}
 
 
 def layer_split(layout: Layout) -> int:
@@ -241,21 +274,30 @@ def _pipelined_activation_bytes(config: Config, layout: Layout, tokens_per_micro
     return saved, working
 
 
-def _one_f_one_b_activation_bytes(config: Config, layout: Layout, tokens_per_microbatch: float
-                                  ) -> tuple[float, float]:
-    """(saved, working) activation bytes of pipeline_schedule=1f1b or zero_bubble (`maxpar.pipeline.one_f_one_b`):
-    a stage keeps at most min(S, M) stage inputs and as many waiting cotangents (one pipeline microbatch each; under
-    zero_bubble both wait for W, and every stage holds S), and the loop's input and its cotangent (all M); a backward
-    op (B, or zero_bubble's B or W) re-runs the stage's block on one microbatch (the block's saved activations and
-    one layer's re-run, transient), whatever M."""
+def _one_f_one_b_activation_bytes(config: Config, layout: Layout, tokens_per_microbatch: float,
+                                  masked_ragged_dot: bool) -> tuple[float, float]:
+    """(saved, working) activation bytes of pipeline_schedule=1f1b, zero_bubble or interleaved_1f1b
+    (`maxpar.pipeline.one_f_one_b`): a stage keeps at most `held_inputs` block inputs (min(S, M); interleaved:
+    2 (S - 1) + (R - 1) S + 1 of its R blocks, each L / (S R) layers) and as many waiting cotangents (one
+    pipeline microbatch each; under zero_bubble both wait for W, and every stage holds S), and the loop's input
+    and its cotangent (all M); a backward op (B, or zero_bubble's B or W) re-runs one block on one microbatch
+    (the block's saved activations and one layer's re-run, transient), whatever M. The dense prefix runs
+    before the executor on the loop's tokens, and keeps its activations for its backward after it."""
     pipe = layout.pipeline
     per_token = activation_bytes_per_token(config, layout)
     loop_tokens = tokens_per_microbatch * pipe.num_stages  # in the loop every stage sees its shard's rows
     run_tokens = loop_tokens / pipe.num_microbatches
     residual = config.emb_dim * dtype_bytes(config.dtype)  # per token: a stage input, or its cotangent
-    saved = (2 * min(pipe.num_stages, pipe.num_microbatches) * run_tokens + 2 * loop_tokens) * residual
+    held = held_inputs(config.pipeline_schedule, pipe.num_stages, pipe.num_microbatches, pipe.num_repeats)
+    saved = (2 * held * run_tokens + 2 * loop_tokens) * residual
+    saved += loop_tokens * per_token[config.remat_policy] * config.first_num_dense_layers
     working = run_tokens * (per_token[config.remat_policy] * pipe.layers_per_block
                             + _rerun_layer_bytes(config, per_token))
+    if config.num_moe_layers:  # the re-run block's MoE layers, on the same tokens
+        moe = moe_activation_bytes_per_token(config, layout, masked_ragged_dot)
+        moe_per_block = pipe.layers_per_block * config.num_moe_layers / config.num_stack_layers
+        rerun = moe["working"] if config.remat_policy != "none" else 0.0
+        working += run_tokens * (moe[config.remat_policy] * moe_per_block + moe["none"] + rerun)
     return saved, working
 
 
@@ -269,7 +311,7 @@ def layer_activation_bytes(config: Config, layout: Layout, tokens_per_microbatch
     """(saved, working): the activations the layers keep for the backward pass, and the one layer's re-run (or
     kept) at a time, dense and MoE."""
     if layout.pipeline and config.pipeline_schedule in EXPLICIT_BACKWARD:
-        return _one_f_one_b_activation_bytes(config, layout, tokens_per_microbatch)
+        return _one_f_one_b_activation_bytes(config, layout, tokens_per_microbatch, masked_ragged_dot)
     if layout.pipeline:
         return _pipelined_activation_bytes(config, layout, tokens_per_microbatch, masked_ragged_dot)
     per_token = activation_bytes_per_token(config, layout)
@@ -281,6 +323,25 @@ def layer_activation_bytes(config: Config, layout: Layout, tokens_per_microbatch
     working = tokens_per_microbatch * (_rerun_layer_bytes(config, per_token)
                                        + (moe["none"] + rerun if moe_layers else 0.0))
     return saved, working
+
+
+def mtp_activation_bytes(config: Config, layout: Layout, tokens_per_microbatch: float) -> float:
+    """What the multi-token prediction modules (maxpar/model/mtp.py) hold at the start of the backward pass: each
+    ran after the stack (and any pipeline) on the whole microbatch and keeps its layer's activations (remat as the
+    stack's; a MoE layer's when the model has experts), its float32 logits and its projection's and head's inputs
+    (3 emb); one module's layer is re-run (or kept) at a time. Their layers are in no loop, so XLA:CPU keeps no
+    masked ragged_dot copies of them (measured)."""
+    if not config.mtp_num_layers:
+        return 0.0
+    tp = tp_degrees(layout)
+    per_token = activation_bytes_per_token(config, layout)
+    layer, working = per_token[config.remat_policy], _rerun_layer_bytes(config, per_token)
+    if config.num_experts > 1:
+        moe = moe_activation_bytes_per_token(config, layout)
+        layer, working = layer + moe[config.remat_policy], working + moe["none"]
+    logits = config.vocab_size / tp["vocab"] / layout.context_degree * 4
+    inputs = 3 * config.emb_dim / (tp["length"] * tp["embed"]) * dtype_bytes(config.dtype)
+    return tokens_per_microbatch * (config.mtp_num_layers * (layer + logits + inputs) + working)
 
 
 def memory_per_device(config: Config, layout: Layout, tokens_per_microbatch: float,
@@ -299,7 +360,8 @@ def memory_per_device(config: Config, layout: Layout, tokens_per_microbatch: flo
     saved, working = layer_activation_bytes(config, layout, tokens_per_microbatch, masked_ragged_dot)
     logits = (tokens_per_microbatch * config.vocab_size / tp_degrees(layout)["vocab"] / layout.context_degree
               * 4 * 2)  # f32 logits and their gradient, split over the sequence too under context parallelism
-    activations = saved + working + logits
+    # The MTP modules' backward pass runs first and ends before the stack's: not alive with its working set.
+    activations = saved + logits + max(working, mtp_activation_bytes(config, layout, tokens_per_microbatch))
     gathered = gathered_weight_bytes(config, layout)
     total = params + optimizer + gradients + activations + gathered
     return {"params": params, "gradients": gradients, "optimizer": optimizer, "activations": activations,

@@ -26,18 +26,17 @@ from __future__ import annotations
 import dataclasses
 
 from maxpar.core.axes import Logical
-from maxpar.core.config import Config
+from maxpar.core.config import EXPLICIT_BACKWARD, Config
 from maxpar.model.roles import Block, ParamRole
-from maxpar.model.routing import expert_capacity
 from maxpar.plan.comms import BACKWARD, FORWARD, Comm, expert_all_to_all_bytes, hierarchical, stage_loop, tp_axes
 from maxpar.plan.layout import Layout, Tensor
-from maxpar.plan.model_math import dtype_bytes, layer_split
+from maxpar.plan.model_math import capacity_slots_per_row, dtype_bytes, layer_split
 
 
 def gathered_axes(layout: Layout, t: Tensor) -> tuple[str, ...]:
-    """Axes an expert weight is all-gathered over: the batch axes of its dims other than `exp`."""
+    """Axes an expert weight is all-gathered over: the batch and context axes of its dims other than `exp`."""
     return layout.live(a for dim, axes in zip(t.logical, t.mesh_axes) if dim not in (Logical.EXP, Logical.LAYERS)
-                       for a in axes if a in layout.batch_axes)
+                       for a in axes if a in layout.batch_axes + layout.context_axes)
 
 
 def expert_weight_comms(layout: Layout, microbatches: int) -> list[Comm]:
@@ -64,6 +63,8 @@ def expert_weight_comms(layout: Layout, microbatches: int) -> list[Comm]:
         comms += [_explicit(c) for c in hierarchical(layout, "MoE expert-weight gradient reduce-scatter", gather,
                                                      "reduce-scatter", full, count=looped, phase=BACKWARD,
                                                      **common)]
+        if in_loop and config.pipeline_schedule in EXPLICIT_BACKWARD:
+            continue  # the executor's psum over the replicas reduces them (pipeline_comms._explicit_gradient_comms)
         reduce = layout.live(a for a in layout.weight_batch_axes(t) if a not in t.axes)
         inner = tuple(a for a in reduce if a not in loop.manual)
         if in_loop and inner:
@@ -79,25 +80,27 @@ def _explicit(comm: Comm) -> Comm:
     return dataclasses.replace(comm, explicit=True)
 
 
-def dispatch_bytes(config: Config, tokens: float, ep: int) -> float:
-    """Operand bytes of one all-to-all moving token copies to their experts' devices (or back)."""
+def dispatch_bytes(config: Config, tokens: float, ep: int, context: int = 1) -> float:
+    """Operand bytes of one all-to-all moving one device's `tokens` copies to their experts' devices (or back);
+    `context`: the shards a row's tokens are split into (capacity buffers of a shard: at most its tokens)."""
     a = dtype_bytes(config.dtype)
     k, experts = config.num_experts_per_tok, config.num_experts
     if config.capacity_factor > 0:
-        rows = tokens / config.max_target_length
-        capacity = expert_capacity(config.max_target_length, k, experts, config.capacity_factor)
-        return experts * rows * capacity * config.emb_dim * a
+        rows = tokens * context / config.max_target_length
+        return experts * rows * capacity_slots_per_row(config, context) * config.emb_dim * a
     # Fixed chunks: every peer gets room for all copies this device could send it.
     return ep * expert_all_to_all_bytes(tokens, config.emb_dim, min(k, experts // ep), a)
 
 
 def predict_moe_comms(layout: Layout, tokens_per_shard: float, microbatches: int) -> list[Comm]:
-    """Every predicted collective of the MoE layers (`predict.step_comms` has the rest of the model)."""
-    return expert_weight_comms(layout, microbatches) + expert_activation_comms(layout, tokens_per_shard, microbatches)
+    """Every predicted collective of the MoE layers (`predict.step_comms` has the rest of the model);
+    tokens_per_shard: one microbatch's per batch shard (context parallelism splits them further)."""
+    local = tokens_per_shard / layout.context_degree
+    return expert_weight_comms(layout, microbatches) + expert_activation_comms(layout, local, microbatches)
 
 
 def expert_activation_comms(layout: Layout, tokens: float, microbatches: int) -> list[Comm]:
-    """EP all-to-alls and TP all-reduces of the MoE layers; tokens = one microbatch's per batch shard."""
+    """EP all-to-alls and TP all-reduces of the MoE layers; tokens = one microbatch's per batch and context shard."""
     config = layout.config
     if config.num_moe_layers == 0:
         return []
@@ -127,7 +130,7 @@ def _moe_layer_comms(layout: Layout, ep_axes: tuple[str, ...], hidden: tuple[str
     recomputed = 0 if config.remat_policy == "none" else 2
     comms: list[Comm] = []
     if ep_axes:
-        size = dispatch_bytes(config, tokens, layout.group_degree(ep_axes))
+        size = dispatch_bytes(config, tokens, layout.group_degree(ep_axes), layout.context_degree)
         for phase, n in ((FORWARD, 2), (BACKWARD, 2 + recomputed)):
             comms += hierarchical(layout, f"{label}EP token all-to-all ({phase})", ep_axes, "all-to-all", size,
                                   count=count * n, phase=phase, dtype=config.dtype, scales=True)

@@ -351,9 +351,10 @@ class StepTime:
 
 def pipeline_bubble(config: Config, pipe: Any) -> float:
     """The stages' idle fraction: gPipe's and circular's formula, or counted on the op table of a schedule with an
-    explicit backward (1f1b: the same; zero_bubble: (S-1)/(3M+S-1) for M >= S, its B and W one tick each)."""
+    explicit backward (1f1b: the same; zero_bubble: (S-1)/(3M+S-1) for M >= S, its B and W one tick each;
+    interleaved_1f1b: circular's (S-1)/(RM+S-1), a tick one of the R blocks' ops)."""
     if config.pipeline_schedule in EXPLICIT_BACKWARD:
-        return OpSchedule(config.pipeline_schedule, pipe.num_stages, pipe.num_microbatches).bubble
+        return OpSchedule(config.pipeline_schedule, pipe.num_stages, pipe.num_microbatches, pipe.num_repeats).bubble
     return pipe.bubble
 
 
@@ -511,9 +512,11 @@ def rules_of_thumb(config: Config, hardware: Hardware, result: Mapping[str, Any]
     context = layout.context_degree
     return {
         "ici_intensity_flops_per_byte": alpha,
-        # context parallelism's k/v all-gather: seq x H / (KV x |CP|) FLOPs per byte (None without a context axis)
-        "cp_intensity": cp_intensity(config.max_target_length, config.num_query_heads, config.num_kv_heads, context)
-        if context > 1 else None,
+        # context parallelism's k/v all-gather: seq x H / (KV x |CP|) FLOPs per byte (None without a context axis);
+        # MLA gathers every head's own k and v (KV = H)
+        "cp_intensity": cp_intensity(config.max_target_length, config.num_query_heads,
+                                     config.num_query_heads if config.attention_type == "mla" else config.num_kv_heads,
+                                     context) if context > 1 else None,
         "torus_axes": torus_axes,
         "fsdp_critical_batch_per_device": rooflines.fsdp_critical_batch(alpha, max(torus_axes, 1)),
         "tensor_parallel_limit": rooflines.tensor_parallel_limit(config.mlp_dim, alpha, tensor_axes),

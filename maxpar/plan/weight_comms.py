@@ -22,6 +22,7 @@ import dataclasses
 from collections.abc import Iterable
 
 from maxpar.core.axes import Logical
+from maxpar.model.mtp import MTP
 from maxpar.model.roles import Block
 from maxpar.plan.comms import (BACKWARD, FORWARD, Comm, StageLoop, fsdp_axes, hierarchical,
                                sequence_axes, stage_loop)
@@ -128,8 +129,21 @@ def top_level_gathers(layout: Layout, w: WeightMoves) -> list[Comm]:
     if not (w.gather or w.sequence_gather) or (table and not layout.table_gathered):
         return []
     order = (w.gather, w.sequence_gather) if table else (w.sequence_gather, w.gather)
-    return _gather_chain(layout, "FSDP weight all-gather (once per step)", order, w.size, count=1, phase=FORWARD,
-                         dtype=w.dtype, scales=False, tensor=w.tensor.name)
+    common = dict(dtype=w.dtype, scales=False, tensor=w.tensor.name)
+    comms = _gather_chain(layout, "FSDP weight all-gather (once per step)", order, w.size, count=1, phase=FORWARD,
+                          **common)
+    if _regathered_mtp_layer(layout, w.tensor):
+        comms += _gather_chain(layout, "FSDP MTP-layer weight all-gather (backward, rematerialized)", order, w.size,
+                               count=1, phase=BACKWARD, **common)
+    return comms
+
+
+def _regathered_mtp_layer(layout: Layout, t: Tensor) -> bool:
+    """An MTP module's layer, rematerialized with prevent_cse (unscanned layers): its backward pass gathers its
+    weights again (with a scanned stack, XLA merges the re-run's gathers with the forward's)."""
+    config = layout.config
+    return (config.remat_policy != "none" and not config.scan_layers and t.name.startswith(f"{MTP}/")
+            and "/layer/" in t.name)
 
 
 # ---------------------------------------------------------------- gradient reductions
@@ -161,11 +175,16 @@ def lookup_gradient_reduction(layout: Layout, w: WeightMoves, microbatches: int)
     context = tuple(a for a in w.gather if a in layout.context_axes)
     if not w.gather or not (w.reduce or context):
         return None
-    axes = layout.live(w.gather + w.reduce)
-    groups = (tuple(a for a in axes if a in layout.context_axes),
-              tuple(a for a in axes if a not in layout.context_axes))
-    return [c for group in groups for c in hierarchical(layout, "DP+FSDP gradient all-reduce", group, "all-reduce",
-                                                        w.full, count=microbatches, **_gradient(w))]
+    return [c for group in context_first(layout, w.gather + w.reduce)
+            for c in hierarchical(layout, "DP+FSDP gradient all-reduce", group, "all-reduce", w.full,
+                                  count=microbatches, **_gradient(w))]
+
+
+def context_first(layout: Layout, axes: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A gradient summed over context shards and other batch shards: the partitioner reduces the context shards'
+    partial sums (other tokens of the same rows) first, on their own, then the rest."""
+    axes = layout.live(axes)
+    return (tuple(a for a in axes if a in layout.context_axes), tuple(a for a in axes if a not in layout.context_axes))
 
 
 def matmul_gradient_reduction(layout: Layout, w: WeightMoves, loop: StageLoop, microbatches: int,
@@ -183,8 +202,9 @@ def matmul_gradient_reduction(layout: Layout, w: WeightMoves, loop: StageLoop, m
         comms += hierarchical(layout, "DP gradient all-reduce (per pipeline iteration)", inner, "all-reduce",
                               w.size, count=microbatches * loop.per_iteration, **grad)
         reduce = tuple(a for a in reduce if a in loop.manual)
-    return comms + hierarchical(layout, "DP gradient all-reduce", reduce, "all-reduce", w.size,
-                                count=microbatches * pieces, **grad)
+    return comms + [c for group in context_first(layout, reduce)
+                    for c in hierarchical(layout, "DP gradient all-reduce", group, "all-reduce", w.size,
+                                          count=microbatches * pieces, **grad)]
 
 
 def weight_comms(layout: Layout, microbatches: int) -> list[Comm]:

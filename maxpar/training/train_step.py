@@ -133,13 +133,33 @@ def objective(params: Any, fp8_meta: Any, batch: Batch, *, model: nn.Module, con
         total = total + config.mtp_loss_scaling_factor * sums["mtp_sum"]
     if not moe:
         return total, sums
+    balance_sum, moe = moe_sums(variables[MOE_STATS], count, config)
+    return total + config.load_balance_loss_weight * balance_sum, sums | moe
+
+
+def moe_sums(stats: Any, count: jax.Array, config: Config) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(the balance loss x the tokens, the step's MoE sums: balance, dropped and routed copies, each layer's
+    routed counts) from a model's `moe_stats` collection, or the explicit-backward schedules' (their sums)."""
     # the balance loss is the layer stack's: the MTP layers' routers are trained by the MTP loss only
-    totals = moe_totals({key: value for key, value in variables[MOE_STATS].items() if key != MTP})
-    balance = totals["load_balance_loss"] / config.num_moe_layers
-    sums |= {"balance_sum": balance * count, "dropped": totals["dropped"], "routed": totals["routed"]}
-    # every MoE layer's, the MTP layers' too: what the bias update and the load metrics read
-    sums["expert_routed"] = routed_counts(variables[MOE_STATS])
-    return total + config.load_balance_loss_weight * balance * count, sums
+    totals = moe_totals({key: value for key, value in stats.items() if key != MTP})
+    balance_sum = totals["load_balance_loss"] / config.num_moe_layers * count
+    # every MoE layer's routed counts, the MTP layers' too: what the bias update and the load metrics read
+    return balance_sum, {"balance_sum": balance_sum, "dropped": totals["dropped"], "routed": totals["routed"],
+                         "expert_routed": routed_counts(stats)}
+
+
+def _staged_grad_fn(model: nn.Module, config: Config) -> Callable:
+    """The explicit-backward schedule's value_and_grad (`maxpar.model.staged`), with `objective`'s MoE sums."""
+    grad_fn = staged_value_and_grad(model, _token_losses, config.pipeline_schedule,
+                                    config.load_balance_loss_weight / max(config.num_moe_layers, 1))
+
+    def run(params: Any, fp8_meta: Any, batch: Batch) -> tuple[tuple[jax.Array, dict], tuple[Any, Any]]:
+        (value, sums), grads = grad_fn(params, fp8_meta, batch)
+        if MOE_STATS in sums:
+            rest = {key: sum_ for key, sum_ in sums.items() if key != MOE_STATS}
+            sums = rest | moe_sums(sums[MOE_STATS], sums["tokens"], config)[1]
+        return (value, sums), grads
+    return run
 
 
 def _grads(params: Any, fp8_meta: Any, model: nn.Module, batch: Batch, config: Config
@@ -148,7 +168,7 @@ def _grads(params: Any, fp8_meta: Any, model: nn.Module, batch: Batch, config: C
     maxpar.model.fp8) and the metric sums, accumulated over microbatches with a scan (the amaxes by max)."""
     batch = reorder_batch(with_mtp_targets(batch, config.mtp_num_layers), model.layout)
     if config.pipeline_schedule in EXPLICIT_BACKWARD:  # the schedule runs the backward itself: maxpar.model.staged
-        grad_fn = staged_value_and_grad(model, _token_losses, config.pipeline_schedule)
+        grad_fn = _staged_grad_fn(model, config)
     else:
         grad_fn = jax.value_and_grad(partial(objective, model=model, config=config), argnums=(0, 1), has_aux=True)
     if config.gradient_accumulation_steps == 1:
