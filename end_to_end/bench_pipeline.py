@@ -49,7 +49,7 @@ def record(args: argparse.Namespace, name: str, header: tuple[str, ...], rows: l
     if args.record:
         print("record:", records.write_record(args.record, name, ["python", "end_to_end/bench_pipeline.py",
                                                                   *sys.argv[1:]],
-                                              {"rows": [dict(zip(header, row)) for row in rows]}, LOAD_START))
+                                              {"rows": records.table_rows(header, rows)}, LOAD_START))
 
 
 def measure(overrides: list[str], steps: int) -> dict:
@@ -93,12 +93,6 @@ def measure(overrides: list[str], steps: int) -> dict:
             "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
 
 
-def table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
-    for line in (header, tuple("-" * w for w in widths), *rows):
-        print("  " + "  ".join(cell.rjust(w) for cell, w in zip(line, widths)))
-
-
 def compare_fsdp_modes(args: argparse.Namespace) -> int:
     """The three FSDP gather modes of one circular pipeline: measured and planned gathers, memory, time."""
     s, m, repeats = args.stages, args.microbatches, int(args.repeats.split(",")[-1])
@@ -117,7 +111,7 @@ def compare_fsdp_modes(args: argparse.Namespace) -> int:
              f"{r['cpu_s']:.2f}", f"{r['first_loss']:.6f}") for name, r in results.items()]
     header = ("FSDP gathers", "all-gather bytes/device", "plan predicts", "planned gathered weights",
               "XLA temporaries", "step s", "CPU s/step", "loss step 1")
-    table(header, rows)
+    records.print_table(header, rows)
     record(args, "bench_pipeline_fsdp_modes", header, rows)
     failures = []
     for name, r in results.items():
@@ -169,9 +163,7 @@ def main() -> int:
                      f"{r['cpu_s']:.2f}", f"{r['cpu_s'] / base['cpu_s']:.2f}",
                      str(r["permute_instructions"]), str(r["permute_executions"]), f"{r['permute_bytes']:,.0f}",
                      f"{r['predicted_permute_bytes']:,.0f}", f"{r['first_loss']:.6f}"))
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
-    for line in (header, tuple("-" * w for w in widths), *rows):
-        print("  " + "  ".join(cell.rjust(w) for cell, w in zip(line, widths)))
+    records.print_table(header, rows)
     record(args, "bench_pipeline", header, rows)
     failures = []
     for r in results:

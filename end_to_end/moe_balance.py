@@ -188,9 +188,7 @@ def main() -> int:
             round(sum(curve["mean"]) / args.steps, 3), [round(x, 2) for x in layers]))))
     cells = [[str(v) if not isinstance(v, list) else " / ".join(f"{x:.2f}" for x in v) for v in row.values()]
              for row in rows]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
-    for line in (header, tuple("-" * w for w in widths), *cells):
-        print("  " + "  ".join(cell.rjust(w) for cell, w in zip(line, widths)))
+    records.print_table(header, cells)
     load_end = records.load_average()
     print(f"load average at the end: {load_end}; {time.perf_counter() - start:.0f} s of training", flush=True)
     window = max(1, args.steps // 12)

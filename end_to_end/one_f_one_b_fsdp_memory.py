@@ -67,7 +67,7 @@ def main() -> int:
     if args.record:
         print("record:", records.write_record(args.record, "one_f_one_b_fsdp_memory",
                                               ["python", "end_to_end/one_f_one_b_fsdp_memory.py", *sys.argv[1:]],
-                                              {"rows": [dict(zip(header, row)) for row in rows],
+                                              {"rows": records.table_rows(header, rows),
                                                "stage_weights_bytes": stage}, LOAD_START))
     default, per_repeat, once = temps.values()
     ok = default < per_repeat < once

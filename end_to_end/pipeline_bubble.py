@@ -112,14 +112,12 @@ def main() -> int:
                          f"{median:.4f}", f"{median / base:.2f}", f"{statistics.median(cpu[kind]):.3f}",
                          f"{losses[kind]:.6f}"))
             print("  " + "  ".join(rows[-1]), flush=True)
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
-    for line in (header, tuple("-" * w for w in widths), *rows):
-        print("  " + "  ".join(cell.rjust(w) for cell, w in zip(line, widths)))
+    records.print_table(header, rows)
     print(f"load average at the end: {records.load_average()}")
     if args.record:
         print("record:", records.write_record(args.record, "pipeline_bubble",
                                               ["python", "end_to_end/pipeline_bubble.py", *sys.argv[1:]],
-                                              {"rows": [dict(zip(header, row)) for row in rows]}, LOAD_START))
+                                              {"rows": records.table_rows(header, rows)}, LOAD_START))
     n = len(SCHEDULES)
     same = all(abs(float(row[-1]) - float(rows[i - i % n][-1])) <= 1e-5 * abs(float(row[-1]))
                for i, row in enumerate(rows))

@@ -88,7 +88,7 @@ def main() -> int:
     if args.record:
         print("record:", records.write_record(args.record, "pipeline_memory",
                                               ["python", "end_to_end/pipeline_memory.py", *sys.argv[1:]],
-                                              {"rows": [dict(zip(header, row)) for row in rows], "ratios": ratios,
+                                              {"rows": records.table_rows(header, rows), "ratios": ratios,
                                                "S/M": s / m}, LOAD_START))
     ok = all(temps[kind] < temps[name] for kind in ("1f1b", "zero_bubble")
              for name in ("gpipe, remat none", "gpipe, remat full"))

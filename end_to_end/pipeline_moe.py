@@ -79,14 +79,12 @@ def main() -> int:
     rows = [(name, f"{statistics.median(wall[name]):.4f}", f"{statistics.median(wall[name]) / base:.2f}",
              f"{statistics.median(cpu[name]):.3f}", f"{first[name][0]:.6f}", f"{first[name][1]:.6f}")
             for name in RUNS]
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
-    for line in (header, tuple("-" * w for w in widths), *rows):
-        print("  " + "  ".join(cell.rjust(w) for cell, w in zip(line, widths)))
+    records.print_table(header, rows)
     print(f"load average at the end: {records.load_average()}")
     if args.record:
         print("record:", records.write_record(args.record, "pipeline_moe",
                                               ["python", "end_to_end/pipeline_moe.py", *sys.argv[1:]],
-                                              {"rows": [dict(zip(header, row)) for row in rows]}, LOAD_START))
+                                              {"rows": records.table_rows(header, rows)}, LOAD_START))
     same = all(abs(a - b) <= 1e-5 * abs(b) for name in ("1f1b", "zero_bubble")
                for a, b in zip(first[name], first["gpipe"]))
     print("PASS: 1F1B's and zero-bubble's first loss and balance loss equal gPipe's" if same

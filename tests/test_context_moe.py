@@ -1,9 +1,10 @@
 """Mixture-of-experts layers under context parallelism: each device routes its own share of every row's tokens,
 and the training run equals the one-device run.
 
-Per step: the loss, the gradient norm, the balance loss and the max/mean expert load (global routed counts, which
-the aux-loss-free bias moves by), and in capacity mode the dropped copies (a row's tokens compete for its capacity
-in their original order, whatever the load-balancing reorder of the context shards).
+Per step: the loss, the gradient norm, the balance loss and the max/mean expert load (global routed counts), and in
+capacity mode the dropped copies (a row's tokens compete for its capacity in their original order, whatever the
+load-balancing reorder of the context shards). DeepSeek's MoE (and its routing bias) under CP:
+tests/test_deepseek_parallel.py.
 """
 
 from __future__ import annotations
@@ -34,10 +35,6 @@ MIXTRAL = {
     "capacity_cp4_ep2_gather": (1.25, ["ici_context_parallelism=4", "ici_expert_parallelism=2",
                                        "ici_fsdp_parallelism=1"]),
 }
-# The tiny DeepSeek model (MLA, a dense first layer, a shared expert, sigmoid routing in groups, the routing bias
-# moved at 50x the preset's rate so that it changes the next steps' choices), 2 layers: one dense, one MoE.
-DEEPSEEK = ("model_name=deepseek-tiny", "num_decoder_layers=2", "routed_bias_update_rate=0.05")
-DEEPSEEK_METRICS = ("loss", "grad_norm", "mtp_loss", "moe_load_max_over_mean")
 
 
 @pytest.fixture(scope="module")
@@ -47,17 +44,16 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_device(tmp_path_factory, corpus):
-    """The one-device runs (dot_product attention), keyed by capacity factor or model."""
-    def run(name, *overrides, metrics):
-        return train_metrics(tmp_path_factory.mktemp(name) / "run", corpus, jax.devices()[:1], STEPS,
-                             "per_device_batch_size=8", *overrides, metrics=metrics)
+    """The one-device runs (dot_product attention), keyed by capacity factor."""
     cache = {}
 
-    def get(key):
-        if key not in cache:
-            cache[key] = (run("deepseek", *DEEPSEEK, metrics=DEEPSEEK_METRICS) if key == "deepseek" else
-                          run("mixtral", "model_name=tiny-moe", f"capacity_factor={key}", metrics=MOE_METRICS))
-        return cache[key]
+    def get(capacity_factor):
+        if capacity_factor not in cache:
+            cache[capacity_factor] = train_metrics(tmp_path_factory.mktemp("one") / "run", corpus,
+                                                   jax.devices()[:1], STEPS, "per_device_batch_size=8",
+                                                   "model_name=tiny-moe", f"capacity_factor={capacity_factor}",
+                                                   metrics=MOE_METRICS)
+        return cache[capacity_factor]
     return get
 
 
@@ -72,18 +68,6 @@ def test_mixtral_style_moe_trains_context_parallel_equal_to_one_device(name, tmp
     if capacity_factor:
         assert np.all(want["moe_dropped_tokens"] > 0)  # the capacity rule bites
     for metric in MOE_METRICS:
-        np.testing.assert_allclose(got[metric], want[metric], rtol=1e-5, err_msg=metric)
-
-
-def test_deepseek_moe_trains_context_parallel_equal_to_one_device(tmp_path, corpus, one_device):
-    """CP(2) x EP(2) x TP(2): MLA's keys travel the ring, the experts' mlp dim splits over tensor, the shared
-    expert is TP-sharded, and the bias moves by the counts of all context shards (else the loads would part)."""
-    want = one_device("deepseek")
-    got = train_metrics(tmp_path / "run", corpus, jax.devices(), STEPS, *DEEPSEEK, "per_device_batch_size=1",
-                        *BLOCKWISE, "ici_context_parallelism=2", "ici_expert_parallelism=2", "ici_tensor_parallelism=2",
-                        "ici_fsdp_parallelism=1", "context_parallel_strategy=ring", metrics=DEEPSEEK_METRICS)
-    assert want["loss"][-1] < want["loss"][0]
-    for metric in DEEPSEEK_METRICS:
         np.testing.assert_allclose(got[metric], want[metric], rtol=1e-5, err_msg=metric)
 
 

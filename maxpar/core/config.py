@@ -303,7 +303,7 @@ class Config:
                                      "blocks of num_decoder_layers / (S x R) layers", min=1)
     pipeline_schedule: str = _key("auto (gpipe when num_pipeline_repeats=1, else circular) | gpipe | circular | "
                                   "1f1b (each stage alternates forward and backward: at most S microbatches' "
-                                  "stage inputs held, not M; stages x data parallelism only) | zero_bubble "
+                                  "stage inputs held, not M) | zero_bubble "
                                   "(ZB-H1: 1f1b's memory, the backward split into input and weight gradients, "
                                   "the latter filling the bubble) | interleaved_1f1b (1f1b over R = "
                                   "num_pipeline_repeats > 1 blocks per stage, circular's layout: the bubble "

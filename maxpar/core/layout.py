@@ -221,15 +221,16 @@ def fsdp_gather(config: Config) -> FsdpGather:
 
 @dataclasses.dataclass(frozen=True)
 class ExecutorLayout:
-    """How the explicit-backward executor (`maxpar.pipeline.one_f_one_b`: 1f1b, zero_bubble) runs over the mesh.
+    """How the explicit-backward executor (`maxpar.pipeline.one_f_one_b`: 1f1b, zero_bubble,
+    interleaved_1f1b) runs over the mesh.
 
     Its shard_map is manual over the stages and `batch_axes` (the leading batch axes that shard no stage weight:
     one replica per shard, gradients reduced once per step); the other axes (FSDP, tensor, expert) stay automatic, so
     the blocks and the head run under `inner`, whose rules name no manual axis (the MoE dispatch's own shard_map
-    splits the tokens and experts over the expert axis there). `rows`: a microbatch's stage input
-    and its cotangent [b, length, embed] there; `weights`: a stage's weights [L/S, ...] there, which their
-    float32 gradients keep (FSDP stays memory-saving); `gathered` (pipeline_fsdp_ag_per_repeat, one repeat) the
-    same weights gathered over the batch axes before the ticks.
+    splits the tokens and experts over the expert axis there). `rows`: a microbatch's stage input and its cotangent
+    [b, length, embed] there; `weights`: a stage's weights ([L/S, ...]; interleaved: [R, L/(S R), ...]) there,
+    which their float32 gradients keep (FSDP stays memory-saving); `gathered` (pipeline_fsdp_ag_per_repeat) the same
+    weights gathered over the batch axes before the ticks.
     """
 
     batch_axes: Axes

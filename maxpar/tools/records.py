@@ -103,6 +103,18 @@ def write_record(directory: Path, name: str, command: Sequence[str], figures: Ma
     return path
 
 
+def print_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """Print `rows` of text cells under `header`, each column right-aligned to its widest cell."""
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    for line in (header, tuple("-" * w for w in widths), *rows):
+        print("  " + "  ".join(cell.rjust(w) for cell, w in zip(line, widths)))
+
+
+def table_rows(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[dict[str, str]]:
+    """A printed table as a record's rows: one {column: cell} per row."""
+    return [dict(zip(header, row)) for row in rows]
+
+
 def add_record_option(parser: argparse.ArgumentParser) -> None:
     """`--record DIR`, the same for every entry point that measures."""
     parser.add_argument("--record", type=Path, metavar="DIR",
