@@ -236,6 +236,30 @@ def test_recommend_ranks_feasible_ready_to_paste_meshes():
         assert again["memory_per_device_bytes"]["fits"] and again["batch_shardable"]
 
 
+def test_recommend_considers_the_pipeline_schedules():
+    """With stages the search tries each schedule the repeats allow, each ranked by its own prediction: on one mesh
+    zero-bubble's bubble is the smallest (faster than 1F1B) and 1F1B's held activations fewer than gPipe's."""
+    from maxpar.plan.recommend import candidate_overrides
+    target = Target(V5P, 64, 1)
+    base = config("model_name=llama3-8b", "dtype=bfloat16", "ici_stage_parallelism=4", "num_pipeline_microbatches=4",
+                  "per_device_batch_size=1")
+    assert {c["pipeline_schedule"] for c in candidate_overrides(base, target)} == {"gpipe", "1f1b", "zero_bubble"}
+    rec = recommend(base, target, trace_state(base), top=200)
+    by: dict[str, dict[str, dict]] = {}
+    for best in rec["best"]:
+        rest, _, kind = best["overrides"].rpartition(" pipeline_schedule=")
+        by.setdefault(rest, {})[kind] = best
+    same_mesh = [found for found in by.values() if len(found) == 3]
+    assert same_mesh
+    for found in same_mesh:
+        assert found["zero_bubble"]["step_time_s"] < found["1f1b"]["step_time_s"]
+        assert found["1f1b"]["memory_total_bytes"] < found["gpipe"]["memory_total_bytes"]
+    circular = config("model_name=llama3-8b", "dtype=bfloat16", "ici_stage_parallelism=4", "num_pipeline_repeats=2",
+                      "num_pipeline_microbatches=8")
+    assert {c["pipeline_schedule"] for c in candidate_overrides(circular, target)} == {"circular", "interleaved_1f1b"}
+    assert all("pipeline_schedule" not in c for c in candidate_overrides(config("model_name=llama3-8b"), target))
+
+
 def test_resolve_target_from_config_or_local_devices():
     t = resolve_target(config("hardware=h100", "num_devices=64"), None, None, None)
     assert (t.hardware.name, t.num_devices, t.num_slices) == ("h100", 64, 8)  # 8-GPU NVLink domains

@@ -3,7 +3,8 @@
 The search keeps what the user fixed about the run (model, batch, sequence,
 slices, DCN degrees, expert and stage degrees) and varies what is free inside
 a slice: the ICI data / FSDP / tensor degrees and the remat policy; for long sequences
-(max_target_length >= LONG_SEQUENCE) also the context degree and attention=blockwise. Every
+(max_target_length >= LONG_SEQUENCE) also the context degree and attention=blockwise; with pipeline stages
+also the schedule (its bubble and held activations differ; the stacked weights' layout does not). Every
 candidate goes through the same `evaluate` as the plan itself, so a candidate
 that the trainer would reject (a dimension that does not split, a batch that
 does not shard) is never recommended.
@@ -16,6 +17,7 @@ from typing import Any
 
 from maxpar.core.axes import Physical
 from maxpar.core.config import Config, ConfigError
+from maxpar.core.mesh import MeshShape
 from maxpar.core.layout import TracedState
 from maxpar.core.mesh import resolve_mesh_shape
 from maxpar.plan.predict import Target, evaluate
@@ -29,8 +31,21 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def schedules(config: Config, mesh: MeshShape) -> list[str]:
+    """The pipeline schedules that run `config`'s stages and repeats (none without stages): one block per stage
+    (gpipe, 1f1b, zero_bubble) or R of them (circular, interleaved_1f1b, which also needs M a multiple of S)."""
+    stages = mesh.degree(Physical.STAGE) if Physical.STAGE in mesh.axis_names else 1
+    if stages == 1:
+        return []
+    if config.num_pipeline_repeats == 1:
+        return ["gpipe", "1f1b", "zero_bubble"]
+    micro = stages if config.num_pipeline_microbatches == -1 else config.num_pipeline_microbatches
+    return ["circular"] + (["interleaved_1f1b"] if micro % stages == 0 else [])
+
+
 def candidate_overrides(config: Config, target: Target) -> list[dict[str, Any]]:
-    """Every (ici data, fsdp, tensor, context, remat) split of a slice, other degrees as configured.
+    """Every (ici data, fsdp, tensor, context, remat, pipeline schedule) split of a slice, other degrees as
+    configured.
 
     The context degree (with attention=blockwise, which it needs) is searched for long sequences only;
     there blockwise attention is also tried without it (no seq^2 scores).
@@ -59,7 +74,8 @@ def candidate_overrides(config: Config, target: Target) -> list[dict[str, Any]]:
                         found.append({"ici_data_parallelism": data,
                                       "ici_fsdp_parallelism": free // context // tensor // data,
                                       "ici_tensor_parallelism": tensor, "remat_policy": remat, **extra})
-    return found
+    kinds = schedules(config, mesh)
+    return [{**overrides, "pipeline_schedule": kind} for overrides in found for kind in kinds] if kinds else found
 
 
 def pasted(overrides: dict[str, Any]) -> str:
