@@ -10,10 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 
 from helpers import tiny_config, train_metrics, write_corpus
-from maxpar.core.config import ConfigError, model_config
+from maxpar.core.config import model_config
 from maxpar.generate import decode, model_apply
 from maxpar.io.metrics import parameter_counts
 from maxpar.model import Transformer
@@ -122,11 +121,6 @@ def test_sampling_never_runs_the_mtp_modules():
     plain = tiny_config("max_new_tokens=4")
     without = {key: value for key, value in params.items() if key != MTP}
     assert decode(model_apply(Transformer(model_config(plain))), without, prompts, plain, eos_id=-1).tokens == tokens
-
-
-def test_1f1b_refuses_mtp():
-    with pytest.raises(ConfigError, match="mtp_num_layers=1"):
-        tiny_config("mtp_num_layers=1", "pipeline_schedule=1f1b")
 
 
 # ---------------------------------------------------------------- training equals one device

@@ -3,7 +3,8 @@ and training.
 
 Gradient level: every parameter's gradient of the summed cross-entropy, by the executor on 8 simulated devices
 (stages x data), equals jax.grad of the one-device unpipelined model (float32), (S, M) = (2, 4), (4, 8); and at
-S = 2 with FSDP and tensor parallelism inside the stages, remat policies and both pipeline_fsdp_ag_* modes.
+S = 2 with FSDP and tensor parallelism inside the stages, remat policies and both pipeline_fsdp_ag_* modes; with an
+MTP module in the loss head (the gradient of loss + weight x MTP loss, and mtp_sum) at S = 2 x data and x FSDP.
 Training level: 3 steps under gradient accumulation have the one-device run's per-step losses and gradient norms
 (rtol 1e-5), one run per schedule (1F1B at S=4 x data, zero-bubble at S=2 x FSDP x tensor), so the optimizer, the
 accumulation loop and the run header see both schedules and both S. Three training runs in all.
@@ -27,6 +28,7 @@ from maxpar.core.config import ConfigError, model_config
 from maxpar.core.layout import spec_axes
 from maxpar.core.op_schedule import OpSchedule
 from maxpar.model import Transformer
+from maxpar.model.mtp import with_mtp_targets
 from maxpar.model.staged import staged_grads
 from maxpar.plan.hardware import load_hardware
 from maxpar.plan.predict import Target, make_plan
@@ -34,7 +36,7 @@ from maxpar.pipeline.one_f_one_b import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIG
                                          program)
 from maxpar.train import setup_run, train
 from maxpar.training.summary import unstaged_keys
-from maxpar.training.train_step import BATCH_KEYS, train_step
+from maxpar.training.train_step import BATCH_KEYS, objective, train_step
 
 KINDS = ("1f1b", "zero_bubble")  # the schedules maxpar.pipeline.one_f_one_b runs
 LAYERS, ROWS, LENGTH = 4, 16, 32  # 1 layer per stage at S = 4: the least that compiles
@@ -99,15 +101,49 @@ def test_gradients_equal_the_unpipelined_model(kind, stages, microbatches, refer
     assert_reference_gradients(sums, got, want_loss, want)
 
 
-def assert_reference_gradients(sums, got, want_loss, want):
+def assert_reference_gradients(sums, got, want_loss, want, leaves=12):
     np.testing.assert_allclose(float(sums["loss_sum"]), want_loss, rtol=1e-6)
     flat_want = jax.tree_util.tree_leaves_with_path(want)
-    assert jax.tree.structure(got) == jax.tree.structure(want) and len(flat_want) == 12
+    assert jax.tree.structure(got) == jax.tree.structure(want) and len(flat_want) == leaves
     for (path, wanted), actual in zip(flat_want, jax.tree.leaves(got)):
         scale = float(np.max(np.abs(wanted)))
         assert scale > 0, path
         np.testing.assert_allclose(np.asarray(actual), wanted, rtol=1e-5, atol=1e-5 * scale,
                                    err_msg=jax.tree_util.keystr(path))
+
+
+MTP = ("mtp_num_layers=1", "mtp_loss_scaling_factor=0.3")
+
+
+@pytest.fixture(scope="module")
+def mtp_reference():
+    """A tiny dense model with one MTP module: float32 parameters, a `with_mtp_targets` batch, and the one-device
+    unpipelined train step's objective (loss + 0.3 x MTP loss), its sums and its gradients."""
+    config = tiny_config(*BASE, *MTP)
+    model = Transformer(model_config(config))
+    tokens = jnp.zeros((1, LENGTH), jnp.int32)
+    params = nn.unbox(jax.jit(model.init)(jax.random.key(0), tokens, tokens, tokens)["params"])
+    batch = with_mtp_targets(make_batch(), 1)
+    step = jax.jit(jax.value_and_grad(partial(objective, model=model, config=config), has_aux=True))
+    (_, sums), grads = step(params, {}, batch)
+    return params, batch, jax.device_get(sums), jax.device_get(grads)
+
+
+@pytest.mark.parametrize("kind,overrides", [("1f1b", ()),
+                                             ("zero_bubble", ("ici_data_parallelism=1", "ici_fsdp_parallelism=4"))])
+def test_mtp_gradients_equal_the_unpipelined_model(kind, overrides, mtp_reference):
+    """The last stage's loss head runs the MTP module on the future tokens' embeddings: every gradient (the table's
+    sums the lookup's, the output head's and the MTP lookup's parts) and mtp_sum equal the unpipelined model's,
+    at S = 2 x data and S = 2 x FSDP (the head's weights split over FSDP inside the last stage)."""
+    params, batch, want_sums, want = mtp_reference
+    config = tiny_config(*BASE, *MTP, *stages_and_data(2, 4, f"pipeline_schedule={kind}"), *overrides)
+    run = setup_run(config, jax.devices())
+    step = jax.jit(lambda p, b: staged_grads(model_config(config), run.model.layout, OpSchedule(kind, 2, 4), p, b,
+                                             summed_loss, mtp_weight=config.mtp_loss_scaling_factor))
+    sums, got = step(jax.device_put(params, run.state_shardings.params), jax.device_put(batch, run.in_sharding))
+    assert want_sums["mtp_sum"] > 0
+    np.testing.assert_allclose(float(sums["mtp_sum"]), want_sums["mtp_sum"], rtol=1e-5)
+    assert_reference_gradients(sums, got, float(want_sums["loss_sum"]), want, leaves=25)
 
 
 # S = 2 stages x FSDP / tensor parallelism inside them (the executor's shard_map leaves those axes automatic),
@@ -236,6 +272,8 @@ def test_the_sampling_command_of_a_1f1b_run_puts_the_schedule_back():
 @pytest.mark.parametrize("overrides,message", [
     (("ici_stage_parallelism=2", "ici_fsdp_parallelism=2", "ici_expert_parallelism=2", "num_experts=3",
       "pipeline_schedule=1f1b"), "num_experts=3 is not divisible by the expert-parallel degree 2"),
+    (("ici_stage_parallelism=2", "ici_fsdp_parallelism=2", "num_experts=2", "mtp_num_layers=1",
+      "pipeline_schedule=zero_bubble"), "pipeline_schedule=zero_bubble with mtp_num_layers=1 and num_experts=2"),
     (("ici_stage_parallelism=2", "ici_fsdp_parallelism=2", "ici_context_parallelism=2", "attention=blockwise",
       "pipeline_schedule=1f1b"),
      "ici_context_parallelism=2 .* context parallelism with pipeline stages is not supported"),

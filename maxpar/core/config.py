@@ -868,17 +868,18 @@ def _validate_pipeline(config: Config) -> None:
 
 
 def _validate_pipeline_schedule(config: Config) -> None:
-    """pipeline_schedule against num_pipeline_repeats (circular is R > 1) and what 1f1b runs (no MTP modules)."""
+    """pipeline_schedule against num_pipeline_repeats (circular is R > 1) and what 1f1b runs (no MoE MTP modules)."""
     kind, repeats = config.pipeline_schedule, config.num_pipeline_repeats
     if kind in ("circular", "interleaved_1f1b") and repeats == 1:
         raise ConfigError(f"pipeline_schedule={kind} needs num_pipeline_repeats > 1 (the blocks each stage runs)")
     if kind in ("gpipe", "1f1b", "zero_bubble") and repeats > 1:
         raise ConfigError(f"pipeline_schedule={kind} with num_pipeline_repeats={repeats}: {kind} runs one block per "
                           f"stage; set num_pipeline_repeats=1, or pipeline_schedule=circular or interleaved_1f1b")
-    if kind in EXPLICIT_BACKWARD and config.mtp_num_layers > 0:
-        raise ConfigError(f"pipeline_schedule={kind} with mtp_num_layers={config.mtp_num_layers}: the {kind} loss head "
-                          f"takes the final hidden state's logits only, not the MTP modules; use "
-                          f"pipeline_schedule=gpipe or circular, or mtp_num_layers=0")
+    if kind in EXPLICIT_BACKWARD and config.mtp_num_layers > 0 and config.num_experts > 1:
+        raise ConfigError(f"pipeline_schedule={kind} with mtp_num_layers={config.mtp_num_layers} and "
+                          f"num_experts={config.num_experts}: the {kind} loss head runs dense MTP modules only (it "
+                          f"does not collect an MoE MTP layer's routing statistics); use pipeline_schedule=gpipe or "
+                          f"circular, mtp_num_layers=0 or num_experts=1")
 
 
 def to_yaml(config: Config) -> str:

@@ -29,6 +29,7 @@ from maxpar.core.op_schedule import OpSchedule
 from maxpar.core.sharding import named_shardings
 from maxpar.model.layers import RMSNorm
 from maxpar.model.moe import MOE_STATS
+from maxpar.model.mtp import MTP, MultiTokenPrediction, mtp_inputs, mtp_key, mtp_loss_sum
 from maxpar.model.routing import balance_loss_from_sums
 from maxpar.model.stack import DENSE, STACKED, layer_stack, num_units
 from maxpar.model.transformer import (DECODER, DecoderLayer, decoder_unit, output_logits, rematerialized,
@@ -39,7 +40,7 @@ Array = jax.Array
 Batch = dict[str, Array]
 # loss_fn(logits [b, T, V] float32, targets, segment_ids) -> (objective, sums): what the step differentiates
 LossFn = Callable[[Array, Array, Array], tuple[Array, Any]]
-HEAD_KEYS = ("final_norm", "output", "token_embedding")  # what the last stage's loss head may read
+HEAD_KEYS = ("final_norm", "output", "token_embedding", MTP)  # what the last stage's loss head may read
 # The head's logits keep their vocab whole: XLA's SPMD partitioner aborts on the loss's gather of vocab-split
 # logits whose rows are split too, inside the executor's partly manual shard_map.
 HEAD_LOGITS = (Logical.BATCH, Logical.LENGTH, None)
@@ -77,15 +78,50 @@ def balance_objective(weight: float) -> Callable[[Any, Any], Array]:
     return run
 
 
-def head_fn(config: ModelConfig, layout: ModelLayout | None, loss_fn: LossFn) -> Callable[..., tuple[Array, Any]]:
-    """(head params, x, targets, segment_ids) -> loss_fn of the logits: final norm, output projection
-    (the embedding table when logits_via_embedding), then the loss."""
+MTP_SIDE = ("inputs", "targets", "mask")  # per MTP module k, the `with_mtp_targets` arrays the head reads
+
+
+def mtp_head_side(batch: Batch, num_layers: int) -> tuple[Array, ...]:
+    """What the loss head reads beyond (targets, segment_ids) with MTP modules: positions (their decoder layers'),
+    then per module k its `with_mtp_targets` arrays; () without MTP."""
+    if not num_layers:
+        return ()
+    return (batch["positions"], *(batch[mtp_key(name, k)] for k in range(1, num_layers + 1) for name in MTP_SIDE))
+
+
+def head_fn(config: ModelConfig, layout: ModelLayout | None, loss_fn: LossFn,
+            mtp_weight: float = 0.0) -> Callable[..., tuple[Array, Any]]:
+    """(head params, x, targets, segment_ids, *`mtp_head_side`) -> loss_fn of the logits: final norm, output
+    projection (the embedding table when logits_via_embedding), then the loss. With MTP modules (head params
+    `mtp`) they run on x as `Transformer` runs them, with the embedding table and the output projection: the
+    objective adds mtp_weight x their `mtp_loss_sum`, the sums hold it as `mtp_sum`."""
     pin = (lambda a, axes: a) if layout is None else layout.constrain  # noqa: E731
 
-    def run(head: dict, x: Array, targets: Array, segment_ids: Array) -> tuple[Array, Any]:
-        x = RMSNorm(config, layout).apply({"params": head["final_norm"]}, pin(x, RESIDUAL))
+    def run(head: dict, x: Array, targets: Array, segment_ids: Array, *mtp_side: Array) -> tuple[Array, Any]:
+        x = pin(x, RESIDUAL)
         out = head["token_embedding" if config.logits_via_embedding else "output"]
-        return loss_fn(pin(output_logits(config, x, out), HEAD_LOGITS), targets, segment_ids)
+
+        def logits(h: Array) -> Array:
+            return pin(output_logits(config, h, out), HEAD_LOGITS)
+
+        normed = RMSNorm(config, layout).apply({"params": head["final_norm"]}, x)
+        objective, sums = loss_fn(logits(normed), targets, segment_ids)
+        if MTP not in head:
+            return objective, sums
+
+        def lookup(ids: Array) -> Array:
+            # the table as it comes, not gathered as `embed` gathers it: that gather inside the last stage's
+            # branch leaves an FSDP group's devices waiting on different collectives (a hang at fsdp=4)
+            return pin(token_lookup(head["token_embedding"], ids, config.dtype), RESIDUAL)
+
+        positions, arrays = mtp_side[0], iter(mtp_side[1:])
+        batch = {mtp_key(name, k): next(arrays) for k in range(1, config.mtp_num_layers + 1) for name in MTP_SIDE}
+        modules = MultiTokenPrediction(config, layout, layer=rematerialized(config, DecoderLayer),
+                                       moe=config.num_experts > 1)
+        mtp_logits = modules.apply({"params": head[MTP]}, x, mtp_inputs(batch, config.mtp_num_layers), positions,
+                                   segment_ids, lookup, logits)
+        mtp_sum = mtp_loss_sum(mtp_logits, batch)
+        return objective + mtp_weight * mtp_sum, {**sums, "mtp_sum": mtp_sum}
     return run
 
 
@@ -106,17 +142,20 @@ def before_stages(config: ModelConfig, layout: ModelLayout, prefix: dict, batch:
 
 
 def staged_grads(config: ModelConfig, layout: ModelLayout, schedule: OpSchedule, params: dict, batch: Batch,
-                 loss_fn: LossFn, block_objective: Callable[[Any, Any], Array] | None = None) -> tuple[Any, dict]:
+                 loss_fn: LossFn, block_objective: Callable[[Any, Any], Array] | None = None,
+                 mtp_weight: float = 0.0) -> tuple[Any, dict]:
     """(sums of `loss_fn` over the batch, gradient of its objective w.r.t. `params`), by `schedule` run over
     the layout's pipeline stages: the same values as `jax.grad` of the unpipelined model's summed objective.
     With MoE layers the sums hold the stack's `moe_stats` too, as the model's collection nests them (leaves
-    [L, ...]); `block_objective` (`balance_objective`) adds the balance loss to the objective."""
+    [L, ...]); `block_objective` (`balance_objective`) adds the balance loss to the objective. With MTP modules
+    (a `with_mtp_targets` batch) the head runs them too (`head_fn`, weighted by mtp_weight)."""
     pipe = layout.pipeline
     prefix = {"token_embedding": params["token_embedding"], **({DENSE: params[DECODER][DENSE]}
                                                               if config.first_num_dense_layers else {})}
     x, pull_prefix = jax.vjp(lambda p: before_stages(config, layout, p, batch), prefix)
     head = {key: params[key] for key in HEAD_KEYS if key in params and (key != "token_embedding"
-                                                                        or config.logits_via_embedding)}
+                                                                        or config.logits_via_embedding
+                                                                        or config.mtp_num_layers)}
     layers, run = num_units(config) // schedule.num_blocks, pipe.executor
     stage_params = params[DECODER][STACKED]
     gathered = pipe.gathered_weight_specs()
@@ -125,8 +164,9 @@ def staged_grads(config: ModelConfig, layout: ModelLayout, schedule: OpSchedule,
     place = Placement(rows=NamedSharding(run.inner.mesh.abstract(), run.rows),
                       weights=pipe.executor_shardings(run.weights),
                       gathered=pipe.executor_shardings(run.gathered) if run.gathered else None)
-    out = one_f_one_b(block_fn(config, run.inner, layers), head_fn(config, run.inner, loss_fn), stage_params, head,
-                      x, (batch["positions"], batch["segment_ids"]), (batch["targets"], batch["segment_ids"]),
+    out = one_f_one_b(block_fn(config, run.inner, layers), head_fn(config, run.inner, loss_fn, mtp_weight),
+                      stage_params, head, x, (batch["positions"], batch["segment_ids"]),
+                      (batch["targets"], batch["segment_ids"], *mtp_head_side(batch, config.mtp_num_layers)),
                       schedule=schedule, mesh=layout.mesh.abstract(), stage_axes=pipe.stage_axes,
                       batch_axes=run.batch_axes, block_objective=block_objective, placement=place)
     (d_prefix,) = pull_prefix(out.x)
@@ -138,17 +178,18 @@ def staged_grads(config: ModelConfig, layout: ModelLayout, schedule: OpSchedule,
     return ({**out.sums, MOE_STATS: {DECODER: {STACKED: out.stats}}} if out.stats else out.sums), grads
 
 
-def staged_value_and_grad(model: Any, loss_fn: LossFn, kind: str, balance_weight: float = 0.0
+def staged_value_and_grad(model: Any, loss_fn: LossFn, kind: str, balance_weight: float = 0.0, mtp_weight: float = 0.0
                           ) -> Callable[[Any, Any, Batch], tuple[tuple[Array, Any], tuple[Any, Any]]]:
     """`jax.value_and_grad(objective, argnums=(params, fp8_meta), has_aux=True)`'s contract, computed by the
     layout's explicit-backward schedule `kind` (1f1b, zero_bubble, interleaved_1f1b) instead of autodiff through the
     model: ((objective, sums), (grads, fp8 cotangents: none, fp8_scaling=delayed is refused with stages)). The
-    objective returned is `sums["loss_sum"]`; its gradient includes balance_weight (`balance_objective`'s)."""
+    objective returned is `sums["loss_sum"]`; its gradient includes balance_weight (`balance_objective`'s) and
+    mtp_weight x the MTP loss (`head_fn`'s)."""
     schedule = model.layout.pipeline.schedule
     ops = OpSchedule(kind, schedule.num_stages, schedule.num_microbatches, schedule.num_repeats)
     aux = balance_objective(balance_weight) if model.config.num_experts > 1 and balance_weight else None
 
     def run(params: Any, fp8_meta: Any, batch: Batch) -> tuple[tuple[Array, Any], tuple[Any, Any]]:
-        sums, grads = staged_grads(model.config, model.layout, ops, params, batch, loss_fn, aux)
+        sums, grads = staged_grads(model.config, model.layout, ops, params, batch, loss_fn, aux, mtp_weight)
         return (sums["loss_sum"], sums), (grads, jax.tree.map(jnp.zeros_like, fp8_meta))
     return run

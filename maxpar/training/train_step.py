@@ -151,7 +151,8 @@ def moe_sums(stats: Any, count: jax.Array, config: Config) -> tuple[jax.Array, d
 def _staged_grad_fn(model: nn.Module, config: Config) -> Callable:
     """The explicit-backward schedule's value_and_grad (`maxpar.model.staged`), with `objective`'s MoE sums."""
     grad_fn = staged_value_and_grad(model, _token_losses, config.pipeline_schedule,
-                                    config.load_balance_loss_weight / max(config.num_moe_layers, 1))
+                                    config.load_balance_loss_weight / max(config.num_moe_layers, 1),
+                                    config.mtp_loss_scaling_factor)
 
     def run(params: Any, fp8_meta: Any, batch: Batch) -> tuple[tuple[jax.Array, dict], tuple[Any, Any]]:
         (value, sums), grads = grad_fn(params, fp8_meta, batch)
