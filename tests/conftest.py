@@ -1,17 +1,26 @@
-"""Every test: 8 simulated CPU devices, and one persistent JAX compilation cache for the session. Both are set
-before JAX initializes, through the environment, so the training processes that tests start get them too, and
-so do pytest-xdist's workers (README runs the suite with `-n 2`): they inherit the main process's environment
-and share its cache.
+"""Every test: 8 simulated CPU devices, one JAX compilation cache and one store of shared references for the session,
+each test's CPU seconds in the JUnit XML, and a schedule that starts the costliest modules first.
 
-Why the cache: most tests compile the same few tiny-model programs again and again (a run, its resumed
+Devices, cache and store are set before JAX initializes, through the environment, so the training processes that
+tests start get them too, and so do pytest-xdist's workers (README runs the suite with `-n 2`): they inherit the
+main process's environment and share its directories.
+
+Why the compilation cache: most tests compile the same few tiny-model programs again and again (a run, its resumed
 half, the same step on another test's mesh); reading the executable back instead of recompiling it took
-tests/test_records.py from 144 s to 76 s. The directory is new for each session and removed after it, so
-no session reads another's entries. JAX writes an entry without a lock: one read while another process is
-still writing it fails to decompress, and JAX warns and compiles instead.
+tests/test_records.py from 144 s to 76 s. The directory is new for each session and removed after it, so no session
+reads another's entries, unless you name your own: `JAX_COMPILATION_CACHE_DIR=~/.cache/maxpar-tests python -m pytest
+...` keeps the compiled programs between your local runs (docs/architecture.md, "Tests"); CI never sets it. JAX writes
+an entry without a lock: one read while another process is still writing it fails to decompress, and JAX warns and
+compiles instead.
+
+The shared store (`tests/helpers.shared`, `shared_dir`): a value or directory several modules need (a one-device
+reference, a converted Hugging Face model and its logits) is built once per session, by whichever worker asks first,
+under a file lock, and read back by every other test and worker.
 """
 
 import atexit
 import os
+import resource
 import shutil
 import tempfile
 
@@ -28,6 +37,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # set: a worker of this sessi
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
+if "MAXPAR_TESTS_SHARED_DIR" not in os.environ:  # set: a worker of this session
+    _SHARED = tempfile.mkdtemp(prefix="maxpar-tests-shared-")
+    atexit.register(shutil.rmtree, _SHARED, ignore_errors=True)
+    os.environ["MAXPAR_TESTS_SHARED_DIR"] = _SHARED
+
 # The fast tier, `python -m pytest -q -m fast` (docs/architecture.md, "Tests"): the modules whose every test is a
 # pure unit test, run in this process: no training run, no compiled train step, no subprocess. A module joins by
 # name here; a test that breaks the rule goes into a module that is not listed.
@@ -42,3 +56,28 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.path.stem in FAST:
             item.add_marker(pytest.mark.fast)
+
+
+# ---------------------------------------------------------------- what each test costs
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process (all its threads) and of the children it has waited for."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+CPU_START = pytest.StashKey[float]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item):
+    item.stash[CPU_START] = cpu_seconds()
+    yield
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    """A test's CPU seconds (setup, call and teardown, so a module fixture counts where it is built) as the property
+    `cpu_s` of its <testcase> in `--junitxml`: `python -m maxpar.tools.test_cost` ranks them."""
+    if call.when == "teardown" and CPU_START in item.stash:
+        item.user_properties.append(("cpu_s", round(cpu_seconds() - item.stash[CPU_START], 2)))

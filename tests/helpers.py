@@ -1,14 +1,23 @@
-"""Shared test fixtures: tiny configs and a small text corpus."""
+"""Shared test fixtures: tiny configs, a small text corpus, fixed packed batches, and a session-wide store of results
+that several tests or modules need (`shared`, `shared_dir`)."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import json
 import os
+import pickle
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -148,3 +157,68 @@ def packed_batch(rows: int, length: int, vocab: int = 264) -> dict[str, np.ndarr
             "targets": rng.integers(0, vocab, (rows, length)).astype(np.int32),
             "segment_ids": np.where(columns < cut, 1, 2).astype(np.int32),
             "positions": np.where(columns < cut, columns, columns - cut).astype(np.int32)}
+
+
+# ---------------------------------------------------------------- one result for the whole session, across workers
+
+T = TypeVar("T")
+_MEMO: dict[str, object] = {}
+
+
+def _store() -> Path:
+    """The session's shared directory (tests/conftest.py sets it before the xdist workers start, so all share it)."""
+    return Path(os.environ["MAXPAR_TESTS_SHARED_DIR"])
+
+
+def store_name(*key: object) -> str:
+    """A file name for `key` (its parts' reprs): readable start, a hash of the whole so distinct keys never meet."""
+    text = repr(key)
+    readable = re.sub(r"[^A-Za-z0-9_.=-]+", "_", text)[:60].strip("_")
+    return f"{readable}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
+@contextlib.contextmanager
+def _locked(name: str) -> Iterator[None]:
+    """Hold the lock of entry `name`: the worker that builds it blocks the others until it is complete."""
+    with open(_store() / f"{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def shared(compute: Callable[[], T], *key: object) -> T:
+    """`compute()` once per test session for `key`, whichever test or pytest-xdist worker asks first; a picklable
+    value (NumPy arrays, dicts of them), read back everywhere else. The key must name everything the value depends
+    on: the config overrides, the devices' count, the seed. Use it for references several modules compare against
+    (a one-device run's losses, transformers' logits), not for what a test checks about itself."""
+    name = store_name(*key)
+    if name in _MEMO:
+        return _MEMO[name]  # type: ignore[return-value]
+    path = _store() / f"{name}.pkl"
+    with _locked(name):
+        if path.exists():
+            value = pickle.loads(path.read_bytes())
+        else:
+            value = compute()
+            path.with_suffix(".tmp").write_bytes(pickle.dumps(value))
+            path.with_suffix(".tmp").rename(path)
+    _MEMO[name] = value
+    return value
+
+
+def shared_dir(build: Callable[[Path], object], *key: object) -> Path:
+    """A directory `build(directory)` fills once per test session for `key` (a saved Hugging Face model, its
+    conversion), across workers; tests read it and copy it before changing anything. It is built where it stays
+    (a conversion records its own path), and counts only once `build` returns: a build that fails leaves nothing
+    usable, so the next asker builds again and fails the same way."""
+    name = store_name(*key)
+    directory, done = _store() / name, _store() / f"{name}.done"
+    with _locked(name):
+        if not done.exists():
+            shutil.rmtree(directory, ignore_errors=True)
+            directory.mkdir()
+            build(directory)
+            done.touch()
+    return directory
