@@ -19,16 +19,27 @@ under a file lock, and read back by every other test and worker.
 """
 
 import atexit
+import json
 import os
 import resource
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 
 from maxpar.host.devices import simulate_cpu_devices
 
+# XLA:CPU's LLVM backend without optimization: the suite's programs are tiny and run once or a few times, so compiling
+# them dominates its cost, and -O0 compiles a tiny model's sharded train step in about half the CPU time (its
+# initialization in a fifth). Sharding, partitioning and the collectives are decided before LLVM, so every
+# equivalence and --verify check sees the same program structure; the arithmetic is IEEE either way (no fast math),
+# and a reference and the run compared with it are compiled alike.
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+
 simulate_cpu_devices(8)
+if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:  # the user's own level stands
+    os.environ["XLA_FLAGS"] += f" {FAST_COMPILE}"
 
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # set: a worker of this session, or the user's own cache
     _CACHE = tempfile.mkdtemp(prefix="maxpar-tests-jax-cache-")
@@ -52,10 +63,34 @@ FAST = {
 }
 
 
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
+
+
+def recorded_module_costs() -> dict[str, float]:
+    """CPU seconds by test module (test_x.py) in the newest test_cost record that has them (`python -m
+    maxpar.tools.test_cost --record docs/results` writes one); {} when none does."""
+    for path in sorted(RESULTS.glob("test_cost-*.json"), reverse=True):  # the names sort by date
+        costs = json.loads(path.read_text(encoding="utf-8"))["figures"].get("cpu_s_by_module")
+        if costs:
+            return costs
+    return {}
+
+
+def costliest_modules_first(items: list[pytest.Item], costs: dict[str, float]) -> None:
+    """Order the modules by their recorded cost, the costliest first, keeping each module's own order of tests.
+    pytest-xdist (--dist=loadscope --no-loadscope-reorder, pyproject.toml) hands whole modules to whichever worker
+    is free in this order: the longest first, so the two workers finish together (the long modules do not start
+    last, while the other worker idles). A module without a recorded cost (a new one) counts as the costliest: one
+    that is cheap costs nothing at the front, one that is costly would cost its whole length at the end."""
+    unknown = max(costs.values(), default=0.0) + 1.0
+    items.sort(key=lambda item: -(costs.get(item.path.name) or unknown))  # a stable sort
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if item.path.stem in FAST:
             item.add_marker(pytest.mark.fast)
+    costliest_modules_first(items, recorded_module_costs())
 
 
 # ---------------------------------------------------------------- what each test costs

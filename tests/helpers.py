@@ -148,15 +148,40 @@ def train_metrics(run_dir: Path, corpus: str, devices, steps: int, *overrides: s
     return {name: np.array([r[name] for r in rows], dtype=float) for name in metrics}
 
 
-def packed_batch(rows: int, length: int, vocab: int = 264) -> dict[str, np.ndarray]:
+def packed_batch(rows: int, length: int, vocab: int = 264, seed: int = 0) -> dict[str, np.ndarray]:
     """Random tokens in rows of two packed documents (so attention masking matters), int32 like the loader's."""
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     cut = rng.integers(4, length - 4, rows)[:, None]
     columns = np.arange(length)[None, :]
     return {"inputs": rng.integers(0, vocab, (rows, length)).astype(np.int32),
             "targets": rng.integers(0, vocab, (rows, length)).astype(np.int32),
             "segment_ids": np.where(columns < cut, 1, 2).astype(np.int32),
             "positions": np.where(columns < cut, columns, columns - cut).astype(np.int32)}
+
+
+def step_metrics(devices, steps: int, *overrides: str, metrics: tuple[str, ...] = ("loss", "grad_norm"),
+                 config_file: str = "configs/base.yml") -> dict[str, np.ndarray]:
+    """{metric: its value at steps 1..`steps`} of the trainer's own compiled train step on the tiny model: the run
+    layout, sharded initialization and step that `maxpar.train` compiles for `config` on `devices`, fed one fixed
+    packed batch of the layout's global rows every step (the same rows on any mesh, so runs compare). What
+    `train_metrics` shows without the data pipeline, writers and loop; use it for equivalence, and `train_metrics`
+    where the loop itself is what a test checks. The loss falls: every step fits the same batch."""
+    import jax
+
+    from maxpar.train import global_batch, setup_run
+    from maxpar.training.train_step import create_state
+
+    config = tiny_config("dataset_type=synthetic", f"steps={steps}", *overrides, config_file=config_file)
+    run = setup_run(config, devices)
+    state = create_state(run.model, run.tx, run.layout, run.mesh)
+    step = run.compile_train_step()
+    batch = global_batch(packed_batch(run.shape.global_rows, config.max_target_length, config.vocab_size),
+                         run.in_sharding)
+    rows = []
+    for _ in range(steps):
+        state, values = step(state, batch)
+        rows.append(jax.device_get(values))
+    return {name: np.array([row[name] for row in rows], dtype=float) for name in metrics}
 
 
 # ---------------------------------------------------------------- one result for the whole session, across workers
