@@ -1,5 +1,6 @@
 """Context parallelism: the sequence split over the `context` axis reproduces the 1-device losses and gradient
-norms."""
+norms (compiled train steps on a fixed batch against test_equivalence.py's one-device reference, shared with it),
+and a CP checkpoint resumes on one device (the trainer's loop)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from helpers import read_metrics, tiny_config
 from maxpar.core.config import ConfigError
 from maxpar.core.mesh import resolve_mesh_shape
 from maxpar.training.train_step import run_layout
-from test_equivalence import assert_same_run, corpus, run_metrics  # noqa: F401  (the module-scoped corpus fixture)
+from test_equivalence import assert_same_run, one_device, run_metrics
 
 BLOCKWISE = ["attention=blockwise", "attention_block_size=8"]
 CASES = {
@@ -29,18 +30,17 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, corpus):  # noqa: F811
-    return run_metrics(tmp_path_factory.mktemp("ref"), corpus, jax.devices()[:1], "per_device_batch_size=8")
+def reference():
+    return one_device()
 
 
-def test_blockwise_matches_dot_product_on_one_device(tmp_path, corpus, reference):  # noqa: F811
-    assert_same_run(run_metrics(tmp_path, corpus, jax.devices()[:1], "per_device_batch_size=8", *BLOCKWISE), reference)
+def test_blockwise_matches_dot_product_on_one_device(reference):
+    assert_same_run(run_metrics(jax.devices()[:1], "per_device_batch_size=8", *BLOCKWISE), reference)
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_context_parallel_matches_single_device(name, tmp_path, corpus, reference):  # noqa: F811
-    assert_same_run(run_metrics(tmp_path, corpus, jax.devices(), "per_device_batch_size=1", *BLOCKWISE, *CASES[name]),
-                    reference)
+def test_context_parallel_matches_single_device(name, reference):
+    assert_same_run(run_metrics(jax.devices(), "per_device_batch_size=1", *BLOCKWISE, *CASES[name]), reference)
 
 
 @pytest.mark.parametrize("overrides, named", [
@@ -64,11 +64,13 @@ def test_context_config_errors_name_the_keys(overrides, named):
         assert word in str(info.value)
 
 
-def test_checkpoint_restores_across_context_degrees_and_strategies(tmp_path, corpus):  # noqa: F811
+def test_checkpoint_restores_across_context_degrees_and_strategies(tmp_path):
     """Saved by a CP=4 ring run, resumed at step 2 on one device with dot_product: the same steps 3 and 4."""
+    from helpers import write_corpus
     from test_checkpoint import copy_run, run_config
     from maxpar.train import train
 
+    corpus = write_corpus(tmp_path / "corpus")
     saved = tmp_path / "saved"
     train(run_config(corpus, *BLOCKWISE, "ici_context_parallelism=4", "ici_fsdp_parallelism=2",
                      "context_parallel_strategy=ring"), devices=jax.devices(), run_dir=saved)

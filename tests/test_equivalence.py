@@ -1,4 +1,12 @@
-"""The backbone: sharded runs reproduce the single-device run's per-step losses and gradient norms."""
+"""The backbone: sharded runs reproduce the single-device run's per-step losses and gradient norms.
+
+Each run is the trainer's own compiled train step (layout, sharded initialization, step: `helpers.step_metrics`) for
+4 steps on one fixed packed batch of 8 rows, on 8 devices against 1. Step 1 runs at learning rate 0 (warm-up), so
+steps 2-4 start from updated AdamW moments and steps 3-4 from updated parameters. The trainer's loop around the step
+(data pipeline, per-device batches, metrics) on other meshes than one device is compared in
+tests/test_checkpoint.py (a resharded resume on FSDP(4)xTP(2), DP(2)xFSDP(4) and one device logs the FSDP(8) run's
+losses).
+"""
 
 from __future__ import annotations
 
@@ -6,10 +14,9 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import read_metrics, tiny_config, write_corpus
-from maxpar.train import train
+from helpers import shared, step_metrics
 
-STEPS = 5
+STEPS = 4
 COMPARED = ("loss", "grad_norm")  # the gradient norm of every step: the gradients match, not only the loss
 STRATEGIES = {
     "dp8": ("configs/base.yml", ["ici_data_parallelism=8", "ici_fsdp_parallelism=1"]),
@@ -28,21 +35,9 @@ STRATEGIES = {
 }
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("corpus"))
-
-
-def run_metrics(tmp_path, corpus, devices, *overrides, config_file="configs/base.yml",
-                metrics=COMPARED) -> dict[str, np.ndarray]:
-    """{metric: its value at steps 1..STEPS} of a run on the test corpus."""
-    config = tiny_config(f"steps={STEPS}", "dataset_type=text", f"dataset_path={corpus}", "eval_fraction=0",
-                         *overrides, config_file=config_file)
-    run_dir = tmp_path / "run"
-    train(config, devices=devices, run_dir=run_dir)
-    rows = read_metrics(run_dir)
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    return {name: np.array([r[name] for r in rows], dtype=float) for name in metrics}
+def run_metrics(devices, *overrides, config_file="configs/base.yml", metrics=COMPARED) -> dict[str, np.ndarray]:
+    """{metric: its value at steps 1..STEPS} of the compiled train step on `devices`."""
+    return step_metrics(devices, STEPS, *overrides, metrics=metrics, config_file=config_file)
 
 
 def assert_same_run(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
@@ -51,16 +46,22 @@ def assert_same_run(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> 
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, err_msg=name)
 
 
+def one_device(*settings: str, config_file="configs/base.yml", metrics=COMPARED) -> dict[str, np.ndarray]:
+    """The one-device run of `settings` (8 rows per step), once per session: other modules compare with it too."""
+    return shared(lambda: run_metrics(jax.devices()[:1], "per_device_batch_size=8", *settings, config_file=config_file,
+                                      metrics=metrics), "step_metrics", STEPS, config_file, settings, metrics)
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, corpus):
-    return run_metrics(tmp_path_factory.mktemp("ref"), corpus, jax.devices()[:1], "per_device_batch_size=8")
+def reference():
+    return one_device()
 
 
 @pytest.mark.parametrize("name", list(STRATEGIES))
-def test_strategy_matches_single_device(name, tmp_path, corpus, reference):
+def test_strategy_matches_single_device(name, reference):
     config_file, overrides = STRATEGIES[name]
-    assert_same_run(run_metrics(tmp_path, corpus, jax.devices(), "per_device_batch_size=1", *overrides,
-                                config_file=config_file), reference)
+    assert_same_run(run_metrics(jax.devices(), "per_device_batch_size=1", *overrides, config_file=config_file),
+                    reference)
 
 
 # Settings that change the numbers themselves: each is compared with the same settings on one device.
@@ -92,25 +93,23 @@ MOE_METRICS = ("moe_load_balance_loss", "moe_dropped_tokens")
 
 
 @pytest.mark.parametrize("name", list(OWN_REFERENCE))
-def test_setting_matches_its_single_device_run(name, tmp_path, corpus):
+def test_setting_matches_its_single_device_run(name):
     config_file, settings, mesh = OWN_REFERENCE[name]
     # MoE: the step's load-balance loss (computed from sums over the whole batch) and dropped count must match too.
     metrics = COMPARED + (MOE_METRICS if "num_experts=4" in settings else ())
-    single = run_metrics(tmp_path / "one", corpus, jax.devices()[:1], "per_device_batch_size=8", *settings,
-                         config_file=config_file, metrics=metrics)
-    sharded = run_metrics(tmp_path / "eight", corpus, jax.devices(), "per_device_batch_size=1", *settings, *mesh,
-                          config_file=config_file, metrics=metrics)
+    single = one_device(*settings, config_file=config_file, metrics=metrics)
+    sharded = run_metrics(jax.devices(), "per_device_batch_size=1", *settings, *mesh, config_file=config_file,
+                          metrics=metrics)
     if "capacity_factor=1.0" in settings:
         assert single["moe_dropped_tokens"].sum() > 0  # the capacity really drops tokens
     assert_same_run(sharded, single)
 
 
-def test_gradient_accumulation_matches_one_big_batch(tmp_path, corpus, reference):
-    assert_same_run(run_metrics(tmp_path, corpus, jax.devices()[:1], "per_device_batch_size=4",
-                                "gradient_accumulation_steps=2"), reference)
+def test_gradient_accumulation_matches_one_big_batch(reference):
+    assert_same_run(run_metrics(jax.devices()[:1], "per_device_batch_size=4", "gradient_accumulation_steps=2"),
+                    reference)
 
 
 @pytest.mark.parametrize("policy", ["minimal", "full"])
-def test_remat_policy_does_not_change_losses(policy, tmp_path, corpus, reference):
-    assert_same_run(run_metrics(tmp_path, corpus, jax.devices()[:1], "per_device_batch_size=8",
-                                f"remat_policy={policy}"), reference)
+def test_remat_policy_does_not_change_losses(policy, reference):
+    assert_same_run(run_metrics(jax.devices()[:1], "per_device_batch_size=8", f"remat_policy={policy}"), reference)

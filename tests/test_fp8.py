@@ -370,10 +370,20 @@ def test_expert_parallel_experts_observe_each_experts_amaxes_like_one_device(nam
 
 # ---------------------------------------------------------------- training
 
+STEPS = 5
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     from helpers import write_corpus
     return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def run_metrics(tmp_path, corpus, devices, *overrides) -> dict[str, np.ndarray]:
+    """{loss, grad_norm: their values at steps 1..STEPS} of a training run into tmp_path / "run" (its checkpoints
+    hold the amax histories)."""
+    from helpers import train_metrics
+    return train_metrics(tmp_path / "run", corpus, devices, STEPS, *overrides)
 
 
 def test_fp8_on_fsdp8_equals_fp8_on_one_device(tmp_path, corpus):
@@ -384,8 +394,6 @@ def test_fp8_on_fsdp8_equals_fp8_on_one_device(tmp_path, corpus):
     fp8 rounding boundary, where they change by a whole fp8 ulp (2^-4 or 2^-3 relative), so losses and gradient
     norms agree to 0.5% (measured: 7e-4), not to 1e-5.
     """
-    from test_equivalence import run_metrics
-
     single = run_metrics(tmp_path / "one", corpus, jax.devices()[:1], "per_device_batch_size=8", "quantization=fp8")
     sharded = run_metrics(tmp_path / "eight", corpus, jax.devices(), "per_device_batch_size=1", "quantization=fp8",
                           "ici_fsdp_parallelism=8")
@@ -462,14 +470,12 @@ def test_planner_counts_the_quantized_matmuls_at_the_fp8_peak():
 # ---------------------------------------------------------------- delayed scaling: training and resuming
 
 DELAYED_RUN = ("quantization=fp8", "fp8_scaling=delayed", "fp8_amax_history_length=2", "enable_checkpointing=true",
-               "checkpoint_period=5")  # test_equivalence.STEPS: the histories after the last step are saved
+               "checkpoint_period=5")  # STEPS: the histories after the last step are saved
 
 
 @pytest.fixture(scope="module")
 def delayed_on_one_device(tmp_path_factory, corpus):
     """(metrics, histories after the last step) of a delayed-scaling run on one device."""
-    from test_equivalence import STEPS, run_metrics
-
     run_dir = tmp_path_factory.mktemp("one")
     metrics = run_metrics(run_dir, corpus, jax.devices()[:1], "per_device_batch_size=8", *DELAYED_RUN)
     assert metrics["loss"][-1] < metrics["loss"][0] - 1  # it is really training
@@ -486,8 +492,6 @@ def test_delayed_fp8_on_a_mesh_equals_delayed_fp8_on_one_device(mesh, tmp_path, 
     `test_fp8_on_fsdp8_equals_fp8_on_one_device`, which says why. Four shards split every tensor as eight do (the
     current-scaling test has eight); one microbatch keeps the first step's current scales those of the whole batch
     (more microbatches: `test_a_pipeline_reports_each_layers_largest_amax_like_one_device`)."""
-    from test_equivalence import STEPS, run_metrics
-
     single, histories = delayed_on_one_device
     sharded = run_metrics(tmp_path, corpus, jax.devices()[:4], "per_device_batch_size=2", *DELAYED_RUN, *mesh)
     np.testing.assert_allclose(sharded["loss"][0], single["loss"][0], rtol=1e-5)
@@ -512,7 +516,6 @@ def test_delayed_fp8_moe_on_ep2_fsdp2_equals_one_device_and_its_histories_restor
     layout bit for bit."""
     from helpers import layout_on
     from maxpar.io import checkpoint
-    from test_equivalence import STEPS, run_metrics
 
     moe, ep = (*DELAYED_RUN, "num_experts=4", "num_experts_per_tok=2"), ("ici_expert_parallelism=2",
                                                                           "ici_fsdp_parallelism=2")
