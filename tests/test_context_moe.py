@@ -1,5 +1,5 @@
 """Mixture-of-experts layers under context parallelism: each device routes its own share of every row's tokens,
-and the training run equals the one-device run.
+and the compiled train step equals the one-device step (4 steps on a fixed batch).
 
 Per step: the loss, the gradient norm, the balance loss and the max/mean expert load (global routed counts), and in
 capacity mode the dropped copies (a row's tokens compete for its capacity in their original order, whatever the
@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import TINY, train_metrics, write_corpus
+from helpers import TINY, shared, step_metrics
 from maxpar.model.context_parallel import sequence_layout
 from maxpar.model.moe_dispatch import capacity_local, dropless_local
 from maxpar.model.routing import capacity_slots
@@ -24,7 +24,7 @@ from maxpar.plan.__main__ import run as plan_run
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 BASE = str(Path(__file__).resolve().parents[1] / "configs" / "base.yml")
 
-STEPS = 3
+STEPS = 4
 BLOCKWISE = ("attention=blockwise", "attention_block_size=4")
 MOE_METRICS = ("loss", "grad_norm", "moe_load_balance_loss", "moe_load_max_over_mean", "moe_dropped_tokens")
 # name -> (capacity_factor, mesh); every mesh sees the same 8-row global batch.
@@ -37,33 +37,19 @@ MIXTRAL = {
 }
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("corpus"))
-
-
-@pytest.fixture(scope="module")
-def one_device(tmp_path_factory, corpus):
-    """The one-device runs (dot_product attention), keyed by capacity factor."""
-    cache = {}
-
-    def get(capacity_factor):
-        if capacity_factor not in cache:
-            cache[capacity_factor] = train_metrics(tmp_path_factory.mktemp("one") / "run", corpus,
-                                                   jax.devices()[:1], STEPS, "per_device_batch_size=8",
-                                                   "model_name=tiny-moe", f"capacity_factor={capacity_factor}",
-                                                   metrics=MOE_METRICS)
-        return cache[capacity_factor]
-    return get
+def one_device(capacity_factor: float) -> dict[str, np.ndarray]:
+    """The one-device run (dot_product attention) at `capacity_factor`, once per session."""
+    return shared(lambda: step_metrics(jax.devices()[:1], STEPS, "per_device_batch_size=8", "model_name=tiny-moe",
+                                       f"capacity_factor={capacity_factor}", metrics=MOE_METRICS),
+                  "step_metrics", "tiny-moe", STEPS, capacity_factor, MOE_METRICS)
 
 
 @pytest.mark.parametrize("name", list(MIXTRAL))
-def test_mixtral_style_moe_trains_context_parallel_equal_to_one_device(name, tmp_path, corpus, one_device):
+def test_mixtral_style_moe_trains_context_parallel_equal_to_one_device(name):
     capacity_factor, mesh = MIXTRAL[name]
     want = one_device(capacity_factor)
-    got = train_metrics(tmp_path / "run", corpus, jax.devices(), STEPS, "model_name=tiny-moe",
-                        f"capacity_factor={capacity_factor}", "per_device_batch_size=1", *BLOCKWISE, *mesh,
-                        metrics=MOE_METRICS)
+    got = step_metrics(jax.devices(), STEPS, "model_name=tiny-moe", f"capacity_factor={capacity_factor}",
+                       "per_device_batch_size=1", *BLOCKWISE, *mesh, metrics=MOE_METRICS)
     assert want["loss"][-1] < want["loss"][0]
     if capacity_factor:
         assert np.all(want["moe_dropped_tokens"] > 0)  # the capacity rule bites

@@ -2,7 +2,8 @@
 routing within groups with an aux-loss-free bias, a shared expert, experts narrower than the dense prefix layer,
 multi-token prediction) trains equal to one device under FSDP, TP, EP, PP with the experts in stages, and CP.
 
-One 1-device run per module is the reference; every mesh sees the same 8-row global batch. The per-step metrics
+One 1-device run per module is the reference; every mesh runs the trainer's compiled step on the same 8-row packed
+batch (`helpers.step_metrics`; the loop around it: tests/test_equivalence.py's docstring says where). The per-step metrics
 compared cover the losses (main and MTP), the gradients (their norm) and the routing (max/mean expert load): the
 bias moves every step, and a bias that differed would route differently in the next.
 """
@@ -13,11 +14,11 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import train_metrics, write_corpus
+from helpers import step_metrics
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
-STEPS = 3
+STEPS = 4
 # The preset at the test shapes; 3 layers (TINY has 2): the dense prefix layer, then one MoE layer per stage.
 # A bias rate 50x the preset's, so that the bias updates weigh in the next steps' choices of experts.
 DEEPSEEK = ("model_name=deepseek-tiny", "num_decoder_layers=3", "routed_bias_update_rate=0.05")
@@ -40,20 +41,13 @@ MESHES = {
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("corpus"))
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, corpus):
-    return train_metrics(tmp_path_factory.mktemp("one") / "run", corpus, jax.devices()[:1], STEPS, *DEEPSEEK,
-                         "per_device_batch_size=8", metrics=METRICS)
+def reference():
+    return step_metrics(jax.devices()[:1], STEPS, *DEEPSEEK, "per_device_batch_size=8", metrics=METRICS)
 
 
 @pytest.mark.parametrize("name", list(MESHES))
-def test_deepseek_trains_equal_to_one_device(name, tmp_path, corpus, reference):
-    got = train_metrics(tmp_path / "run", corpus, jax.devices(), STEPS, *DEEPSEEK, "per_device_batch_size=1",
-                        *MESHES[name], metrics=METRICS)
+def test_deepseek_trains_equal_to_one_device(name, reference):
+    got = step_metrics(jax.devices(), STEPS, *DEEPSEEK, "per_device_batch_size=1", *MESHES[name], metrics=METRICS)
     assert reference["loss"][-1] < reference["loss"][0] and reference["mtp_loss"][-1] < reference["mtp_loss"][0]
     for metric in METRICS:
         np.testing.assert_allclose(got[metric], reference[metric], rtol=1e-5, err_msg=metric)

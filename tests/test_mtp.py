@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from helpers import tiny_config, train_metrics, write_corpus
+from helpers import step_metrics, tiny_config
 from maxpar.core.config import model_config
 from maxpar.generate import decode, model_apply
 from maxpar.io.metrics import parameter_counts
@@ -128,17 +128,15 @@ def test_sampling_never_runs_the_mtp_modules():
 MTP_ON = ("mtp_num_layers=1", "mtp_loss_scaling_factor=0.5")
 
 
-def test_mtp_training_under_accumulation_pipeline_fsdp_and_tp_matches_one_device(tmp_path):
-    """Three steps' losses, MTP losses and gradient norms of one run that has every property the MTP loss must
-    survive (gradient accumulation sums its token counts, PP2 runs the modules after the last stage, FSDP2 x TP2
-    splits their weights) equal the one-device run's: one compiled program proves them all."""
-    corpus = write_corpus(tmp_path / "corpus")
+def test_mtp_training_under_accumulation_pipeline_fsdp_and_tp_matches_one_device():
+    """Four compiled train steps' losses, MTP losses and gradient norms of one run that has every property the MTP
+    loss must survive (gradient accumulation sums its token counts, PP2 runs the modules after the last stage, FSDP2
+    x TP2 splits their weights) equal the one-device run's: one compiled program proves them all."""
     metrics = ("loss", "grad_norm", "mtp_loss")
-    want = train_metrics(tmp_path / "one", corpus, jax.devices()[:1], 3, *MTP_ON, "per_device_batch_size=16",
-                         metrics=metrics)
-    got = train_metrics(tmp_path / "eight", corpus, jax.devices(), 3, *MTP_ON, "per_device_batch_size=1",
-                        "gradient_accumulation_steps=2", "ici_stage_parallelism=2", "ici_fsdp_parallelism=2",
-                        "ici_tensor_parallelism=2", "num_pipeline_microbatches=2", metrics=metrics)
+    want = step_metrics(jax.devices()[:1], 4, *MTP_ON, "per_device_batch_size=16", metrics=metrics)
+    got = step_metrics(jax.devices(), 4, *MTP_ON, "per_device_batch_size=1", "gradient_accumulation_steps=2",
+                       "ici_stage_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2",
+                       "num_pipeline_microbatches=2", metrics=metrics)
     assert want["loss"][-1] < want["loss"][0] and want["mtp_loss"][-1] < want["mtp_loss"][0]
     for metric in metrics:
         np.testing.assert_allclose(got[metric], want[metric], rtol=1e-5, err_msg=metric)
