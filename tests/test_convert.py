@@ -24,7 +24,7 @@ from transformers import (AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForC
                           LlamaForCausalLM, MistralConfig, MixtralConfig, MixtralForCausalLM, MistralForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
-from helpers import REPO, layout_on, write_corpus
+from helpers import REPO, layout_on, shared, shared_dir, write_corpus
 from maxpar.convert.__main__ import OVERRIDES_FILE, main
 from maxpar.convert.architectures import ARCHITECTURES
 from maxpar.convert.hf_config import ConversionError, hf_config, model_keys, resolve_config, training_overrides
@@ -120,6 +120,24 @@ def hf_logits(directory: Path, tokens: np.ndarray) -> np.ndarray:
         return hf_model(directory)(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
 
 
+def reference_logits(directory: Path, tokens: np.ndarray) -> np.ndarray:
+    """transformers' logits of a session-wide model directory (`hf_model_dir`): computed once per model and tokens,
+    whichever mesh case or module asks first."""
+    return shared(lambda: hf_logits(directory, tokens), "hf_logits", str(directory), tokens.shape, tokens.tobytes())
+
+
+def hf_model_dir(name: str) -> Path:
+    """MODELS[name] or DEEPSEEK[name] as `save_hf_model` saves it (seed 0): once per session, for every module."""
+    return shared_dir(lambda directory: save_hf_model(directory, name), "hf_model", name)
+
+
+def converted_dir(hf_dir: Path) -> Path:
+    """`python -m maxpar.convert from_hf` of `hf_dir` (in process, FSDP over the 8 devices): once per session."""
+    def convert(directory: Path) -> None:
+        assert main(["from_hf", "--hf_path", str(hf_dir), "--out", str(directory / "converted")]) == 0
+    return shared_dir(convert, "from_hf", str(hf_dir)) / "converted"
+
+
 def overrides_of(converted: Path) -> list[str]:
     """What from_hf told us to train with (load_parameters_path and the model keys)."""
     return (converted / OVERRIDES_FILE).read_text().split()
@@ -140,18 +158,15 @@ def maxpar_logits(converted: Path, tokens: np.ndarray, devices, *overrides: str,
 
 
 @pytest.fixture(scope="module")
-def hf_dirs(tmp_path_factory) -> dict[str, Path]:
-    return {name: save_hf_model(tmp_path_factory.mktemp(f"hf_{name}"), name) for name in MODELS}
+def hf_dirs() -> dict[str, Path]:
+    """Each model saved by transformers (shared with tests/test_generate.py: read them, copy before changing)."""
+    return {name: hf_model_dir(name) for name in MODELS}
 
 
 @pytest.fixture(scope="module")
-def converted(hf_dirs, tmp_path_factory) -> dict[str, Path]:
-    """Each model through `python -m maxpar.convert from_hf` (in process, FSDP over the 8 devices)."""
-    outs = {}
-    for name, directory in hf_dirs.items():
-        outs[name] = tmp_path_factory.mktemp(f"maxpar_{name}") / "converted"
-        assert main(["from_hf", "--hf_path", str(directory), "--out", str(outs[name])]) == 0
-    return outs
+def converted(hf_dirs) -> dict[str, Path]:
+    """Each model through `python -m maxpar.convert from_hf` (shared with tests/test_generate.py)."""
+    return {name: converted_dir(directory) for name, directory in hf_dirs.items()}
 
 
 def tokens_for(seed: int, rows: int = 8, length: int = 12) -> np.ndarray:
@@ -166,7 +181,7 @@ def test_logits_equal_transformers(name, mesh, hf_dirs, converted):
     tokens = tokens_for(1)
     count, overrides = MESHES[mesh]
     ours = maxpar_logits(converted[name], tokens, jax.devices()[:count], *overrides)
-    theirs = hf_logits(hf_dirs[name], tokens)
+    theirs = reference_logits(hf_dirs[name], tokens)
     assert np.abs(theirs).max() > 1.0  # not a degenerate model whose logits all agree anyway
     np.testing.assert_allclose(ours, theirs, rtol=2e-5, atol=2e-5)  # observed: <= 1e-5 on logits up to 5.5
 
@@ -179,7 +194,7 @@ def test_mixtral_logits_equal_transformers_under_expert_parallelism(overrides, h
     tokens = tokens_for(4)
     assert "num_experts_per_tok=2" in overrides_of(converted["mixtral"])
     ours = maxpar_logits(converted["mixtral"], tokens, jax.devices()[:8], *overrides)
-    np.testing.assert_allclose(ours, hf_logits(hf_dirs["mixtral"], tokens), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(ours, reference_logits(hf_dirs["mixtral"], tokens), rtol=2e-5, atol=2e-5)
 
 
 def test_sliding_window_is_what_makes_mistral_match(hf_dirs, converted):
@@ -461,10 +476,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
 
 
-@pytest.fixture(scope="module")
-def llama3_scaled(tmp_path_factory) -> tuple[Path, Path]:
-    """(transformers' directory, its from_hf conversion) of the tiny GQA Llama with llama3 RoPE scaling."""
-    directory = tmp_path_factory.mktemp("hf_llama3_scaled")
+def save_llama3_scaled(directory: Path) -> None:
     config_class, model_class, dims, _, _ = MODELS["llama"]
     torch.manual_seed(3)
     model = model_class(config_class(**dims, rope_parameters=dict(LLAMA3_ROPE)))
@@ -473,9 +485,13 @@ def llama3_scaled(tmp_path_factory) -> tuple[Path, Path]:
             param.copy_(1.0 + 0.2 * torch.randn_like(param)) if param_name.endswith("norm.weight") else \
                 param.normal_(0.0, 0.15)
     model.save_pretrained(directory)
-    out = tmp_path_factory.mktemp("maxpar_llama3_scaled") / "converted"
-    assert main(["from_hf", "--hf_path", str(directory), "--out", str(out)]) == 0
-    return directory, out
+
+
+@pytest.fixture(scope="module")
+def llama3_scaled() -> tuple[Path, Path]:
+    """(transformers' directory, its from_hf conversion) of the tiny GQA Llama with llama3 RoPE scaling (shared)."""
+    directory = shared_dir(save_llama3_scaled, "hf_model", "llama3_scaled")
+    return directory, converted_dir(directory)
 
 
 @pytest.mark.parametrize("mesh", ["one", "fsdp4_tp2"])
@@ -485,7 +501,7 @@ def test_llama3_rope_scaling_logits_equal_transformers(mesh, llama3_scaled):
     tokens = tokens_for(5, rows=8, length=24)
     count, overrides = MESHES[mesh]
     ours = maxpar_logits(converted_dir, tokens, jax.devices()[:count], *overrides)
-    theirs = hf_logits(hf_dir, tokens)
+    theirs = reference_logits(hf_dir, tokens)
     np.testing.assert_allclose(ours, theirs, rtol=2e-5, atol=2e-5)
     # Without the scaling the same weights give other logits past the pretraining context: the keys matter.
     unscaled = maxpar_logits(converted_dir, tokens, jax.devices()[:1], "ici_fsdp_parallelism=1",
@@ -595,12 +611,10 @@ def test_existing_output_is_not_overwritten(capsys, hf_dirs, converted):
 # ---------------------------------------------------------------- DeepSeek-V3
 
 @pytest.fixture(scope="module")
-def deepseek(tmp_path_factory) -> tuple[Path, Path]:
-    """A tiny random DeepseekV3ForCausalLM and its conversion (FSDP over the 8 devices)."""
-    hf_dir = save_hf_model(tmp_path_factory.mktemp("hf_deepseek"), "deepseek_v3")
-    out = tmp_path_factory.mktemp("maxpar_deepseek") / "converted"
-    assert main(["from_hf", "--hf_path", str(hf_dir), "--out", str(out)]) == 0
-    return hf_dir, out
+def deepseek() -> tuple[Path, Path]:
+    """A tiny random DeepseekV3ForCausalLM and its conversion (FSDP over the 8 devices), shared."""
+    hf_dir = hf_model_dir("deepseek_v3")
+    return hf_dir, converted_dir(hf_dir)
 
 
 @pytest.mark.parametrize("mesh", [(1, ["ici_fsdp_parallelism=1"]),
@@ -612,7 +626,7 @@ def test_deepseek_v3_logits_equal_transformers(mesh, deepseek):
     tokens = tokens_for(1)
     count, overrides = mesh
     ours = maxpar_logits(converted, tokens, jax.devices()[:count], *overrides)
-    theirs = hf_logits(hf_dir, tokens)
+    theirs = reference_logits(hf_dir, tokens)
     assert np.abs(theirs).max() > 1.0
     np.testing.assert_allclose(ours, theirs, rtol=2e-5, atol=2e-5)
 

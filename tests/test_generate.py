@@ -18,9 +18,8 @@ import optax
 import pytest
 import torch
 
-from helpers import REPO, tiny_config, train_command
-from test_convert import (BASE, MESHES, deepseek, hf_model, llama3_scaled, main as convert_main, overrides_of,
-                          save_hf_model)
+from helpers import REPO, shared, tiny_config, train_command
+from test_convert import BASE, MESHES, converted_dir, deepseek, hf_model, hf_model_dir, llama3_scaled, overrides_of
 import maxpar.generate
 from maxpar.core.config import load_config, to_yaml
 from maxpar.core.mesh import resolve_mesh_shape
@@ -33,28 +32,27 @@ PROMPTS = [[5, 17, 200, 33, 9], [71, 3, 250, 12, 99, 140, 8, 61, 2], [44, 10, 7]
 NEW = 6
 
 
-def converted_model(tmp_path_factory, name):
-    hf_dir = save_hf_model(tmp_path_factory.mktemp(f"hf_{name}"), name)
-    out = tmp_path_factory.mktemp(f"maxpar_{name}") / "converted"
-    assert convert_main(["from_hf", "--hf_path", str(hf_dir), "--out", str(out)]) == 0
-    return hf_dir, out
+def converted_model(name):
+    """(transformers directory, maxpar conversion) of test_convert.MODELS[name], shared with tests/test_convert.py."""
+    hf_dir = hf_model_dir(name)
+    return hf_dir, converted_dir(hf_dir)
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    return converted_model(tmp_path_factory, "llama")
+def llama():
+    return converted_model("llama")
 
 
 @pytest.fixture(scope="module")
-def mixtral(tmp_path_factory):
-    return converted_model(tmp_path_factory, "mixtral")
+def mixtral():
+    return converted_model("mixtral")
 
 
 @pytest.fixture(scope="module")
-def models(llama, mixtral, llama3_scaled, tmp_path_factory):
+def models(llama, mixtral, llama3_scaled):
     """name -> (transformers directory, maxpar conversion)."""
     return {"llama": llama, "mixtral": mixtral, "llama3_scaled": llama3_scaled,
-            **{name: converted_model(tmp_path_factory, name) for name in ("mistral", "qwen3", "qwen3_moe")}}
+            **{name: converted_model(name) for name in ("mistral", "qwen3", "qwen3_moe")}}
 
 
 def config_for(converted, *overrides):
@@ -74,17 +72,23 @@ def test_deepseek_v3_greedy_tokens_equal_transformers_generate(mesh, deepseek):
     assert_greedy_tokens_equal_transformers(*deepseek, mesh)
 
 
+def transformers_greedy(hf_dir) -> list[list[int]]:
+    """transformers' greedy NEW tokens after each of PROMPTS, once per model for every mesh."""
+    def generate():
+        model = hf_model(hf_dir)
+        model.generation_config.eos_token_id = None
+        with torch.no_grad():
+            return [model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False)[0, len(prompt):]
+                    .tolist() for prompt in PROMPTS]
+    return shared(generate, "hf_greedy", str(hf_dir), PROMPTS, NEW)
+
+
 def assert_greedy_tokens_equal_transformers(hf_dir, converted, mesh):
     count, overrides = MESHES[mesh]
     config = config_for(converted, *overrides)
     apply, params = load_model(config, jax.devices()[:count])
     ours = decode(apply, params, PROMPTS, config, eos_id=-1).tokens  # no EOS: every row runs NEW steps
-    model = hf_model(hf_dir)
-    model.generation_config.eos_token_id = None
-    for prompt, row in zip(PROMPTS, ours):
-        with torch.no_grad():
-            theirs = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False)[0, len(prompt):]
-        assert row == theirs.tolist()
+    assert ours == transformers_greedy(hf_dir)
 
 
 def test_cache_logits_equal_rerunning_the_prefix(llama):
@@ -191,7 +195,8 @@ def test_the_printed_command_lays_out_every_kind_of_run_in_one_process(kind, tmp
 
 def test_the_command_a_run_prints_samples_from_it(tmp_path):
     """A circular pipeline on 2 simulated devices (num_simulated_devices=2 in its config.yml): the summary's command
-    runs as printed, in a fresh process; the same with a bad tokenizer_path exits 2 without a traceback."""
+    runs as printed, in a fresh process. (A bad tokenizer_path exits 2 without a traceback: test_bad_requests_exit_2,
+    through the same `main`.)"""
     trained = subprocess.run(train_command("steps=1", "enable_checkpointing=true", "num_simulated_devices=2",
                                            "ici_stage_parallelism=2", "ici_fsdp_parallelism=1", "num_decoder_layers=4",
                                            "num_pipeline_repeats=2", "num_pipeline_microbatches=4", "max_new_tokens=3",
@@ -209,10 +214,6 @@ def test_the_command_a_run_prints_samples_from_it(tmp_path):
     assert lines[0] == "--- prompt: 'def '" and lines[1].startswith("def ")
     assert re.fullmatch(r"prefill [\d,]+ tokens/s, decode [\d,.]+ tokens/s \(1 rows; compilation excluded\)",
                         lines[-1]), lines
-    bad = subprocess.run([sys.executable, *command[1:], "tokenizer_path=/nonexistent/tokenizer.model"], cwd=REPO,
-                         capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "Traceback" not in bad.stderr
-    assert "maxpar: config error: tokenizer_path='/nonexistent/tokenizer.model'" in bad.stderr
 
 
 def test_sampling_keys_restrict_the_draw():
