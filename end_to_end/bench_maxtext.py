@@ -45,7 +45,7 @@ from typing import Any
 from preamble import prepare  # end_to_end/preamble.py: this script's folder is sys.path[0]
 from verdict import exit_with  # end_to_end/verdict.py
 
-REPO = prepare(devices=None, tests=False)  # each run is a child process with its own device count
+REPO = prepare(devices=None)  # each run is a child process with its own device count
 
 from maxpar.tools import records  # noqa: E402
 from maxpar.tools.bench import (BASE_CONFIG, GLOBAL_ROWS, MODEL, config_overrides, cpu_env,  # noqa: E402

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from preamble import prepare  # end_to_end/preamble.py: this script's folder is sys.path[0]
 
-REPO = prepare(devices=8, tests=False)
+REPO = prepare(devices=8)
 
 import argparse
 import os

@@ -2,7 +2,7 @@
 
     python end_to_end/checkpoint.py [--steps 40] [--period 8] [--seed 0]
 
-On 8 simulated CPU devices with the tiny test model and a small generated corpus:
+On 8 simulated CPU devices with the micro model (maxpar/tools/testbed.py) and a small generated corpus:
 
 1. an uninterrupted FSDP(8) run of `--steps` steps (the reference);
 2. the same command killed with SIGKILL at a random step and restarted: every per-step loss must be
@@ -34,7 +34,7 @@ from verdict import exit_with  # noqa: E402 - end_to_end/verdict.py (this script
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from helpers import (compilation_cache_env, logged_steps, read_metrics, start_training, tiny_config,  # noqa: E402
+from maxpar.tools.testbed import (compilation_cache_env, logged_steps, read_metrics, start_training, micro_config,  # noqa: E402
                      train_command, wait_for_step, wait_until, write_corpus)
 from maxpar import checkpoint  # noqa: E402
 from maxpar.model import stack  # noqa: E402
@@ -116,10 +116,10 @@ def resharding(out: Path, reference_dir: Path, reference: list[dict], args: argp
                ) -> tuple[list[str], list[str]]:
     """(table lines, failures) for restoring the reference's first checkpoint onto each mesh and training on."""
     step = args.period
-    base = restore_state(reference_dir, tiny_config(*run_overrides(corpus, args)), jax.devices(), step)
+    base = restore_state(reference_dir, micro_config(*run_overrides(corpus, args)), jax.devices(), step)
     lines, failures = [], []
     for name, (overrides, num_devices) in MESHES.items():
-        config = tiny_config(*run_overrides(corpus, args), *overrides)
+        config = micro_config(*run_overrides(corpus, args), *overrides)
         devices = jax.devices()[:num_devices]
         state_diff = max_abs_difference(canonical_host(restore_state(reference_dir, config, devices, step), config),
                                         base)

@@ -21,7 +21,7 @@ from pathlib import Path
 from preamble import prepare  # end_to_end/preamble.py: this script's folder is sys.path[0]
 from verdict import exit_with  # end_to_end/verdict.py: this script's folder is sys.path[0]
 
-REPO = prepare(devices=None, tests=False)
+REPO = prepare(devices=None)
 from maxpar.tools import records  # noqa: E402
 from maxpar.training.summary import plot_losses  # noqa: E402 - the trainer's loss-curve drawing
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from preamble import prepare  # end_to_end/preamble.py: this script's folder is sys.path[0]
 from verdict import exit_with
 
-REPO = prepare(devices=None, tests=False)
+REPO = prepare(devices=None)
 from maxpar.tools import records  # noqa: E402
 HEADROOM = 2.0
 SHARD_COUNT = 8

@@ -2,7 +2,7 @@
 
     python end_to_end/determinism.py [--steps 8] [key=value ...]
 
-Trains the tiny model (tests/helpers.TINY) twice in this process, on the same small text corpus, with
+Trains the micro model (maxpar/tools/testbed.py) twice in this process, on the same small text corpus, with
 8 simulated CPU devices under FSDP(4)xTP(2) (so sharded collectives are covered too), compares the
 logged losses bit for bit (float32 bit patterns), prints both and a PASS/FAIL line; exits non-zero on FAIL.
 """
@@ -23,7 +23,7 @@ from verdict import exit_with  # end_to_end/verdict.py: this script's folder is 
 
 import jax
 import numpy as np
-from helpers import read_metrics, tiny_config, write_corpus
+from maxpar.tools.testbed import read_metrics, micro_config, write_corpus
 
 from maxpar.train import train
 
@@ -33,13 +33,13 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("overrides", nargs="*", help="key=value config overrides for both runs")
     args = parser.parse_args()
-    os.chdir(REPO)  # tiny_config reads configs/base.yml relative to the repository
+    os.chdir(REPO)  # micro_config reads configs/base.yml relative to the repository
     start = time.perf_counter()
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         corpus = write_corpus(Path(tmp) / "corpus")
         for i in range(2):
-            config = tiny_config(f"steps={args.steps}", "dataset_type=text", f"dataset_path={corpus}",
+            config = micro_config(f"steps={args.steps}", "dataset_type=text", f"dataset_path={corpus}",
                                  "eval_fraction=0", "per_device_batch_size=1", "ici_fsdp_parallelism=4",
                                  "ici_tensor_parallelism=2", *args.overrides)
             run_dir = Path(tmp) / f"run{i}"

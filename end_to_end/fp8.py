@@ -26,7 +26,7 @@ from pathlib import Path
 from preamble import prepare  # end_to_end/preamble.py: this script's folder is sys.path[0]
 from verdict import exit_with  # end_to_end/verdict.py: this script's folder is sys.path[0]
 
-REPO = prepare(devices=None, tests=False)
+REPO = prepare(devices=None)
 FP8_GEMM = "__cublas$lt$matmul$f8"
 
 

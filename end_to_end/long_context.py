@@ -38,7 +38,7 @@ import time
 from preamble import prepare  # end_to_end/preamble.py: this script's folder is sys.path[0]
 from verdict import exit_with  # end_to_end/verdict.py
 
-REPO = prepare(devices=None, tests=False)  # each row is a child process that simulates its own device count
+REPO = prepare(devices=None)  # each row is a child process that simulates its own device count
 from maxpar.tools import records  # noqa: E402
 
 PREFIX = "LONGCTX "

@@ -29,12 +29,15 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from preamble import REPO  # end_to_end/preamble.py: this script's folder is sys.path[0]
+from preamble import prepare  # end_to_end/preamble.py: this script's folder is sys.path[0]
 from verdict import exit_with  # end_to_end/verdict.py
 
-TINY = ["emb_dim=64", "num_query_heads=4", "num_kv_heads=2", "head_dim=16", "mlp_dim=128", "num_decoder_layers=2",
-        "vocab_size=264", "max_target_length=64", "dtype=float32", "weight_dtype=float32", "warmup_steps=2",
-        "learning_rate=3e-3", "log_period=1", "eval_interval=-1", "per_device_batch_size=1"]
+REPO = prepare(devices=None)  # every run is a child process with its own devices
+
+from maxpar.tools.testbed import MICRO_MODEL  # noqa: E402
+
+MODEL = ["model_name=micro", *MICRO_MODEL, "max_target_length=64", "dtype=float32", "weight_dtype=float32",
+         "warmup_steps=2", "learning_rate=3e-3", "log_period=1", "eval_interval=-1", "per_device_batch_size=1"]
 ONE = ["ici_data_parallelism=2", "ici_fsdp_parallelism=4"]
 TWO = ["dcn_data_parallelism=2", "ici_fsdp_parallelism=4"]
 HEARTBEAT_S = 10
@@ -153,7 +156,7 @@ def main() -> int:
     failures: list[str] = []
     half = args.steps // 2
     with tempfile.TemporaryDirectory() as out:
-        common = [*TINY, f"steps={args.steps}", f"base_output_directory={out}", f"checkpoint_period={half}",
+        common = [*MODEL, f"steps={args.steps}", f"base_output_directory={out}", f"checkpoint_period={half}",
                   "max_checkpoints_to_keep=0", *args.overrides]
         print("runs (wall time, including start-up and compilation):")
         train("1 process x 8 devices", 1, 8, [*common, *ONE, "run_name=one", "enable_checkpointing=false"], failures)
@@ -184,7 +187,7 @@ def main() -> int:
     print("\nfailures (2 processes x 4 devices, heartbeat timeout "
           f"{HEARTBEAT_S} s, launcher grace {GRACE_S} s):")
     with tempfile.TemporaryDirectory() as out:
-        endless = [*TINY, *TWO, "steps=100000", "enable_checkpointing=false", f"base_output_directory={out}",
+        endless = [*MODEL, *TWO, "steps=100000", "enable_checkpointing=false", f"base_output_directory={out}",
                    "run_name=endless", f"distributed_heartbeat_timeout_s={HEARTBEAT_S}"]
         stop_one("killed", endless, failures)
         stop_one("hung", endless, failures)

@@ -40,11 +40,11 @@ def compiled_temporaries(overrides: list[str]) -> int:
     """Temporary bytes per device of the compiled train step of the tiny config + `overrides`."""
     import jax
 
-    from helpers import tiny_config
+    from maxpar.tools.testbed import micro_config
     from maxpar.train import setup_run
     from maxpar.training.train_step import compile_train_step
 
-    run = setup_run(tiny_config(*MODEL, *overrides), jax.devices())
+    run = setup_run(micro_config(*MODEL, *overrides), jax.devices())
     return compile_train_step(run.model, run.tx, run.layout, run.mesh).memory_analysis().temp_size_in_bytes
 
 

@@ -46,11 +46,11 @@ def compiled_step(overrides: list[str]):
     """(compiled train step, state, batch, config) of the model + `overrides` on the 8 devices."""
     import jax
 
-    from helpers import tiny_config
+    from maxpar.tools.testbed import micro_config
     from maxpar.train import global_batch, setup_run
     from maxpar.training.train_step import create_state
 
-    config = tiny_config(*MODEL, *overrides)
+    config = micro_config(*MODEL, *overrides)
     run = setup_run(config, jax.devices())
     state = create_state(run.model, run.tx, run.layout, run.mesh)
     batch = global_batch(next(iter(run.train_data)), run.in_sharding)

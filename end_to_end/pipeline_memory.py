@@ -37,13 +37,13 @@ def compiled_memory(overrides: list[str]) -> tuple[int, int, float]:
     and maxpar.plan's estimate of the temporaries (gradients + activations + gathered weights, as --verify's)."""
     import jax
 
-    from helpers import tiny_config
+    from maxpar.tools.testbed import micro_config
     from maxpar.plan.hardware import load_hardware
     from maxpar.plan.predict import Target, make_plan
     from maxpar.train import setup_run
     from maxpar.training.train_step import compile_train_step
 
-    config = tiny_config(*MODEL, *overrides)
+    config = micro_config(*MODEL, *overrides)
     run = setup_run(config, jax.devices())
     stats = compile_train_step(run.model, run.tx, run.layout, run.mesh).memory_analysis()
     mem = make_plan(config, Target(load_hardware("tpu-v5p"), 8, 1))["memory_per_device_bytes"]

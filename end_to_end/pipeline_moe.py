@@ -42,11 +42,11 @@ def compiled_step(overrides: list[str]):
     """(compiled train step, state, batch) of the model + `overrides` on the 8 devices."""
     import jax
 
-    from helpers import tiny_config
+    from maxpar.tools.testbed import micro_config
     from maxpar.train import global_batch, setup_run
     from maxpar.training.train_step import create_state
 
-    run = setup_run(tiny_config(*MODEL, *overrides), jax.devices())
+    run = setup_run(micro_config(*MODEL, *overrides), jax.devices())
     state = create_state(run.model, run.tx, run.layout, run.mesh)
     return run.compile_train_step(), state, global_batch(next(iter(run.train_data)), run.in_sharding)
 

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from preamble import prepare  # end_to_end/preamble.py: this script's folder is sys.path[0]
 
-REPO = prepare(devices=None, tests=False)  # a plan needs no devices: JAX keeps its own
+REPO = prepare(devices=None)  # a plan needs no devices: JAX keeps its own
 DEVICES = 4096
 MODEL = ["model_name=llama3-70b", "dtype=bfloat16", "weight_dtype=bfloat16", "max_target_length=8192"]
 STRATEGIES = {  # DP and FSDP coincide in the backward pass: an all-reduce is a reduce-scatter + all-gather

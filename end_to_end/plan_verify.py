@@ -14,14 +14,15 @@ from __future__ import annotations
 
 from preamble import prepare  # end_to_end/preamble.py: this script's folder is sys.path[0]
 
-REPO = prepare(devices=8, tests=False)
+REPO = prepare(devices=8)
 
 import argparse
 from verdict import exit_with  # end_to_end/verdict.py: this script's folder is sys.path[0]
 
-TINY = ["emb_dim=64", "num_query_heads=4", "num_kv_heads=2", "head_dim=16", "mlp_dim=128", "num_decoder_layers=2",
-        "vocab_size=264", "max_target_length=32", "per_device_batch_size=4", "dtype=float32",
-        "weight_dtype=float32", "hardware=tpu-v5p"]
+from maxpar.tools.testbed import MICRO_MODEL
+
+MODEL = ["model_name=micro", *MICRO_MODEL, "max_target_length=32", "per_device_batch_size=4", "dtype=float32",
+         "weight_dtype=float32", "hardware=tpu-v5p"]
 STRATEGIES = {
     "DP(8)": ["ici_data_parallelism=-1", "ici_fsdp_parallelism=1"],
     "FSDP(8)": ["ici_fsdp_parallelism=-1"],
@@ -87,7 +88,7 @@ def main() -> int:
     for name, case in cases.items():
         config_file, overrides = config_and_overrides(case)
         try:
-            result, _, status = run([str(REPO / "configs" / config_file), *TINY, *overrides, *args.overrides,
+            result, _, status = run([str(REPO / "configs" / config_file), *MODEL, *overrides, *args.overrides,
                                      "--verify"])
         except ConfigError as e:
             print(f"FAIL  {name}: config error: {e}")

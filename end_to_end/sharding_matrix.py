@@ -33,16 +33,14 @@ from verdict import exit_with  # end_to_end/verdict.py: this script's folder is 
 
 import jax
 import numpy as np
-from helpers import write_corpus
-
 from maxpar.core.config import load_config
+from maxpar.tools.testbed import MICRO_MODEL, write_corpus
 from maxpar.train import train
 
-# heads = kv heads = 8, mlp 128, vocab 264 = 8 x 33: every TP degree up to 8 divides them.
-TINY = ["emb_dim=64", "num_query_heads=8", "num_kv_heads=8", "head_dim=8", "mlp_dim=128", "num_decoder_layers=2",
-        "vocab_size=264", "max_target_length=32", "dtype=float32", "weight_dtype=float32", "warmup_steps=2",
-        "learning_rate=1e-2", "log_period=1", "eval_interval=-1", "enable_checkpointing=false",
-        "dataset_type=text", "eval_fraction=0"]
+# The micro model with 8 heads = kv heads of 8 (mlp 128, vocab 264 = 8 x 33): every TP degree up to 8 divides them.
+EIGHT_HEADS = ["model_name=micro", *MICRO_MODEL, "num_query_heads=8", "num_kv_heads=8", "head_dim=8",
+               "max_target_length=32", "dtype=float32", "weight_dtype=float32", "warmup_steps=2", "learning_rate=1e-2",
+               "log_period=1", "eval_interval=-1", "enable_checkpointing=false", "dataset_type=text", "eval_fraction=0"]
 MOE = ["num_experts=8", "num_experts_per_tok=2", "capacity_factor=0"]  # dropless: EP must not change the math
 # Model settings a row shares with its 1-device reference; a row's family is named by its prefix.
 FAMILIES = {"": [], "MoE": MOE, "bf16/fp32": ["weight_dtype=bfloat16", "optimizer_state_dtype=float32"],
@@ -107,7 +105,7 @@ def family(name: str) -> str:
 
 
 def run_losses(config_file: str, overrides: list[str], devices, workdir: Path) -> list[float]:
-    config = load_config([str(REPO / "configs" / config_file), *TINY, *overrides])
+    config = load_config([str(REPO / "configs" / config_file), *EIGHT_HEADS, *overrides])
     run_dir = Path(tempfile.mkdtemp(dir=workdir))
     train(config, devices=devices, run_dir=run_dir)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -1,36 +1,27 @@
-"""Shared test fixtures: tiny configs, a small text corpus, fixed packed batches, and a session-wide store of results
-that several tests or modules need (`shared`, `shared_dir`)."""
+"""Shared test fixtures: the micro model's configs, a small text corpus and training in a child process (from
+maxpar/tools/testbed.py, which the end-to-end scripts share), fixed packed batches, compiled train steps
+(`step_metrics`) and training runs (`train_metrics`), and a session-wide store of results that several tests or
+modules need (`shared`, `shared_dir`)."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import hashlib
-import json
 import os
 import pickle
 import re
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
 
-from maxpar.core.config import Config, load_config
-
-TINY = ["emb_dim=64", "num_query_heads=4", "num_kv_heads=2", "head_dim=16", "mlp_dim=128",
-        "num_decoder_layers=2", "vocab_size=264", "max_target_length=32", "dtype=float32",
-        "weight_dtype=float32", "warmup_steps=2", "learning_rate=1e-2", "log_period=1", "eval_interval=-1",
-        "enable_checkpointing=false"]
-
-
-def tiny_config(*overrides: str, config_file: str = "configs/base.yml") -> Config:
-    return load_config([config_file, *TINY, *overrides])
+from maxpar.core.config import Config
+from maxpar.tools.testbed import (MICRO, REPO, compilation_cache_env, kill_and_rerun, logged_steps,  # noqa: F401
+                                   micro_config, read_metrics, start_training, train_command, wait_for_step,
+                                   wait_until, write_corpus)
 
 
 def layout_on(config: Config, devices=None, tx=None):
@@ -45,103 +36,14 @@ def layout_on(config: Config, devices=None, tx=None):
     return layout, build_mesh(layout.mesh, devices)
 
 
-def write_corpus(directory: Path, num_files: int = 12, seed: int = 0) -> str:
-    """Small English-like documents of varied length; returns a glob for dataset_path."""
-    rng = np.random.default_rng(seed)
-    words = "the model learns to predict the next byte of text while data flows across the mesh".split()
-    directory.mkdir(parents=True, exist_ok=True)
-    for i in range(num_files):
-        text = " ".join(rng.choice(words, size=int(rng.integers(5, 80))))
-        (directory / f"doc_{i:02d}.txt").write_text(f"document {i}: {text}\n")
-    return str(directory / "*.txt")
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-# ---------------------------------------------------------------- training in a subprocess (kill, SIGTERM)
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def train_command(*overrides: str) -> list[str]:
-    """`python -m maxpar.train` on the tiny model with `overrides` (later keys win)."""
-    return [sys.executable, "-m", "maxpar.train", str(REPO / "configs" / "base.yml"), *TINY, *overrides]
-
-
-def compilation_cache_env(directory: Path) -> dict[str, str]:
-    """This environment plus a persistent JAX compilation cache: a restarted run reuses the compiled step
-    (the same executable, so the same numbers) instead of compiling it again. Under pytest that is the session's
-    cache (tests/conftest.py), which the test's own in-process runs have filled too; elsewhere `directory`."""
-    return {**os.environ, "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", str(directory)),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
-
-
-def start_training(command: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start a training process whose output goes to `log_path` (a file, so no pipe can fill up)."""
-    with open(log_path, "w", encoding="utf-8") as log:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
-
-
-def logged_steps(run_dir: Path) -> list[int]:
-    """Steps in metrics.jsonl so far, ignoring a half-written last line."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    steps = []
-    for line in path.read_text().splitlines():
-        try:
-            steps.append(json.loads(line)["step"])
-        except (ValueError, KeyError):
-            pass
-    return steps
-
-
-def wait_until(process: subprocess.Popen, condition, what: str, timeout: float = 240) -> None:
-    """Poll `condition()` every 10 ms until true. Fails if the process ends first or time runs out."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if process.poll() is not None:
-            raise AssertionError(f"training exited with {process.returncode} before {what}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting until {what}")
-        time.sleep(0.01)
-
-
-def wait_for_step(process: subprocess.Popen, run_dir: Path, step: int, timeout: float = 240) -> int:
-    """Wait until metrics.jsonl logs a step >= `step`; returns the newest logged step."""
-    wait_until(process, lambda: max(logged_steps(run_dir), default=0) >= step, f"step {step} was logged", timeout)
-    return max(logged_steps(run_dir))
-
-
-def kill_and_rerun(command: list[str], run_dir: Path, steps: int, kill_at: int, checkpoint_step: int,
-                   logs: Path) -> None:
-    """Start `command` (a run of `steps` steps into `run_dir`), SIGKILL it once it has logged step `kill_at` and
-    its checkpoint `checkpoint_step` is complete (so it has no chance to save), then run the same command to the
-    end, which must say it resumed. Logs and the compilation cache go under `logs`."""
-    env = compilation_cache_env(logs / "jax_cache")
-    first = start_training(command, logs / "first.log", env)
-    wait_for_step(first, run_dir, kill_at)
-    wait_until(first, (run_dir / "checkpoints" / str(checkpoint_step)).is_dir,
-               f"checkpoint {checkpoint_step} was complete")
-    first.kill()
-    assert first.wait(timeout=60) == -signal.SIGKILL and max(logged_steps(run_dir)) < steps
-    second = start_training(command, logs / "second.log", env)
-    code = second.wait(timeout=300)
-    output = (logs / "second.log").read_text()
-    assert code == 0, output[-3000:]
-    assert "resumed from checkpoint at step" in output
-
-
 def train_metrics(run_dir: Path, corpus: str, devices, steps: int, *overrides: str,
                   metrics: tuple[str, ...] = ("loss", "grad_norm")) -> dict[str, np.ndarray]:
-    """{metric: its value at steps 1..`steps`} of an in-process run of the tiny model on the test corpus. Equivalence
+    """{metric: its value at steps 1..`steps`} of an in-process run of the micro model on the test corpus. Equivalence
     tests need few steps: from the second on, a step starts from updated parameters and optimizer moments."""
     from maxpar.train import train
 
-    config = tiny_config(f"steps={steps}", "dataset_type=text", f"dataset_path={corpus}", "eval_fraction=0",
-                         *overrides)
+    config = micro_config(f"steps={steps}", "dataset_type=text", f"dataset_path={corpus}", "eval_fraction=0",
+                          *overrides)
     train(config, devices=devices, run_dir=run_dir)
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
@@ -161,7 +63,7 @@ def packed_batch(rows: int, length: int, vocab: int = 264, seed: int = 0) -> dic
 
 def step_metrics(devices, steps: int, *overrides: str, metrics: tuple[str, ...] = ("loss", "grad_norm"),
                  config_file: str = "configs/base.yml") -> dict[str, np.ndarray]:
-    """{metric: its value at steps 1..`steps`} of the trainer's own compiled train step on the tiny model: the run
+    """{metric: its value at steps 1..`steps`} of the trainer's own compiled train step on the micro model: the run
     layout, sharded initialization and step that `maxpar.train` compiles for `config` on `devices`, fed one fixed
     packed batch of the layout's global rows every step (the same rows on any mesh, so runs compare). What
     `train_metrics` shows without the data pipeline, writers and loop; use it for equivalence, and `train_metrics`
@@ -171,7 +73,7 @@ def step_metrics(devices, steps: int, *overrides: str, metrics: tuple[str, ...] 
     from maxpar.train import global_batch, setup_run
     from maxpar.training.train_step import create_state
 
-    config = tiny_config("dataset_type=synthetic", f"steps={steps}", *overrides, config_file=config_file)
+    config = micro_config("dataset_type=synthetic", f"steps={steps}", *overrides, config_file=config_file)
     run = setup_run(config, devices)
     state = create_state(run.model, run.tx, run.layout, run.mesh)
     step = run.compile_train_step()

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import tiny_config
+from helpers import micro_config
 from maxpar.core.config import ConfigError, model_config
 from maxpar.core.layout import check_attention_sharding
 from maxpar.model import Transformer
@@ -39,24 +39,24 @@ def logits(config, params, tokens, positions, segments) -> np.ndarray:
 def test_sliding_window_is_the_same_in_both_cores():
     """The einsum mask and jax.nn.dot_product_attention's local window agree, and the window matters."""
     tokens, positions, segments = packed_batch()
-    params = random_params(tiny_config(), tokens, positions, segments)
-    windowed = logits(tiny_config("sliding_window=4"), params, tokens, positions, segments)
-    got = logits(tiny_config("sliding_window=4", "attention=xla"), params, tokens, positions, segments)
+    params = random_params(micro_config(), tokens, positions, segments)
+    windowed = logits(micro_config("sliding_window=4"), params, tokens, positions, segments)
+    got = logits(micro_config("sliding_window=4", "attention=xla"), params, tokens, positions, segments)
     np.testing.assert_allclose(got, windowed, rtol=1e-5, atol=1e-5)
-    full = logits(tiny_config(), params, tokens, positions, segments)
+    full = logits(micro_config(), params, tokens, positions, segments)
     np.testing.assert_allclose(windowed[1, :4], full[1, :4], rtol=1e-5, atol=1e-5)  # within the window: no change
     assert np.abs(windowed[1, 8:] - full[1, 8:]).max() > 1e-2
 
 
 def test_xla_attention_logits_equal_the_einsum_core_with_packed_documents():
-    reference = tiny_config()  # float32, GQA (4 query heads share 2 kv heads)
+    reference = micro_config()  # float32, GQA (4 query heads share 2 kv heads)
     tokens, positions, segments = packed_batch()
     params = random_params(reference, tokens, positions, segments)
     expected = logits(reference, params, tokens, positions, segments)
-    got = logits(tiny_config("attention=xla"), params, tokens, positions, segments)
+    got = logits(micro_config("attention=xla"), params, tokens, positions, segments)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
     # The document mask is really applied: ignoring it changes the logits of the packed row.
-    unpacked = logits(tiny_config("attention=xla"), params, tokens, positions, jnp.ones_like(segments))
+    unpacked = logits(micro_config("attention=xla"), params, tokens, positions, jnp.ones_like(segments))
     assert np.abs(unpacked[0, 10:30] - expected[0, 10:30]).max() > 1e-2
 
 
@@ -69,31 +69,31 @@ def test_xla_attention_logits_equal_the_einsum_core_with_packed_documents():
 ])
 def test_unsupported_cudnn_combinations_are_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        tiny_config(*overrides)
+        micro_config(*overrides)
 
 
 def test_cudnn_attention_is_refused_at_setup_without_a_gpu():
-    config = tiny_config("attention=cudnn_flash_causal", "dtype=bfloat16", "dataset_type=synthetic")
+    config = micro_config("attention=cudnn_flash_causal", "dtype=bfloat16", "dataset_type=synthetic")
     with pytest.raises(ConfigError, match="attention=cudnn_flash_causal: cuDNN flash attention needs GPU devices"):
         setup_run(config, jax.devices()[:1])
 
 
 def test_cudnn_config_initializes_abstractly_on_cpu():
     """Init only needs shapes, so the planner can trace a cuDNN config on a machine without a GPU."""
-    config = tiny_config("attention=cudnn_flash", "dtype=bfloat16")
+    config = micro_config("attention=cudnn_flash", "dtype=bfloat16")
     tokens, positions, segments = packed_batch()
     shapes = jax.eval_shape(Transformer(model_config(config)).init, jax.random.key(0), tokens, positions, segments)
     assert shapes["params"]["token_embedding"].value.shape == (config.vocab_size, config.emb_dim)
 
 
 def test_cudnn_refuses_sequence_or_head_dim_sharding():
-    sequence = tiny_config("attention=cudnn_flash", "dtype=bfloat16", "ici_tensor_parallelism=2",
+    sequence = micro_config("attention=cudnn_flash", "dtype=bfloat16", "ici_tensor_parallelism=2",
                            "extra_logical_axis_rules=[[activation_attn_length, [tensor]]]")
     sizes = {"data": 1, "stage": 1, "fsdp": 4, "expert": 1, "tensor": 2}
     with pytest.raises(ConfigError, match="cannot shard activation_attn_length \\(here over tensor\\)"):
         check_attention_sharding(sequence, sequence.axis_rules, sizes)
     check_attention_sharding(sequence, sequence.axis_rules, {**sizes, "fsdp": 8, "tensor": 1})  # size 1 shards nothing
-    heads = tiny_config("attention=cudnn_flash", "dtype=bfloat16", "ici_tensor_parallelism=2")
+    heads = micro_config("attention=cudnn_flash", "dtype=bfloat16", "ici_tensor_parallelism=2")
     check_attention_sharding(heads, heads.axis_rules, sizes)  # heads over tensor is fine
 
 
@@ -127,7 +127,7 @@ def test_values_may_be_wider_than_queries_and_keys(choice):
     plain formula, with packed documents and GQA."""
     from maxpar.model.attention import attend, causal_document_mask
 
-    config = tiny_config("attention_block_size=4")
+    config = micro_config("attention_block_size=4")
     kq, kk, kv, kg = jax.random.split(jax.random.key(1), 4)
     q, k = jax.random.normal(kq, (2, 16, 4, 6)), jax.random.normal(kk, (2, 16, 2, 6))
     v = jax.random.normal(kv, (2, 16, 2, 10))

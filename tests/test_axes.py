@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import pytest
 
-from helpers import layout_on, tiny_config
+from helpers import layout_on, micro_config
 from maxpar.core import layout as layout_module
 from maxpar.core.axes import UNSHARDED_BY_DEFAULT, Logical
 from maxpar.core.config import ConfigError, model_config
@@ -23,7 +23,7 @@ CONFIGS = {
 
 
 def base_rule_names() -> set[str]:
-    return {name for name, _ in tiny_config().logical_axis_rules}
+    return {name for name, _ in micro_config().logical_axis_rules}
 
 
 def test_every_logical_name_has_a_rule_or_is_declared_unsharded():
@@ -36,13 +36,13 @@ def test_every_logical_name_has_a_rule_or_is_declared_unsharded():
 @pytest.mark.parametrize("bad", ["[[embedd,[fsdp]]]", "[[activation_btch,[data]]]"])
 def test_a_rule_naming_an_unknown_logical_axis_is_a_config_error(bad):
     with pytest.raises(ConfigError, match="names unknown logical axis .*; logical axes are activation_batch"):
-        tiny_config(f"logical_axis_rules={bad}")
+        micro_config(f"logical_axis_rules={bad}")
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_every_name_the_model_uses_is_a_known_logical_axis(name, monkeypatch):
     """Parameters (the traced state) and activation constraints (recorded while the train step compiles)."""
-    config = tiny_config("dataset_type=synthetic", "per_device_batch_size=1", *CONFIGS[name])
+    config = micro_config("dataset_type=synthetic", "per_device_batch_size=1", *CONFIGS[name])
     layout, mesh = layout_on(config)
     specs = jax.tree.leaves(layout.state.specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     param_names = {n for spec in specs for n in spec if n is not None}

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from helpers import layout_on, tiny_config
+from helpers import layout_on, micro_config
 from maxpar.core.config import model_config
 from maxpar.model.attention import causal_document_mask, einsum_attention
 from maxpar.model.blockwise import block_pairs, blockwise_attention
@@ -96,7 +96,7 @@ def test_load_balance_equalizes_the_causal_work_of_the_shards():
 def test_context_parallel_attention_equals_the_einsum_core(strategy):
     """Sliding window, packed rows, GQA, load balance: forward and gradient through the shard_map."""
     q, k, v, segments, w = random_inputs()
-    config = tiny_config("attention=blockwise", "attention_block_size=4", "ici_context_parallelism=4",
+    config = micro_config("attention=blockwise", "attention_block_size=4", "ici_context_parallelism=4",
                          "ici_fsdp_parallelism=2", f"context_parallel_strategy={strategy}", "sliding_window=5")
     order = sequence_layout(L, 4, True)
     back = np.argsort(order)

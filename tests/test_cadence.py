@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from helpers import tiny_config
+from helpers import micro_config
 from maxpar.training.cadence import NEVER, Every, StepTimer, cadence
 from maxpar.training.guards import LossCheck
 
@@ -24,7 +24,7 @@ def test_every_n_and_the_last_step():
 
 
 def test_loop_cadence_from_the_config():
-    config = tiny_config("steps=10", "log_period=4", "eval_interval=3", "checkpoint_period=5")
+    config = micro_config("steps=10", "log_period=4", "eval_interval=3", "checkpoint_period=5")
     when = cadence(config, has_eval_data=True, checkpointing=True)
     after = {step: when.after(step) for step in range(1, 11)}
     assert [s for s, d in after.items() if d.eval] == [3, 6, 9, 10]
@@ -35,16 +35,16 @@ def test_loop_cadence_from_the_config():
 
 
 def test_only_a_step_that_is_just_logged_is_read_late():
-    config = tiny_config("steps=10", "log_period=1", "eval_interval=3", "checkpoint_period=4")
+    config = micro_config("steps=10", "log_period=1", "eval_interval=3", "checkpoint_period=4")
     when = cadence(config, has_eval_data=True, checkpointing=True)
     assert [s for s in range(1, 11) if when.after(s).read_late] == [1, 2, 5, 7]  # not eval 3, 6, 9; save 4, 8; last
     assert not when.after(5, stop=True).read_late  # a preempted step saves (or stops) with its own state
-    assert not cadence(tiny_config("steps=10", "log_period=5"), has_eval_data=False,
+    assert not cadence(micro_config("steps=10", "log_period=5"), has_eval_data=False,
                        checkpointing=False).after(3).read_late  # not logged at all
 
 
 def test_the_local_tier_saves_the_steps_the_persistent_tier_does_not():
-    config = tiny_config("steps=11", "log_period=1", "checkpoint_period=6", "local_checkpoint_period=2",
+    config = micro_config("steps=11", "log_period=1", "checkpoint_period=6", "local_checkpoint_period=2",
                          "local_checkpoint_directory=/tmp/local")
     when = cadence(config, has_eval_data=False, checkpointing=True)
     after = {step: when.after(step) for step in range(1, 12)}
@@ -52,21 +52,21 @@ def test_the_local_tier_saves_the_steps_the_persistent_tier_does_not():
     assert [s for s, d in after.items() if d.save_local] == [2, 4, 8, 10]  # 6 is persistent; the last step too
     assert not any(d.read_late for s, d in after.items() if d.save_local)  # a save needs the step's own state
     assert all(d.check_losses for d in after.values() if d.save_local)
-    off = cadence(tiny_config("steps=11", "local_checkpoint_period=2"), has_eval_data=False, checkpointing=True)
+    off = cadence(micro_config("steps=11", "local_checkpoint_period=2"), has_eval_data=False, checkpointing=True)
     assert not any(off.after(s).save_local for s in range(1, 12))  # no local_checkpoint_directory: no local tier
 
 
 def test_eval_interval_zero_is_the_end_only_and_minus_one_never():
-    at_end = cadence(tiny_config("steps=6", "eval_interval=0"), has_eval_data=True, checkpointing=False)
+    at_end = cadence(micro_config("steps=6", "eval_interval=0"), has_eval_data=True, checkpointing=False)
     assert [s for s in range(1, 7) if at_end.after(s).eval] == [6]
-    never = cadence(tiny_config("steps=6", "eval_interval=-1"), has_eval_data=True, checkpointing=False)
+    never = cadence(micro_config("steps=6", "eval_interval=-1"), has_eval_data=True, checkpointing=False)
     assert not any(never.after(s).eval for s in range(1, 7))
-    no_data = cadence(tiny_config("steps=6", "eval_interval=2"), has_eval_data=False, checkpointing=False)
+    no_data = cadence(micro_config("steps=6", "eval_interval=2"), has_eval_data=False, checkpointing=False)
     assert not any(no_data.after(s).eval for s in range(1, 7))
 
 
 def test_a_preemption_saves_only_when_checkpointing_and_always_checks_losses():
-    config = tiny_config("steps=100", "log_period=50", "checkpoint_period=50")
+    config = micro_config("steps=100", "log_period=50", "checkpoint_period=50")
     saving = cadence(config, has_eval_data=False, checkpointing=True).after(7, stop=True)
     assert saving.stop and saving.save and saving.check_losses and not saving.log
     not_saving = cadence(config, has_eval_data=False, checkpointing=False).after(7, stop=True)

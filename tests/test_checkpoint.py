@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import TINY, read_metrics, tiny_config, write_corpus
+from helpers import MICRO, read_metrics, micro_config, write_corpus
 from maxpar.core.config import ConfigError, model_config
 from maxpar.io import checkpoint
 from maxpar.io.data.pipeline import make_datasets
@@ -48,7 +48,7 @@ def run_overrides(corpus) -> list[str]:
 
 
 def run_config(corpus, *overrides):
-    return tiny_config(*run_overrides(corpus), *overrides)
+    return micro_config(*run_overrides(corpus), *overrides)
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,7 @@ def losses(run_dir: Path) -> list[float]:
 def test_unrolled_layers_stack_into_the_canonical_layout_and_back():
     unrolled = {"decoder": {"layers_0": {"w": np.zeros((2, 3))}, "layers_1": {"w": np.ones((2, 3))}},
                 "final": np.ones(3)}
-    config = model_config(tiny_config("scan_layers=false"))  # 2 layers
+    config = model_config(micro_config("scan_layers=false"))  # 2 layers
     canonical = stack.to_canonical(unrolled, config, stack=np.stack)
     assert set(canonical["decoder"]) == {"layers"}
     np.testing.assert_array_equal(canonical["decoder"]["layers"]["w"], np.stack([np.zeros((2, 3)), np.ones((2, 3))]))
@@ -151,7 +151,7 @@ def test_first_nonfinite_finds_the_first_bad_step():
 
 def test_load_path_keys_are_validated(tmp_path):
     with pytest.raises(ConfigError, match="set at most one"):
-        tiny_config("load_parameters_path=a", "load_full_state_path=b")
+        micro_config("load_parameters_path=a", "load_full_state_path=b")
     with pytest.raises(ConfigError, match=r"load_parameters_path='.*nothing': no checkpoint there"):
         checkpoint.resolve_source("load_parameters_path", str(tmp_path / "nothing"))
 
@@ -265,7 +265,7 @@ def test_a_run_resumes_past_a_damaged_newest_checkpoint_and_trains_on(saved_run,
     damage(tmp_path / "run" / "checkpoints" / "4", "truncated params array file")
     # What absl's first record installs in a fresh process: a handler that prints library records on stderr.
     monkeypatch.setattr(logging.root, "handlers", [*logging.root.handlers, logging.StreamHandler(sys.stderr)])
-    status = main(["configs/base.yml", *TINY, *run_overrides(corpus), f"base_output_directory={tmp_path}",
+    status = main(["configs/base.yml", *MICRO, *run_overrides(corpus), f"base_output_directory={tmp_path}",
                    "run_name=run"])
     out, err = capsys.readouterr()
     assert status == 0, err
@@ -312,7 +312,7 @@ def test_resume_with_another_model_shape_is_refused_before_training(saved_run, c
     assert "num_decoder_layers: 2 in the checkpoint, 3 now" in message
     assert not (run_dir / "metrics.jsonl").exists()
     # From the command line: a config error, exit status 2, no traceback.
-    status = main(["configs/base.yml", *TINY, *run_overrides(corpus), "vocab_size=300",
+    status = main(["configs/base.yml", *MICRO, *run_overrides(corpus), "vocab_size=300",
                    f"base_output_directory={tmp_path}", "run_name=run"])
     assert status == 2
     assert "vocab_size: 264 in the checkpoint, 300 now" in capsys.readouterr().err

@@ -24,7 +24,7 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from gcs import emulator, filesystem, process_env  # noqa: E402
-from helpers import REPO, TINY, compilation_cache_env, tiny_config, write_corpus  # noqa: E402
+from helpers import REPO, MICRO, compilation_cache_env, micro_config, write_corpus  # noqa: E402
 from maxpar import train as train_module  # noqa: E402
 from maxpar.core import storage  # noqa: E402
 from maxpar.io import checkpoint, local_checkpoint  # noqa: E402
@@ -88,7 +88,7 @@ def job(tmp_path_factory):
             monkeypatch.setenv(key, value)  # this process's gcsfs client, as the launched processes derive it
         env = process_env(url, compilation_cache_env(root / "jax_cache"))
         fs = filesystem(url)
-        argv = [str(REPO / "configs" / "base.yml"), *TINY, "dataset_type=text", f"dataset_path={corpus}",
+        argv = [str(REPO / "configs" / "base.yml"), *MICRO, "dataset_type=text", f"dataset_path={corpus}",
                 "per_device_batch_size=1", f"steps={STEPS}", "enable_checkpointing=true", "dcn_data_parallelism=1",
                 "dcn_fsdp_parallelism=2", f"checkpoint_period={PERSISTENT}", f"local_checkpoint_period={LOCAL}",
                 f"base_output_directory=gs://{BUCKET}/out", f"local_checkpoint_directory={root / 'local'}"]
@@ -147,7 +147,7 @@ def test_a_local_tier_of_another_mesh_is_not_used(tmp_path):
     """Saved by FSDP(8), resumed by FSDP(4)xTP(2): the local blocks are not the ones needed, so the persistent
     tier is used, with one notice."""
     def run_of(*overrides):
-        config = tiny_config("enable_checkpointing=true", f"local_checkpoint_directory={tmp_path / 'local'}",
+        config = micro_config("enable_checkpointing=true", f"local_checkpoint_directory={tmp_path / 'local'}",
                              f"base_output_directory={tmp_path}", "run_name=run", *overrides)
         return config, setup_run(config)
 

@@ -13,7 +13,7 @@ import time
 import jax
 import pytest
 
-from helpers import (REPO, TINY, compilation_cache_env, logged_steps, read_metrics, start_training, tiny_config,
+from helpers import (REPO, MICRO, compilation_cache_env, logged_steps, read_metrics, start_training, micro_config,
                      train_command, wait_for_step, wait_until, write_corpus)
 from maxpar.io import checkpoint
 from maxpar.train import setup_run, train
@@ -31,7 +31,7 @@ def corpus(tmp_path_factory):
 def reference(corpus, tmp_path_factory):
     """The uninterrupted run the interrupted ones must match bit for bit."""
     run_dir = tmp_path_factory.mktemp("reference") / "run"
-    train(tiny_config(*overrides(corpus)), devices=jax.devices(), run_dir=run_dir)
+    train(micro_config(*overrides(corpus)), devices=jax.devices(), run_dir=run_dir)
     return run_dir
 
 
@@ -142,7 +142,7 @@ def test_a_signal_stops_the_run_within_a_few_steps_of_the_device_whatever_the_lo
     """Nothing is logged before the last step, so no read syncs the host with the device: the stop must still
     come right after the step the device is at, not after every step the host has already dispatched."""
     steps = SIGNAL_STEP + 100
-    args = [str(REPO / "configs" / "base.yml"), *TINY, *overrides(corpus), f"steps={steps}", f"log_period={steps}",
+    args = [str(REPO / "configs" / "base.yml"), *MICRO, *overrides(corpus), f"steps={steps}", f"log_period={steps}",
             f"checkpoint_period={steps}", f"base_output_directory={tmp_path}", "run_name=run"]
     done = subprocess.run([sys.executable, "-c", SIGNAL_AFTER_STEP, signum.name, str(SIGNAL_STEP), *args], cwd=REPO,
                           capture_output=True, text=True, timeout=300, env=compilation_cache_env(tmp_path / "jax_cache"))
@@ -157,11 +157,11 @@ KILLED_SAVE = textwrap.dedent("""
     import os, signal, sys
     from pathlib import Path
     sys.path.insert(0, "tests")
-    from helpers import tiny_config
+    from helpers import micro_config
     from maxpar.io import checkpoint
     from maxpar.train import setup_run
     from maxpar.training.train_step import create_state
-    config = tiny_config(*sys.argv[2:])
+    config = micro_config(*sys.argv[2:])
     run = setup_run(config)
     state, iterator = create_state(run.model, run.tx, run.layout, run.mesh), iter(run.train_data)
     manager = checkpoint.make_manager(Path(sys.argv[1]), config)
@@ -182,7 +182,7 @@ def test_save_killed_mid_write_is_never_restored(corpus, tmp_path):
     assert "1" in names and "2" not in names
     assert any(name.startswith("2.orbax-checkpoint-tmp") for name in names), names  # the kill was mid-write
 
-    config = tiny_config(*big)
+    config = micro_config(*big)
     run = setup_run(config)
     manager = checkpoint.make_manager(tmp_path, config)
     warnings: list[str] = []

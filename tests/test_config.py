@@ -17,8 +17,8 @@ from maxpar.core.config import FIELDS, PHYSICAL_AXES, ConfigError, describe_keys
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
 BASE = str(CONFIGS / "base.yml")
-TINY = ["emb_dim=64", "mlp_dim=128", "head_dim=16", "num_query_heads=4", "num_kv_heads=2", "vocab_size=64",
-        "max_target_length=16", "num_decoder_layers=2"]
+# The micro model (configs/models/micro.yml) with 64 tokens and rows of 16.
+SHORT = ["model_name=micro", "vocab_size=64", "max_target_length=16"]
 
 
 def load(*overrides: str, config_file: str = BASE):
@@ -426,13 +426,13 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     (["configs/base.yml", "stepz=3"], ["stepz", "steps"]),
     (["configs/base.yml", "steps=abc"], ["steps", "abc", "int"]),
     # Valid as a config; only the mesh (8 devices) rejects it.
-    (["configs/base.yml", *TINY, "ici_tensor_parallelism=3", "ici_fsdp_parallelism=1", "dataset_type=synthetic",
+    (["configs/base.yml", *SHORT, "ici_tensor_parallelism=3", "ici_fsdp_parallelism=1", "dataset_type=synthetic",
       "enable_checkpointing=false"], ["ici_tensor_parallelism=3", "8"]),
     # Valid as a config; 4 rows per microbatch cannot split over fsdp=8.
-    (["configs/base.yml", *TINY, "per_device_batch_size=0.5", "dataset_type=synthetic", "steps=0"],
+    (["configs/base.yml", *SHORT, "per_device_batch_size=0.5", "dataset_type=synthetic", "steps=0"],
      ["per_device_batch_size=0.5", "4 rows", "degree 8"]),
     # Valid as a config; the sequence-parallel preset cannot split 33 tokens over tensor=2.
-    (["configs/tp_sequence.yml", *TINY, "ici_tensor_parallelism=2", "max_target_length=33",
+    (["configs/tp_sequence.yml", *SHORT, "ici_tensor_parallelism=2", "max_target_length=33",
       "dataset_type=synthetic", "steps=0"], ["max_target_length=33", "degree 2"]),
     # Not valid YAML: one bracket missing.
     (["configs/base.yml", "logical_axis_rules=[[activation_batch,[data,fsdp]],[embed,[fsdp]]"],
@@ -440,7 +440,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     # An output directory that cannot be created (its parent is a file): refused before any device work.
     (["configs/base.yml", "base_output_directory=configs/base.yml/runs"], ["base_output_directory", "base.yml/runs"]),
     # A tokenizer file that cannot be read as one.
-    (["configs/base.yml", *TINY, "dataset_type=text", "dataset_path=README.md", "tokenizer_path=tests/goldens/shardings.json",
+    (["configs/base.yml", *SHORT, "dataset_type=text", "dataset_path=README.md", "tokenizer_path=tests/goldens/shardings.json",
       "steps=0"], ["tokenizer_path", "shardings.json", "could not load"]),
 ])
 def test_cli_config_errors_exit_2_without_traceback(args, expected):

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import TINY, shared, step_metrics
+from helpers import MICRO, shared, step_metrics
 from maxpar.model.context_parallel import sequence_layout
 from maxpar.model.moe_dispatch import capacity_local, dropless_local
 from maxpar.model.routing import capacity_slots
@@ -97,7 +97,7 @@ def test_packed_capacity_buffers_compute_the_kept_copies():
 def test_plan_verify_passes_for_context_and_expert_parallelism():
     """The experts' weights gathered over context (their gradients reduce-scattered back), a context shard's
     tokens exchanged over expert, the MoE activations of L/C tokens per device: predicted as compiled."""
-    result, text, status = plan_run([BASE, *TINY, "model_name=tiny-moe", "per_device_batch_size=4",
+    result, text, status = plan_run([BASE, *MICRO, "model_name=tiny-moe", "per_device_batch_size=4",
                                      "hardware=tpu-v5p", *BLOCKWISE, "ici_context_parallelism=4",
                                      "ici_expert_parallelism=2", "ici_fsdp_parallelism=1", "--verify"])
     assert status == 0 and result["verify"]["passed"], text

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import read_metrics, tiny_config
+from helpers import read_metrics, micro_config
 from maxpar.core.config import ConfigError
 from maxpar.core.mesh import resolve_mesh_shape
 from maxpar.training.train_step import run_layout
@@ -58,7 +58,7 @@ def test_context_parallel_matches_single_device(name, reference):
 def test_context_config_errors_name_the_keys(overrides, named):
     """Refused before any device is used: by the run layout on an abstract mesh of 8."""
     with pytest.raises(ConfigError) as info:
-        config = tiny_config(*overrides)
+        config = micro_config(*overrides)
         run_layout(config, resolve_mesh_shape(config, 8))
     for word in named:
         assert word in str(info.value)
@@ -86,7 +86,7 @@ def test_checkpoint_restores_across_context_degrees_and_strategies(tmp_path):
 def test_a_filled_context_degree_is_checked_when_the_step_is_built(tmp_path):
     """ici_context_parallelism=-1 is only resolved with the devices: dot_product attention is refused then."""
     from maxpar.train import setup_run
-    config = tiny_config("ici_context_parallelism=-1", "ici_fsdp_parallelism=1", "per_device_batch_size=1",
+    config = micro_config("ici_context_parallelism=-1", "ici_fsdp_parallelism=1", "per_device_batch_size=1",
                          "dataset_type=synthetic")
     with pytest.raises(ConfigError, match="attention=dot_product"):
         setup_run(config, jax.devices()).compile_train_step()

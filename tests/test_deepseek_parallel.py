@@ -19,7 +19,7 @@ from helpers import step_metrics
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 STEPS = 4
-# The preset at the test shapes; 3 layers (TINY has 2): the dense prefix layer, then one MoE layer per stage.
+# The preset at the test shapes; 3 layers (MICRO has 2): the dense prefix layer, then one MoE layer per stage.
 # A bias rate 50x the preset's, so that the bias updates weigh in the next steps' choices of experts.
 DEEPSEEK = ("model_name=deepseek-tiny", "num_decoder_layers=3", "routed_bias_update_rate=0.05")
 METRICS = ("loss", "grad_norm", "mtp_loss", "moe_load_max_over_mean")

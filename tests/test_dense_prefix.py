@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import TINY, read_metrics, tiny_config, write_corpus
+from helpers import MICRO, read_metrics, micro_config, write_corpus
 from maxpar.core.config import ConfigError, model_config
 from maxpar.model import Transformer, stack
 from maxpar.plan.__main__ import run as plan_run
@@ -29,7 +29,7 @@ ONE = (1, ["per_device_batch_size=8"])
 
 
 def abstract_params(*overrides: str):
-    config = tiny_config(*PREFIX, *overrides)
+    config = micro_config(*PREFIX, *overrides)
     tokens = jax.ShapeDtypeStruct((1, config.max_target_length), np.int32)
     boxed = jax.eval_shape(Transformer(model_config(config)).init, jax.random.key(0), tokens, tokens, tokens)
     return config, nn.unbox(boxed["params"])
@@ -55,7 +55,7 @@ def test_both_stacks_have_one_canonical_layout():
     canonical = stack.to_canonical(trees, model, stack=np.stack)
     assert canonical["decoder"]["layers"]["moe"]["wo"].shape == (4, 8, 128, 64)
     jax.tree.map(np.testing.assert_array_equal, stack.from_canonical(canonical, model), trees)
-    unrolled = model_config(tiny_config(*PREFIX, "num_decoder_layers=5", "scan_layers=false"))
+    unrolled = model_config(micro_config(*PREFIX, "num_decoder_layers=5", "scan_layers=false"))
     units = stack.from_canonical(canonical, unrolled)
     assert sorted(units["decoder"]) == ["dense_layers_0", "layers_0", "layers_1", "layers_2", "layers_3"]
     np.testing.assert_array_equal(units["decoder"]["layers_3"]["moe"]["wo"],
@@ -65,7 +65,7 @@ def test_both_stacks_have_one_canonical_layout():
 
 def test_the_planner_counts_the_prefix_as_the_model_has_it():
     _, params = abstract_params()
-    result, text, status = plan_run([BASE, *TINY, *PREFIX, "hardware=tpu-v5p", "num_devices=8",
+    result, text, status = plan_run([BASE, *MICRO, *PREFIX, "hardware=tpu-v5p", "num_devices=8",
                                      "ici_expert_parallelism=4", "ici_fsdp_parallelism=2"])
     assert status == 0, text
     counted = result["params"]
@@ -82,7 +82,7 @@ def test_the_planner_counts_the_prefix_as_the_model_has_it():
 ])
 def test_bad_prefixes_are_config_errors(overrides, match):
     with pytest.raises(ConfigError, match=match):
-        setup_run(tiny_config(*PREFIX, *overrides), jax.devices())
+        setup_run(micro_config(*PREFIX, *overrides), jax.devices())
 
 
 # ---------------------------------------------------------------- training: per-step losses and a checkpoint
@@ -94,7 +94,7 @@ def corpus(tmp_path_factory):
 
 def train_losses(run_dir, corpus, mesh, *extra) -> list[float]:
     devices, overrides = mesh
-    config = tiny_config(*PREFIX, "steps=4", "dataset_type=text", f"dataset_path={corpus}", "eval_fraction=0",
+    config = micro_config(*PREFIX, "steps=4", "dataset_type=text", f"dataset_path={corpus}", "eval_fraction=0",
                          *overrides, *extra)
     train(config, devices=jax.devices()[:devices], run_dir=run_dir)
     return [row["loss"] for row in read_metrics(run_dir)]

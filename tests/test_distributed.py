@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import maxpar.io.data.text as text_data  # noqa: E402
-from helpers import TINY, read_metrics, write_corpus  # noqa: E402
+from helpers import MICRO, read_metrics, write_corpus  # noqa: E402
 from launch.local import rank_env  # noqa: E402
 from maxpar import train as train_module  # noqa: E402
 from maxpar.core.config import ConfigError, load_config  # noqa: E402
@@ -204,7 +204,7 @@ def job(tmp_path_factory):
     """1 process x 8 devices in this process, 2 processes x 4 devices launched, and the restores across."""
     root = tmp_path_factory.mktemp("multislice")
     corpus = write_corpus(root / "corpus")
-    common = [*TINY, "dataset_type=text", f"dataset_path={corpus}", "per_device_batch_size=1", "steps=4",
+    common = [*MICRO, "dataset_type=text", f"dataset_path={corpus}", "per_device_batch_size=1", "steps=4",
               "checkpoint_period=2", "max_checkpoints_to_keep=0", "enable_checkpointing=true"]
     one = [BASE, *common, "ici_data_parallelism=2", "ici_fsdp_parallelism=4"]
     two = [BASE, *common, "dcn_data_parallelism=2", "ici_fsdp_parallelism=4"]

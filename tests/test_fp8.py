@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from helpers import tiny_config
+from helpers import micro_config
 from maxpar.core.config import ConfigError
 from maxpar.model import fp8
 from maxpar.model.matmul import matmul
@@ -151,8 +151,8 @@ def test_delayed_scaling_is_refused_with_the_explicit_backward_schedule():
     from helpers import layout_on
     one_f_one_b, two = ("fp8_scaling=delayed", "ici_stage_parallelism=2", "pipeline_schedule=1f1b"), jax.devices()[:2]
     with pytest.raises(ConfigError, match="fp8_scaling=delayed with pipeline_schedule=1f1b"):
-        layout_on(tiny_config("quantization=fp8", *one_f_one_b), two)
-    layout_on(tiny_config(*one_f_one_b), two)  # without fp8 the recipe is not used
+        layout_on(micro_config("quantization=fp8", *one_f_one_b), two)
+    layout_on(micro_config(*one_f_one_b), two)  # without fp8 the recipe is not used
 
 
 def test_the_histories_are_a_replicated_collection_stacked_like_the_layers_and_not_trained():
@@ -161,7 +161,7 @@ def test_the_histories_are_a_replicated_collection_stacked_like_the_layers_and_n
     scaling has none."""
     from maxpar.training.train_step import trace_state
 
-    traced = trace_state(tiny_config("quantization=fp8", "fp8_scaling=delayed", "fp8_amax_history_length=5"))
+    traced = trace_state(micro_config("quantization=fp8", "fp8_scaling=delayed", "fp8_amax_history_length=5"))
     meta, specs = traced.abstract.fp8_meta, traced.specs.fp8_meta
     layers = meta["decoder"]["layers"]
     assert sorted(layers["attention"]) == ["key", "out", "query", "value"]
@@ -169,7 +169,7 @@ def test_the_histories_are_a_replicated_collection_stacked_like_the_layers_and_n
     assert {leaf.shape for leaf in jax.tree.leaves(meta)} == {(2, 3, 5)}
     assert all(not any(spec) for spec in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P)))
     assert (2, 3, 5) not in {leaf.shape for leaf in jax.tree.leaves(traced.abstract.opt_state)}  # no moments
-    assert trace_state(tiny_config("quantization=fp8")).abstract.fp8_meta == {}
+    assert trace_state(micro_config("quantization=fp8")).abstract.fp8_meta == {}
 
 
 def test_the_experts_histories_are_per_expert_on_the_expert_axis():
@@ -177,7 +177,7 @@ def test_the_experts_histories_are_per_expert_on_the_expert_axis():
     logical axis (expert parallelism splits it as it splits the expert weights); the router's has none."""
     from maxpar.training.train_step import trace_state
 
-    traced = trace_state(tiny_config(*EXPERT_DELAYED))
+    traced = trace_state(micro_config(*EXPERT_DELAYED))
     meta, specs = traced.abstract.fp8_meta["decoder"]["layers"], traced.specs.fp8_meta["decoder"]["layers"]
     assert sorted(meta["moe"]) == ["wi_gate", "wi_up", "wo"]
     assert {h.shape for h in jax.tree.leaves(meta["moe"])} == {(2, 4, 3, 2)}
@@ -205,7 +205,7 @@ def observed_on_one_device() -> Observed:
     from maxpar.training.train_step import _grads
     from test_pipeline import LENGTH, make_batch
 
-    config = tiny_config(*DELAYED)
+    config = micro_config(*DELAYED)
     model, batch, tokens = Transformer(config), make_batch(), jnp.zeros((1, LENGTH), jnp.int32)
     variables = nn.unbox(jax.jit(model.init)(jax.random.key(0), tokens, tokens, tokens))
     params, meta = variables["params"], jax.tree.map(lambda h: h.at[..., 1].set(8.0), variables[fp8.FP8_META])
@@ -227,7 +227,7 @@ def test_gradient_accumulation_reports_the_amaxes_of_the_whole_step(observed_on_
     from maxpar.training.train_step import _grads
 
     one = observed_on_one_device
-    config = tiny_config(*DELAYED, "gradient_accumulation_steps=2")
+    config = micro_config(*DELAYED, "gradient_accumulation_steps=2")
     _, split, _ = jax.jit(lambda p, m, b: _grads(p, m, Transformer(config), b, config))(one.params, one.meta, one.batch)
     assert_same_observations(split, one.seen)
     pushed = fp8.update_histories(one.meta, one.seen)
@@ -252,7 +252,7 @@ def test_a_pipeline_reports_each_layers_largest_amax_like_one_device(name, obser
     from maxpar.training.train_step import _grads
 
     one, (stages, micro, repeats, mesh) = observed_on_one_device, PIPELINES[name]
-    config = tiny_config(*DELAYED, f"ici_stage_parallelism={stages}", f"num_pipeline_microbatches={micro}",
+    config = micro_config(*DELAYED, f"ici_stage_parallelism={stages}", f"num_pipeline_microbatches={micro}",
                          f"num_pipeline_repeats={repeats}", *mesh)
     run = setup_run(config, jax.devices()[:stages * 2])
     assert run.pipeline is not None and run.pipeline.num_microbatches == micro
@@ -297,7 +297,7 @@ def test_moe_experts_run_in_fp8(dispatch):
     valid = jnp.ones((2, 32), bool)
 
     def block(*overrides):
-        module = MoeBlock(tiny_config("num_experts=4", "num_experts_per_tok=2", *capacity, *overrides))
+        module = MoeBlock(micro_config("num_experts=4", "num_experts_per_tok=2", *capacity, *overrides))
         return module, module.init(jax.random.key(0), x, valid)
 
     (plain, variables), (quantized, _) = block(), block("quantization=fp8")
@@ -354,10 +354,10 @@ def test_expert_parallel_experts_observe_each_experts_amaxes_like_one_device(nam
     from helpers import layout_on
 
     devices, mesh, dispatch = EXPERT_MESHES[name]
-    params, (dx, grads, seen) = expert_block_gradients(tiny_config(*EXPERT_DELAYED, *dispatch))
-    layout, bound = layout_on(tiny_config(*EXPERT_DELAYED, *dispatch, *mesh), jax.devices()[:devices])
+    params, (dx, grads, seen) = expert_block_gradients(micro_config(*EXPERT_DELAYED, *dispatch))
+    layout, bound = layout_on(micro_config(*EXPERT_DELAYED, *dispatch, *mesh), jax.devices()[:devices])
     _, (sharded_dx, sharded_grads, sharded_seen) = expert_block_gradients(
-        tiny_config(*EXPERT_DELAYED, *dispatch, *mesh), layout, bound)
+        micro_config(*EXPERT_DELAYED, *dispatch, *mesh), layout, bound)
     assert_same_observations(sharded_seen, seen)
     for got, want in zip(jax.tree.leaves((sharded_dx, sharded_grads)), jax.tree.leaves((dx, grads))):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * float(np.max(np.abs(want))))
@@ -409,7 +409,7 @@ def test_bfloat16_fp8_steps_run_with_tensor_parallel_shards():
     from maxpar.train import global_batch, setup_run
     from maxpar.training.train_step import create_state
 
-    config = tiny_config("quantization=fp8", "dtype=bfloat16", "dataset_type=synthetic", "per_device_batch_size=2",
+    config = micro_config("quantization=fp8", "dtype=bfloat16", "dataset_type=synthetic", "per_device_batch_size=2",
                          "steps=2", "ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2",
                          "remat_policy=minimal")
     run = setup_run(config, jax.devices())
@@ -427,7 +427,7 @@ def test_fp8_trains_like_bfloat16(tmp_path, corpus):
     from helpers import read_metrics
 
     def last_losses(name, *overrides):
-        config = tiny_config("steps=60", "dataset_type=text", f"dataset_path={corpus}", "eval_fraction=0",
+        config = micro_config("steps=60", "dataset_type=text", f"dataset_path={corpus}", "eval_fraction=0",
                              "dtype=bfloat16", "per_device_batch_size=8", *overrides)
         train(config, devices=jax.devices()[:1], run_dir=tmp_path / name)
         return np.mean([row["loss"] for row in read_metrics(tmp_path / name)[-10:]])
@@ -445,12 +445,12 @@ def test_planner_counts_the_quantized_matmuls_at_the_fp8_peak():
     from maxpar.plan.model_math import fp8_matmul_params
     from maxpar.plan.predict import PHASES, compute_flops, compute_seconds, fp8_flops
 
-    config = tiny_config("quantization=fp8")
+    config = micro_config("quantization=fp8")
     e = config.emb_dim
     layer = e * config.head_dim * 2 * (config.num_query_heads + config.num_kv_heads) + 3 * e * config.mlp_dim
     assert fp8_matmul_params(config) == config.num_decoder_layers * layer  # not the output projection
-    assert fp8_matmul_params(tiny_config()) == 0
-    moe = tiny_config("quantization=fp8", "num_experts=4", "num_experts_per_tok=2")
+    assert fp8_matmul_params(micro_config()) == 0
+    moe = micro_config("quantization=fp8", "num_experts=4", "num_experts_per_tok=2")
     # Two active experts' gate, up and down in place of the MLP's; the router stays in dtype.
     assert fp8_matmul_params(moe) == config.num_decoder_layers * (layer + 3 * e * config.mlp_dim)
     assert fp8_matmul_params(config) < matmul_params(config)
@@ -461,7 +461,7 @@ def test_planner_counts_the_quantized_matmuls_at_the_fp8_peak():
     h100, v5p = load_hardware("h100"), load_hardware("tpu-v5p")
     assert h100.peak_fp8_flops == pytest.approx(2 * h100.peak_flops, rel=1e-3) and v5p.peak_fp8_flops == v5p.peak_flops
     for phase in PHASES:
-        saved = compute_seconds(flops, fp8_flops(tiny_config(), tokens), h100)[phase] - \
+        saved = compute_seconds(flops, fp8_flops(micro_config(), tokens), h100)[phase] - \
             compute_seconds(flops, quantized, h100)[phase]
         assert saved == pytest.approx(quantized[phase] * (1 / h100.peak_flops - 1 / h100.peak_fp8_flops))
         assert compute_seconds(flops, quantized, v5p)[phase] == pytest.approx(flops[phase] / v5p.peak_flops)
@@ -531,7 +531,7 @@ def test_delayed_fp8_moe_on_ep2_fsdp2_equals_one_device_and_its_histories_restor
         np.testing.assert_allclose(a[..., :2, :], b[..., :2, :], rtol=5e-2)
         np.testing.assert_allclose(a[..., 2, :], b[..., 2, :], rtol=2.0**-2)
 
-    layout, mesh = layout_on(tiny_config(*moe, *ep, "per_device_batch_size=2"), jax.devices()[:4])
+    layout, mesh = layout_on(micro_config(*moe, *ep, "per_device_batch_size=2"), jax.devices()[:4])
     restored = checkpoint.load_full_state(str(tmp_path / "one" / "run"), checkpoint.Target.of(layout, mesh))
     histories = restored.fp8_meta["decoder"]["layers"]["moe"]
     for name, history in histories.items():
@@ -562,7 +562,7 @@ def test_the_amax_histories_survive_a_kill_and_resume_bitwise(tmp_path, corpus):
                "checkpoint_period=4", "enable_checkpointing=true", "quantization=fp8", "fp8_scaling=delayed",
                "fp8_amax_history_length=3"]
     reference, run_dir = tmp_path / "reference", tmp_path / "run"
-    train(tiny_config(*delayed), devices=jax.devices(), run_dir=reference)
+    train(micro_config(*delayed), devices=jax.devices(), run_dir=reference)
 
     first = start_training(train_command(*delayed, f"base_output_directory={tmp_path}", "run_name=run"),
                            tmp_path / "first.log", compilation_cache_env(tmp_path / "jax_cache"))
@@ -570,7 +570,7 @@ def test_the_amax_histories_survive_a_kill_and_resume_bitwise(tmp_path, corpus):
     first.kill()
     first.wait(timeout=60)
     assert max(logged_steps(run_dir)) < steps, "the run finished before it could be killed"
-    train(tiny_config(*delayed), devices=jax.devices(), run_dir=run_dir)
+    train(micro_config(*delayed), devices=jax.devices(), run_dir=run_dir)
 
     rows, expected = read_metrics(run_dir), read_metrics(reference)
     assert [row["step"] for row in rows] == list(range(1, steps + 1))

@@ -136,7 +136,7 @@ def assert_same_batches(remote: tuple[list[dict], dict], here: tuple[list[dict],
 def test_a_text_dataset_and_its_tokenizer_read_from_the_bucket_give_the_same_batches(gcs, tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
 
-    from helpers import tiny_config, write_corpus
+    from helpers import micro_config, write_corpus
 
     local = tmp_path / "data"
     write_corpus(local / "corpus")
@@ -148,7 +148,7 @@ def test_a_text_dataset_and_its_tokenizer_read_from_the_bucket_give_the_same_bat
     filesystem(gcs).put(str(local), f"{BUCKET}/data", recursive=True)
 
     def batches(root: str) -> tuple[list[dict], dict]:
-        return first_batches(tiny_config("dataset_type=text", f"dataset_path={root}/corpus/*.txt",
+        return first_batches(micro_config("dataset_type=text", f"dataset_path={root}/corpus/*.txt",
                                          f"tokenizer_path={root}/tokenizer.json", "eval_fraction=0.25"))
 
     assert_same_batches(batches(f"gs://{BUCKET}/data"), batches(str(local)))
@@ -216,12 +216,12 @@ def test_the_bucket_checkpoint_loads_onto_another_mesh(trained, gcs):
     import jax
     import numpy as np
 
-    from helpers import layout_on, tiny_config
+    from helpers import layout_on, micro_config
     from maxpar.io import checkpoint
 
     overrides = ("dataset_type=synthetic", "per_device_batch_size=1")
-    trained_on = checkpoint.Target.of(*layout_on(tiny_config(*overrides)))
-    other = checkpoint.Target.of(*layout_on(tiny_config(*overrides, "ici_fsdp_parallelism=4",
+    trained_on = checkpoint.Target.of(*layout_on(micro_config(*overrides)))
+    other = checkpoint.Target.of(*layout_on(micro_config(*overrides, "ici_fsdp_parallelism=4",
                                                         "ici_tensor_parallelism=2")))
     expected = checkpoint.load_full_state(f"{RUN}/checkpoints/6", trained_on)
     state = checkpoint.load_full_state(f"{RUN}/checkpoints/6", other)

@@ -18,7 +18,7 @@ import optax
 import pytest
 import torch
 
-from helpers import REPO, shared, tiny_config, train_command
+from helpers import REPO, shared, micro_config, train_command
 from test_convert import BASE, MESHES, converted_dir, deepseek, hf_model, hf_model_dir, llama3_scaled, overrides_of
 import maxpar.generate
 from maxpar.core.config import load_config, to_yaml
@@ -179,7 +179,7 @@ def test_the_printed_command_lays_out_every_kind_of_run_in_one_process(kind, tmp
     """The summary's overrides on the run's saved config.yml give a config maxpar.generate accepts in one process, on
     the devices it names (CPU: num_simulated_devices; elsewhere: one slice's), with the run's degrees but stages."""
     overrides, devices, slices, platform = RUN_KINDS[kind]
-    config = tiny_config(*overrides, "max_new_tokens=4")
+    config = micro_config(*overrides, "max_new_tokens=4")
     mesh = run_layout(config, resolve_mesh_shape(config, devices, slices)).mesh  # the trainer accepts the run
     (tmp_path / "config.yml").write_text(to_yaml(config))
     sampled = load_config([str(tmp_path / "config.yml"), "model_name=", "load_parameters_path=RUN",

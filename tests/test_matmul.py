@@ -80,13 +80,13 @@ BF16_LAYOUTS = {
 
 @pytest.mark.parametrize("name", BF16_LAYOUTS)
 def test_bfloat16_steps_run_on_every_layout(name):
-    from helpers import tiny_config
+    from helpers import micro_config
     from maxpar.train import global_batch, setup_run
     from maxpar.training.train_step import create_state
 
     devices, overrides = BF16_LAYOUTS[name]
     files = [o for o in overrides if o.endswith(".yml")]
-    config = tiny_config("dtype=bfloat16", "dataset_type=synthetic", "per_device_batch_size=2", "steps=2",
+    config = micro_config("dtype=bfloat16", "dataset_type=synthetic", "per_device_batch_size=2", "steps=2",
                          *[o for o in overrides if o not in files],
                          **({"config_file": files[0]} if files else {}))
     run = setup_run(config, jax.devices()[:devices])

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from helpers import TINY, tiny_config
+from helpers import MICRO, micro_config
 from maxpar.core.config import ConfigError
 from maxpar.host.distributed import resplit_iterator_states
 from maxpar.io.data.mixture import SOURCE_TOKENS, choose
@@ -60,7 +60,7 @@ def test_choose_takes_the_source_furthest_below_its_share():
 def test_token_shares_follow_the_weights(tmp_path):
     """~1,000 rows: each source's share of the trained tokens is within 1% of its weight, while its share of
     documents is nowhere near it (the short source gives about 10 documents for each long one)."""
-    config = tiny_config(mixture(tmp_path), "max_target_length=64", "eval_fraction=0")
+    config = micro_config(mixture(tmp_path), "max_target_length=64", "eval_fraction=0")
     rows, state = batches(config, 250)
     counts = rows[-1][SOURCE_TOKENS].sum(axis=0)
     assert counts.sum() == sum(int((b["segment_ids"] > 0).sum()) for b in rows)  # every real token, once
@@ -71,7 +71,7 @@ def test_token_shares_follow_the_weights(tmp_path):
 
 
 def test_global_batch_is_the_same_for_any_process_count(tmp_path):
-    config = tiny_config(mixture(tmp_path), "eval_fraction=0")
+    config = micro_config(mixture(tmp_path), "eval_fraction=0")
     whole, _ = batches(config, 6)
     halves = [batches(config, 6, index=i, processes=2)[0] for i in range(2)]
     for step in range(6):
@@ -81,7 +81,7 @@ def test_global_batch_is_the_same_for_any_process_count(tmp_path):
 
 def test_resume_from_the_iterator_state_is_exact_on_another_process_count(tmp_path):
     """State saved by 1 process after 5 batches, re-split for 2 as a checkpoint restore does, continues exactly."""
-    config = tiny_config(mixture(tmp_path), "eval_fraction=0")
+    config = micro_config(mixture(tmp_path), "eval_fraction=0")
     uninterrupted, _ = batches(config, 10)
     _, state = batches(config, 5)
     halves = []
@@ -96,8 +96,8 @@ def test_resume_from_the_iterator_state_is_exact_on_another_process_count(tmp_pa
 
 
 def test_changed_weights_start_a_new_phase_where_every_source_stopped(tmp_path):
-    old = tiny_config(mixture(tmp_path), "eval_fraction=0")
-    new = tiny_config(mixture(tmp_path, short=0.2, long=0.8), "eval_fraction=0")
+    old = micro_config(mixture(tmp_path), "eval_fraction=0")
+    new = micro_config(mixture(tmp_path, short=0.2, long=0.8), "eval_fraction=0")
     before, state = batches(old, 20, rows=1)
     heard: list[str] = []
     after, later = batches(new, 200, rows=1, state=state, notify=heard.append)
@@ -115,29 +115,29 @@ def test_changed_weights_start_a_new_phase_where_every_source_stopped(tmp_path):
 
 def test_a_source_may_join_on_resume_and_the_list_may_be_reordered(tmp_path):
     two = mixture(tmp_path)
-    _, state = batches(tiny_config(two, "eval_fraction=0"), 5, rows=2)
+    _, state = batches(micro_config(two, "eval_fraction=0"), 5, rows=2)
     more = two.replace("dataset_mixture=[", f"dataset_mixture=[{{name: new, weight: 1, dataset_type: grain, "
                                              f"dataset_path: '{tmp_path}/short/*.jsonl'}}, ")
-    rows, later = batches(tiny_config(more, "eval_fraction=0"), 20, rows=2, state=state)
+    rows, later = batches(micro_config(more, "eval_fraction=0"), 20, rows=2, state=state)
     assert rows[-1][SOURCE_TOKENS].shape == (2, 3) and rows[-1][SOURCE_TOKENS][:, 0].sum() > 0
     assert later["parents"][0]["tokens"]["long"] >= state["parents"][0]["tokens"]["long"]
-    swapped = tiny_config(mixture(tmp_path), "eval_fraction=0")
+    swapped = micro_config(mixture(tmp_path), "eval_fraction=0")
     swapped = dataclasses.replace(swapped, dataset_mixture=swapped.dataset_mixture[::-1])
-    same, reordered = batches(tiny_config(two, "eval_fraction=0"), 4, rows=2)[0], batches(swapped, 4, rows=2)[0]
+    same, reordered = batches(micro_config(two, "eval_fraction=0"), 4, rows=2)[0], batches(swapped, 4, rows=2)[0]
     for a, b in zip(same, reordered):
         np.testing.assert_array_equal(a["inputs"], b["inputs"])
         np.testing.assert_array_equal(a[SOURCE_TOKENS], b[SOURCE_TOKENS][:, ::-1])
 
 
 def test_a_source_that_runs_out_repeats_with_a_new_shuffle_and_says_so(tmp_path):
-    config = tiny_config(mixture(tmp_path), "eval_fraction=0", "max_target_length=256")
+    config = micro_config(mixture(tmp_path), "eval_fraction=0", "max_target_length=256")
     heard: list[str] = []
     batches(config, 60, rows=1, notify=heard.append)
     assert "data mixture: source 'long' ran out; it repeats (pass 2) with a new shuffle" in heard
 
 
 def test_each_source_is_evaluated_on_its_own_held_out_documents(tmp_path):
-    data = open_datasets(tiny_config(mixture(tmp_path), "eval_fraction=0.25"), global_rows=2, eval_rows=2,
+    data = open_datasets(micro_config(mixture(tmp_path), "eval_fraction=0.25"), global_rows=2, eval_rows=2,
                          shard_index=0, shard_count=1)
     assert data.eval is None and [(s.name, s.weight) for s in data.sources] == [("short", 0.7), ("long", 0.3)]
     tokens = [set(np.unique(next(iter(s.eval()))["inputs"]).tolist()) for s in data.sources]
@@ -147,16 +147,16 @@ def test_each_source_is_evaluated_on_its_own_held_out_documents(tmp_path):
 
 
 def test_resume_refuses_a_changed_or_missing_source_and_allows_new_weights(tmp_path):
-    config = tiny_config(mixture(tmp_path))
+    config = micro_config(mixture(tmp_path))
     saved = config.to_dict()
-    assert mixture_differences(saved, tiny_config(mixture(tmp_path, short=0.1, long=0.9))) == []
-    changed = tiny_config(mixture(tmp_path, dataset_text_field="body"))
+    assert mixture_differences(saved, micro_config(mixture(tmp_path, short=0.1, long=0.9))) == []
+    changed = micro_config(mixture(tmp_path, dataset_text_field="body"))
     assert mixture_differences(saved, changed) == [("dataset_mixture source 'short' dataset_text_field", "text",
                                                     "body")]
-    alone = tiny_config(f"dataset_mixture=[{{name: short, weight: 1, dataset_type: grain, "
+    alone = micro_config(f"dataset_mixture=[{{name: short, weight: 1, dataset_type: grain, "
                         f"dataset_path: '{tmp_path}/short/*.jsonl'}}]")
     assert mixture_differences(saved, alone)[0][0] == "dataset_mixture source 'long'"
-    assert mixture_differences(saved, tiny_config())[0][0] == "dataset_mixture"
+    assert mixture_differences(saved, micro_config())[0][0] == "dataset_mixture"
 
 
 @pytest.mark.parametrize("entry, message", [
@@ -168,11 +168,11 @@ def test_resume_refuses_a_changed_or_missing_source_and_allows_new_weights(tmp_p
      "dataset_mixture source 'a': dataset_path='/nonexistent/*.jsonl': data file pattern"),
 ])
 def test_a_bad_mixture_is_one_line_and_exit_2(capsys, entry, message):
-    assert main(["configs/base.yml", *TINY, f"dataset_mixture=[{entry}]", "steps=1"]) == 2
+    assert main(["configs/base.yml", *MICRO, f"dataset_mixture=[{entry}]", "steps=1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"maxpar: config error: {message}") and "\n" not in err
 
 
 def test_a_mixture_source_that_is_not_a_mapping_is_a_config_error():
     with pytest.raises(ConfigError, match=r"dataset_mixture\[0\]='x': each source is a mapping"):
-        tiny_config("dataset_mixture=[x]")
+        micro_config("dataset_mixture=[x]")

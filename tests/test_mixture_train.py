@@ -8,7 +8,7 @@ import dataclasses
 import jax
 import pytest
 
-from helpers import kill_and_rerun, read_metrics, tiny_config, train_command
+from helpers import kill_and_rerun, read_metrics, micro_config, train_command
 from maxpar.train import train
 from test_mixture import mixture
 
@@ -20,7 +20,7 @@ def test_a_mixture_resumes_exactly_logs_per_source_and_starts_a_phase_on_new_wei
     """8 steps in one go equal 4 steps, a checkpoint and 4 more: losses, eval losses and tokens per source. Then a
     resume with other weights says so and counts on from where every source stopped (the new shares themselves,
     which show over more tokens than this, are test_mixture.py's)."""
-    config = tiny_config(mixture(tmp_path), "steps=8", "eval_interval=4", "eval_steps=1", *COMMON)
+    config = micro_config(mixture(tmp_path), "steps=8", "eval_interval=4", "eval_steps=1", *COMMON)
     train(config, devices=jax.devices()[:2], run_dir=tmp_path / "whole")
     train(dataclasses.replace(config, steps=4), devices=jax.devices()[:2], run_dir=tmp_path / "halves")
     train(config, devices=jax.devices()[:2], run_dir=tmp_path / "halves")
@@ -41,7 +41,7 @@ def test_a_mixture_resumes_exactly_logs_per_source_and_starts_a_phase_on_new_wei
     assert "data mixture by tokens of 2 sources: short (weight 0.7)" in out
     assert f"per source: short {last['tokens/short']:,} tokens" in out and "eval loss" in out.split("per source:")[-1]
 
-    train(tiny_config(mixture(tmp_path, short=0.9, long=0.1), "steps=16", "eval_interval=-1", *COMMON),
+    train(micro_config(mixture(tmp_path, short=0.9, long=0.1), "steps=16", "eval_interval=-1", *COMMON),
           devices=jax.devices()[:2], run_dir=tmp_path / "whole")
     out = capsys.readouterr().out
     assert "resumed from checkpoint at step 8" in out
@@ -57,7 +57,7 @@ def test_kill_9_then_rerun_matches_the_uninterrupted_run(tmp_path):
     steps, source = 10, mixture(tmp_path)
     overrides = (source, f"steps={steps}", "eval_fraction=0", "enable_checkpointing=true", "checkpoint_period=4",
                  "per_device_batch_size=1")
-    train(tiny_config(*overrides), devices=jax.devices(), run_dir=tmp_path / "reference")
+    train(micro_config(*overrides), devices=jax.devices(), run_dir=tmp_path / "reference")
     command = train_command(*overrides, f"base_output_directory={tmp_path}", "run_name=run")
     kill_and_rerun(command, tmp_path / "run", steps, kill_at=5, checkpoint_step=4, logs=tmp_path)
     rows, expected = read_metrics(tmp_path / "run"), read_metrics(tmp_path / "reference")

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import tiny_config
+from helpers import micro_config
 from maxpar.core.config import ConfigError, model_config
 from maxpar.model import Transformer
 from maxpar.model.layers import rope_attention_factor, rope_inv_freq
@@ -96,7 +96,7 @@ def inputs(emb):
                          ids=["direct_q", "q_lora", "q_lora_yarn"])
 @pytest.mark.parametrize("attention", ["dot_product", "blockwise"])
 def test_mla_equals_a_plain_reference(overrides, attention):
-    config = model_config(tiny_config(*MLA, *overrides, f"attention={attention}", "attention_block_size=4"))
+    config = model_config(micro_config(*MLA, *overrides, f"attention={attention}", "attention_block_size=4"))
     x, positions, segments = inputs(config.emb_dim)
     module = MultiHeadLatentAttention(config)
     params = nn.unbox(module.init(jax.random.key(1), x, positions, segments))["params"]
@@ -108,13 +108,13 @@ def test_mla_equals_a_plain_reference(overrides, attention):
 
 
 def test_yarn_inverse_frequencies_and_attention_factor():
-    config = tiny_config(*MLA, *YARN, "rope_theta=10000")
+    config = micro_config(*MLA, *YARN, "rope_theta=10000")
     s = config.rope_scaling
     want = yarn_formula(8, 10000.0, 40.0, 8, 32.0, 1.0)
     np.testing.assert_allclose(rope_inv_freq(4, 10000.0, s), want, rtol=1e-6)
     assert not np.allclose(want, 1.0 / 10000.0 ** (np.arange(0, 8, 2) / 8))  # the scaling changes something
     assert rope_attention_factor(s) == pytest.approx(mscale(40, 0.7) / mscale(40, 1.0))
-    unset = tiny_config(*MLA, *YARN, "rope_yarn_mscale_all_dim=0").rope_scaling
+    unset = micro_config(*MLA, *YARN, "rope_yarn_mscale_all_dim=0").rope_scaling
     assert rope_attention_factor(unset) == pytest.approx(0.1 * math.log(40) + 1)
 
 
@@ -132,7 +132,7 @@ def test_yarn_equals_transformers():
     hf = transformers.DeepseekV3Config(hidden_size=64, num_attention_heads=4, qk_rope_head_dim=64, qk_nope_head_dim=32,
                                        v_head_dim=16, kv_lora_rank=16, rope_parameters=rope)
     inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](hf)
-    config = model_config(tiny_config(*MLA, "qk_rope_head_dim=64", "qk_nope_head_dim=32", "rope_scaling_type=yarn",
+    config = model_config(micro_config(*MLA, "qk_rope_head_dim=64", "qk_nope_head_dim=32", "rope_scaling_type=yarn",
                                       "rope_scaling_factor=40", "rope_original_max_position_embeddings=64",
                                       "rope_yarn_mscale=0.7", "rope_yarn_mscale_all_dim=1.0"))
     np.testing.assert_allclose(rope_inv_freq(32, 10000.0, config.rope_scaling), inv_freq.numpy(), rtol=1e-6)
@@ -145,7 +145,7 @@ def test_cached_decoding_equals_the_full_forward():
     maxpar.generate's greedy tokens are the full forward's argmax."""
     from maxpar.generate import decode, model_apply
 
-    run = tiny_config(*MLA, "q_lora_rank=20", *YARN, f"max_new_tokens={LENGTH - 5}")
+    run = micro_config(*MLA, "q_lora_rank=20", *YARN, f"max_new_tokens={LENGTH - 5}")
     config = model_config(run)
     model = Transformer(config)
     tokens = jnp.asarray((np.arange(2 * LENGTH).reshape(2, LENGTH) * 7) % 250 + 3, jnp.int32)
@@ -179,13 +179,13 @@ def test_cached_decoding_equals_the_full_forward():
 ])
 def test_mla_config_errors_name_the_keys(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        tiny_config(*MLA, *overrides)
+        micro_config(*MLA, *overrides)
 
 
 def test_mla_ignores_the_gqa_head_keys():
-    assert tiny_config(*MLA, "num_query_heads=6", "num_kv_heads=4", "head_dim=15").num_query_heads == 6
+    assert micro_config(*MLA, "num_query_heads=6", "num_kv_heads=4", "head_dim=15").num_query_heads == 6
     with pytest.raises(ConfigError, match="num_kv_heads=4"):
-        tiny_config("num_query_heads=6", "num_kv_heads=4")
+        micro_config("num_query_heads=6", "num_kv_heads=4")
 
 
 @pytest.mark.parametrize("overrides", [[], ["q_lora_rank=20"]], ids=["direct_q", "q_lora"])
@@ -194,7 +194,7 @@ def test_matmul_params_count_the_mla_weights(overrides):
     from maxpar.io.metrics import attention_matmul_params
     from maxpar.model.roles import Block, param_role, path_keys
 
-    config = tiny_config(*MLA, *overrides)
+    config = micro_config(*MLA, *overrides)
     tokens = jnp.ones((1, 8), jnp.int32)
     shapes = jax.eval_shape(Transformer(model_config(config)).init, jax.random.key(0), tokens, tokens, tokens)
     leaves = jax.tree_util.tree_leaves_with_path(nn.unbox(shapes)["params"])
@@ -211,7 +211,7 @@ def test_mla_equals_transformers_deepseek_v3_attention():
     transformers = pytest.importorskip("transformers")
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_model
 
-    config = model_config(tiny_config(*MLA, "q_lora_rank=20", *YARN))
+    config = model_config(micro_config(*MLA, "q_lora_rank=20", *YARN))
     h, nope, rope, rank = config.num_query_heads, config.qk_nope_head_dim, config.qk_rope_head_dim, config.kv_lora_rank
     s = config.rope_scaling
     hf_config = transformers.DeepseekV3Config(

@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 
-from helpers import tiny_config
+from helpers import micro_config
 from maxpar.core.config import model_config
 from maxpar.model import Transformer
 from maxpar.model.layers import apply_rope
@@ -27,7 +27,7 @@ LENGTH = 32
 
 @pytest.fixture(scope="module")
 def model_and_params():
-    config = tiny_config()
+    config = micro_config()
     model = Transformer(model_config(config))
     tokens = jnp.zeros((1, LENGTH), jnp.int32)
     params = jax.jit(model.init)(jax.random.key(1), tokens, tokens, tokens)["params"]
@@ -37,7 +37,7 @@ def model_and_params():
 
 def test_the_model_config_has_no_parallelism_choice():
     """The model takes its sharding decisions from its layout: its config holds the run's model keys only."""
-    config = tiny_config()
+    config = micro_config()
     model = model_config(config)
     names = {field.name for field in dataclasses.fields(model)}
     assert not {n for n in names if "parallel" in n or n.startswith("pipeline_") or "axis_rules" in n}
@@ -133,7 +133,7 @@ def test_rope_scores_depend_only_on_relative_position():
 
 
 def test_learning_rate_schedule_warms_up_then_decays_to_the_final_fraction():
-    config = tiny_config("learning_rate=1e-3", "warmup_steps=10", "steps=110", "learning_rate_final_fraction=0.1")
+    config = micro_config("learning_rate=1e-3", "warmup_steps=10", "steps=110", "learning_rate_final_fraction=0.1")
     schedule = learning_rate_schedule(config)
     assert float(schedule(0)) == 0.0
     assert float(schedule(5)) == pytest.approx(5e-4)
@@ -147,7 +147,7 @@ def test_gradients_are_clipped_to_the_global_norm():
     grads = {"a": jnp.full((4,), 3.0), "b": jnp.full((2,), 4.0)}  # global norm sqrt(68)
 
     def first_moment_norm(threshold: float) -> float:
-        tx = make_optimizer(tiny_config(f"gradient_clipping_threshold={threshold}", "adam_b1=0.9"))
+        tx = make_optimizer(micro_config(f"gradient_clipping_threshold={threshold}", "adam_b1=0.9"))
         _, state = tx.update(grads, tx.init(grads), grads)
         (adam,) = [s for s in jax.tree.leaves(state, is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState))
                    if isinstance(s, optax.ScaleByAdamState)]

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import tiny_config
+from helpers import micro_config
 from maxpar.core.config import ConfigError, model_config
 from maxpar.io.metrics import matmul_params, parameter_counts
 from maxpar.model import Transformer
@@ -23,7 +23,7 @@ BLOCK = ["emb_dim=16", "mlp_dim=24", "num_experts=4", "num_experts_per_tok=2"]
 
 
 def block_and_params(*overrides):
-    config = tiny_config(*BLOCK, *overrides)
+    config = micro_config(*BLOCK, *overrides)
     block = MoeBlock(model_config(config))
     x = jax.random.normal(jax.random.key(1), (3, 10, config.emb_dim), jnp.float32)
     valid = jnp.ones((3, 10), bool).at[2, 6:].set(False)  # a padded row
@@ -46,7 +46,7 @@ def reference_moe(params, x, k: int):
 
 
 def test_parameters_have_the_contracted_names_shapes_and_logical_axes():
-    config = tiny_config("num_experts=8", "num_experts_per_tok=2")
+    config = micro_config("num_experts=8", "num_experts_per_tok=2")
     tokens = jnp.zeros((1, 8), jnp.int32)
     boxed = jax.eval_shape(Transformer(model_config(config)).init, jax.random.key(0), tokens, tokens, tokens)["params"]
     moe = boxed["decoder"]["layers"]["moe"]
@@ -157,7 +157,7 @@ def test_uniform_routing_is_the_minimum_of_the_balance_loss():
 
 
 def test_moe_layers_interleave_and_count_active_parameters():
-    config = tiny_config("num_experts=4", "num_experts_per_tok=2", "num_decoder_layers=4", "moe_layer_interval=2")
+    config = micro_config("num_experts=4", "num_experts_per_tok=2", "num_decoder_layers=4", "moe_layer_interval=2")
     tokens = jnp.zeros((1, 8), jnp.int32)
     params = jax.eval_shape(Transformer(model_config(config)).init, jax.random.key(0), tokens, tokens, tokens)["params"]
     block = params["decoder"]["layers"]
@@ -167,7 +167,7 @@ def test_moe_layers_interleave_and_count_active_parameters():
     counts = parameter_counts(nn.unbox(params), 2)
     experts = 2 * 3 * 4 * 64 * 128                               # 2 MoE layers x 3 weights x 4 experts
     assert counts["total"] - counts["active"] == experts // 2    # half of the experts idle per token
-    dense = tiny_config("num_decoder_layers=4")
+    dense = micro_config("num_decoder_layers=4")
     # Active FLOPs: a MoE layer costs its router and k = 2 experts, i.e. 2 dense MLPs.
     assert matmul_params(config) - matmul_params(dense) == 2 * (3 * 64 * 128 + 64 * 4)
 
@@ -180,7 +180,7 @@ def test_moe_layers_interleave_and_count_active_parameters():
 ])
 def test_invalid_moe_configs_fail_at_config_time(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        tiny_config(*overrides)
+        micro_config(*overrides)
 
 
 # ---------------------------------------------------------------- DeepSeek-V3 routing: sigmoid, bias, groups, shared
@@ -283,11 +283,11 @@ def test_routing_bias_update_is_rate_times_the_sign_of_the_imbalance_per_layer()
 ])
 def test_invalid_routing_configs_fail_at_config_time(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        tiny_config("num_experts=4", "num_experts_per_tok=2", *overrides)
+        micro_config("num_experts=4", "num_experts_per_tok=2", *overrides)
 
 
 def test_optimizer_leaves_the_routing_bias_alone():
-    config = tiny_config("num_experts=4", "num_experts_per_tok=2", "routed_bias=true", "adam_weight_decay=0.1",
+    config = micro_config("num_experts=4", "num_experts_per_tok=2", "routed_bias=true", "adam_weight_decay=0.1",
                          "warmup_steps=0", "gradient_clipping_threshold=1.0")
     tx = make_optimizer(config)
     params = {"decoder": {"layers": {"moe": {"routing_bias": jnp.full((2, 4), 0.5), "router": jnp.ones((2, 3, 4))}}}}

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import read_metrics, tiny_config, write_corpus
+from helpers import read_metrics, micro_config, write_corpus
 from maxpar.core.config import ConfigError, model_config
 from maxpar.io import checkpoint
 from maxpar.model import stack
@@ -57,7 +57,7 @@ def make_batch(config):
 def logits_and_grads(mesh: tuple[int, list[str]], params, *extra):
     """(logits, gradients, MoE stats, compiled HLO text) of one batch on a mesh, from host parameters."""
     devices, overrides = mesh
-    config = tiny_config(*MOE, *overrides, *extra)
+    config = micro_config(*MOE, *overrides, *extra)
     run = setup_run(config, jax.devices()[:devices])
     batch = make_batch(config)
 
@@ -76,7 +76,7 @@ def logits_and_grads(mesh: tuple[int, list[str]], params, *extra):
 
 @pytest.fixture(scope="module")
 def params():
-    config = tiny_config(*MOE, *ONE[1])
+    config = micro_config(*MOE, *ONE[1])
     run = setup_run(config, jax.devices()[:1])
     return jax.device_get(create_state(run.model, run.tx, run.layout, run.mesh).params)
 
@@ -118,7 +118,7 @@ def corpus(tmp_path_factory):
 
 def train_losses(run_dir, corpus, mesh, *extra) -> list[dict]:
     devices, overrides = mesh
-    config = tiny_config("model_name=tiny-moe", "steps=4", "dataset_type=text", f"dataset_path={corpus}",
+    config = micro_config("model_name=tiny-moe", "steps=4", "dataset_type=text", f"dataset_path={corpus}",
                          "eval_fraction=0", *overrides, *extra)
     train(config, devices=jax.devices()[:devices], run_dir=run_dir)
     return read_metrics(run_dir)
@@ -165,7 +165,7 @@ def test_moe_checkpoint_saves_on_one_mesh_and_resumes_on_another(tmp_path, corpu
 
 def test_interleaved_moe_layers_have_one_on_disk_layout_scanned_or_unrolled():
     def target(*extra):
-        config = tiny_config("model_name=tiny-moe", "dataset_type=synthetic", "num_decoder_layers=4",
+        config = micro_config("model_name=tiny-moe", "dataset_type=synthetic", "num_decoder_layers=4",
                              "moe_layer_interval=2", *extra)
         run = setup_run(config, jax.devices())
         return run.restore_target()
@@ -189,7 +189,7 @@ def test_interleaved_moe_layers_have_one_on_disk_layout_scanned_or_unrolled():
       "[exp,[expert]],[embed,[fsdp]]]"], "which does not split the tokens"),
 ])
 def test_expert_layouts_the_mesh_cannot_run_fail_at_setup(overrides, message):
-    config = tiny_config("model_name=tiny-moe", "dataset_type=synthetic", "per_device_batch_size=1", *overrides)
+    config = micro_config("model_name=tiny-moe", "dataset_type=synthetic", "per_device_batch_size=1", *overrides)
     with pytest.raises(ConfigError, match=message):
         setup_run(config, jax.devices())
 
@@ -222,7 +222,7 @@ DEEPSEEK_MESHES = {
 def deepseek_steps(mesh, steps: int = 3):
     """(losses, canonical parameters after `steps` train steps on one batch) of the DeepSeek-style tiny MoE."""
     devices, overrides = mesh
-    config = tiny_config(*MOE, *DEEPSEEK, *overrides)
+    config = micro_config(*MOE, *DEEPSEEK, *overrides)
     run = setup_run(config, jax.devices()[:devices])
     state = create_state(run.model, run.tx, run.layout, run.mesh)
     step = jit_train_step(run.model, run.tx, run.layout, run.mesh)
@@ -255,7 +255,7 @@ def test_deepseek_moe_with_bias_updates_trains_equal_to_one_device(name, deepsee
 
 def test_routing_bias_resumes_bitwise(tmp_path, corpus):
     def final_bias(run_dir):
-        config = tiny_config("model_name=tiny-moe", *DEEPSEEK, "dataset_type=text", f"dataset_path={corpus}",
+        config = micro_config("model_name=tiny-moe", *DEEPSEEK, "dataset_type=text", f"dataset_path={corpus}",
                              "eval_fraction=0", *ONE[1])
         run = setup_run(config, jax.devices()[:1])
         manager = checkpoint.make_manager(run_dir, config)

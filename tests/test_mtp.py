@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from helpers import step_metrics, tiny_config
+from helpers import step_metrics, micro_config
 from maxpar.core.config import model_config
 from maxpar.generate import decode, model_apply
 from maxpar.io.metrics import parameter_counts
@@ -76,7 +76,7 @@ def reference_mtp_loss(config, params, batch) -> float:
 
 
 def test_mtp_loss_equals_the_formula_and_leaves_the_main_loss_alone():
-    config = tiny_config("mtp_num_layers=2", "mtp_loss_scaling_factor=0.3")
+    config = micro_config("mtp_num_layers=2", "mtp_loss_scaling_factor=0.3")
     params, batch = init_params(config), packed_batch(config.vocab_size)
     model = Transformer(model_config(config))
     total, sums = jax.jit(partial(objective, model=model, config=config))(params, {}, with_mtp_targets(batch, 2))
@@ -89,7 +89,7 @@ def test_mtp_loss_equals_the_formula_and_leaves_the_main_loss_alone():
 
 
 def test_mtp_off_leaves_the_parameters_and_their_initial_values_unchanged():
-    off, on = tiny_config(), tiny_config("mtp_num_layers=1")
+    off, on = micro_config(), micro_config("mtp_num_layers=1")
     assert off.mtp_num_layers == 0
     without, with_mtp = init_params(off), init_params(on)
     assert MTP not in without and MTP in with_mtp
@@ -103,7 +103,7 @@ def test_mtp_off_leaves_the_parameters_and_their_initial_values_unchanged():
 def test_the_planner_counts_the_mtp_modules_by_role():
     from maxpar.plan.hardware import load_hardware
     from maxpar.plan.predict import Target, plan_layout
-    config = tiny_config("mtp_num_layers=2", "num_experts=4", "num_experts_per_tok=2")
+    config = micro_config("mtp_num_layers=2", "num_experts=4", "num_experts_per_tok=2")
     layout = plan_layout(config, Target(load_hardware("tpu-v5p"), 8, 1))  # refuses undeclared roles
     mtp = [t for t in layout.params() if f".{MTP}" in t.path or f"'{MTP}'" in t.path]
     assert {t.role for t in mtp} >= {ParamRole.MTP_PROJECTION, ParamRole.EXPERT_GATE, ParamRole.QUERY}
@@ -111,14 +111,14 @@ def test_the_planner_counts_the_mtp_modules_by_role():
 
 
 def test_sampling_never_runs_the_mtp_modules():
-    config = tiny_config("mtp_num_layers=1", "max_new_tokens=4")
+    config = micro_config("mtp_num_layers=1", "max_new_tokens=4")
     params = init_params(config)
     apply = model_apply(Transformer(model_config(config)))
     prompts = [[5, 6, 7], [8, 9]]
     tokens = decode(apply, params, prompts, config, eos_id=-1).tokens
     scrambled = {**params, MTP: jax.tree.map(lambda x: x * 0 + 7.0, params[MTP])}
     assert decode(apply, scrambled, prompts, config, eos_id=-1).tokens == tokens
-    plain = tiny_config("max_new_tokens=4")
+    plain = micro_config("max_new_tokens=4")
     without = {key: value for key, value in params.items() if key != MTP}
     assert decode(model_apply(Transformer(model_config(plain))), without, prompts, plain, eos_id=-1).tokens == tokens
 

@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from helpers import tiny_config
+from helpers import micro_config
 from maxpar.training.optimizer import learning_rate_schedule, make_optimizer
 
 
@@ -37,7 +37,7 @@ def moments(state):
                                                           ("bfloat16", "float32", "float32"),
                                                           ("float32", "bfloat16", "bfloat16")])
 def test_both_moments_keep_the_requested_dtype_across_updates(weights, state_dtype, expected):
-    config = tiny_config(f"weight_dtype={weights}", f"optimizer_state_dtype={state_dtype}")
+    config = micro_config(f"weight_dtype={weights}", f"optimizer_state_dtype={state_dtype}")
     tx = make_optimizer(config)
     params, grads = params_and_grads(jnp.dtype(weights))
     state = tx.init(params)
@@ -48,7 +48,7 @@ def test_both_moments_keep_the_requested_dtype_across_updates(weights, state_dty
 
 
 def test_float32_state_equals_optax_adamw():
-    config = tiny_config("gradient_clipping_threshold=0")
+    config = micro_config("gradient_clipping_threshold=0")
     params, grads = params_and_grads(jnp.float32)
     reference = optax.adamw(learning_rate_schedule(config), b1=config.adam_b1, b2=config.adam_b2,
                             eps=config.adam_eps, weight_decay=config.adam_weight_decay,
@@ -65,7 +65,7 @@ def test_float32_state_equals_optax_adamw():
 
 def test_float32_moments_under_bf16_weights_do_not_round_through_bfloat16():
     # nu of a tiny gradient: (1 - b2) g^2 is far below bf16 resolution relative to 1 but exact in float32.
-    config = tiny_config("weight_dtype=bfloat16", "optimizer_state_dtype=float32", "gradient_clipping_threshold=0")
+    config = micro_config("weight_dtype=bfloat16", "optimizer_state_dtype=float32", "gradient_clipping_threshold=0")
     tx = make_optimizer(config)
     params = {"w": jnp.ones((2,), jnp.bfloat16)}
     state = tx.init(params)

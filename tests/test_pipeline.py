@@ -23,7 +23,7 @@ import optax
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
-from helpers import packed_batch, tiny_config
+from helpers import packed_batch, micro_config
 from maxpar.core.config import model_config
 from maxpar.model import stack
 from maxpar.model import Transformer
@@ -75,7 +75,7 @@ class Outcome:
 @pytest.fixture(scope="module")
 def reference() -> tuple[Any, Outcome]:
     """Canonical float32 parameters and the unpipelined model's logits and gradients on one device."""
-    config = tiny_config(*BASE)
+    config = micro_config(*BASE)
     model = Transformer(model_config(config))
     tokens = jnp.zeros((1, LENGTH), jnp.int32)
     params = nn.unbox(jax.jit(model.init)(jax.random.key(0), tokens, tokens, tokens)["params"])
@@ -92,7 +92,7 @@ def outcomes(reference):
     def get(name: str) -> Outcome:
         if name not in cache:
             stages, micro, repeats, mesh = CASES[name]
-            config = tiny_config(*BASE, f"ici_stage_parallelism={stages}", f"num_pipeline_microbatches={micro}",
+            config = micro_config(*BASE, f"ici_stage_parallelism={stages}", f"num_pipeline_microbatches={micro}",
                                  f"num_pipeline_repeats={repeats}", *mesh)
             run = setup_run(config, jax.devices())
             assert run.pipeline is not None and run.pipeline.num_microbatches == micro
@@ -163,7 +163,7 @@ def test_fsdp_ag_once_gathers_and_reduces_once_while_the_default_does_so_per_ite
 def test_circular_layout_initializes_the_canonical_weights(reference):
     """The same seed gives the same model in every layout: [R, L/R, ...] is the canonical stack reshaped."""
     params, _ = reference
-    config = tiny_config(*BASE, "ici_stage_parallelism=2", "num_pipeline_repeats=2")
+    config = micro_config(*BASE, "ici_stage_parallelism=2", "num_pipeline_repeats=2")
     tokens = jnp.zeros((1, LENGTH), jnp.int32)
     init = jax.jit(Transformer(model_config(config)).init)
     circular = nn.unbox(init(jax.random.key(0), tokens, tokens, tokens)["params"])
@@ -175,7 +175,7 @@ def test_circular_layout_initializes_the_canonical_weights(reference):
 def test_minimal_remat_saves_the_projections_under_the_stage_vmap():
     """remat_policy=minimal saves the layer's weight projections, also under the pipeline's vmap over
     stages (which gives every matmul a batch dimension, so a dimension-based policy would save none)."""
-    config = tiny_config("remat_policy=minimal", "dtype=bfloat16")
+    config = micro_config("remat_policy=minimal", "dtype=bfloat16")
     layer = rematerialized(config, DecoderLayer)(config)
     x = jnp.ones((2, LENGTH, 64), jnp.bfloat16)
     ids = jnp.ones((2, LENGTH), jnp.int32)

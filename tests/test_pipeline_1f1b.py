@@ -23,7 +23,7 @@ import numpy as np
 import optax
 import pytest
 
-from helpers import packed_batch, read_metrics, tiny_config, write_corpus
+from helpers import packed_batch, read_metrics, micro_config, write_corpus
 from maxpar.core.config import ConfigError, model_config
 from maxpar.core.layout import spec_axes
 from maxpar.core.op_schedule import OpSchedule
@@ -78,7 +78,7 @@ def summed_loss(logits, targets, segment_ids):
 @pytest.fixture(scope="module")
 def reference():
     """Float32 parameters, and the one-device unpipelined model's summed loss and gradients."""
-    model = Transformer(model_config(tiny_config(*BASE)))
+    model = Transformer(model_config(micro_config(*BASE)))
     tokens = jnp.zeros((1, LENGTH), jnp.int32)
     params = nn.unbox(jax.jit(model.init)(jax.random.key(0), tokens, tokens, tokens)["params"])
 
@@ -93,7 +93,7 @@ def reference():
 @pytest.mark.parametrize("stages,microbatches", [(2, 4), (4, 8)])
 def test_gradients_equal_the_unpipelined_model(kind, stages, microbatches, reference):
     params, want_loss, want = reference
-    config = tiny_config(*BASE, *stages_and_data(stages, microbatches, f"pipeline_schedule={kind}"))
+    config = micro_config(*BASE, *stages_and_data(stages, microbatches, f"pipeline_schedule={kind}"))
     run = setup_run(config, jax.devices())
     schedule = OpSchedule(kind, stages, microbatches)
     step = jax.jit(lambda p, b: staged_grads(model_config(config), run.model.layout, schedule, p, b, summed_loss))
@@ -119,7 +119,7 @@ MTP = ("mtp_num_layers=1", "mtp_loss_scaling_factor=0.3")
 def mtp_reference():
     """A tiny dense model with one MTP module: float32 parameters, a `with_mtp_targets` batch, and the one-device
     unpipelined train step's objective (loss + 0.3 x MTP loss), its sums and its gradients."""
-    config = tiny_config(*BASE, *MTP)
+    config = micro_config(*BASE, *MTP)
     model = Transformer(model_config(config))
     tokens = jnp.zeros((1, LENGTH), jnp.int32)
     params = nn.unbox(jax.jit(model.init)(jax.random.key(0), tokens, tokens, tokens)["params"])
@@ -136,7 +136,7 @@ def test_mtp_gradients_equal_the_unpipelined_model(kind, overrides, mtp_referenc
     sums the lookup's, the output head's and the MTP lookup's parts) and mtp_sum equal the unpipelined model's,
     at S = 2 x data and S = 2 x FSDP (the head's weights split over FSDP inside the last stage)."""
     params, batch, want_sums, want = mtp_reference
-    config = tiny_config(*BASE, *MTP, *stages_and_data(2, 4, f"pipeline_schedule={kind}"), *overrides)
+    config = micro_config(*BASE, *MTP, *stages_and_data(2, 4, f"pipeline_schedule={kind}"), *overrides)
     run = setup_run(config, jax.devices())
     step = jax.jit(lambda p, b: staged_grads(model_config(config), run.model.layout, OpSchedule(kind, 2, 4), p, b,
                                              summed_loss, mtp_weight=config.mtp_loss_scaling_factor))
@@ -172,7 +172,7 @@ def test_gradients_with_fsdp_and_tensor_parallelism_inside_the_stages(case, refe
     (FSDP keeps its memory saving), but under pipeline_fsdp_ag_once."""
     params, want_loss, want = reference
     kind, manual, grad_axes, overrides = INSIDE[case]
-    config = tiny_config(*BASE, *stages_and_data(2, 4, f"pipeline_schedule={kind}"), *overrides)
+    config = micro_config(*BASE, *stages_and_data(2, 4, f"pipeline_schedule={kind}"), *overrides)
     run = setup_run(config, jax.devices())
     sizes = run.model.layout.mesh.sizes
     assert tuple(a for a in run.model.layout.pipeline.executor.batch_axes if sizes[a] > 1) == manual
@@ -207,7 +207,7 @@ def trainings(tmp_path_factory):
         run_dir = tmp_path_factory.mktemp(name) / "run"
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
-            train(tiny_config(*common, *overrides), devices=devices, run_dir=run_dir)
+            train(micro_config(*common, *overrides), devices=devices, run_dir=run_dir)
         rows = read_metrics(run_dir)
         assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
         out[name] = rows
@@ -235,7 +235,7 @@ def test_training_has_the_unpipelined_losses_and_gradient_norms(name, trainings)
 def test_the_train_step_takes_its_gradients_from_the_executor_only_under_1f1b(schedule, explicit):
     """The executor's ppermutes (the gPipe loop moves activations with jnp.roll) are in the step only under the
     schedules with an explicit backward."""
-    config = tiny_config(*BASE, *stages_and_data(2, 4), f"pipeline_schedule={schedule}")
+    config = micro_config(*BASE, *stages_and_data(2, 4), f"pipeline_schedule={schedule}")
     run = setup_run(config, jax.devices())
     batch = {k: jax.ShapeDtypeStruct((ROWS, LENGTH), jnp.int32) for k in BATCH_KEYS}
     step = partial(train_step, model=run.model, tx=run.tx, config=config)
@@ -248,7 +248,7 @@ def test_the_plan_predicts_1f1b_activations_that_shrink_with_m_where_gpipe_keeps
     pipeline_memory.py and `maxpar.plan --verify`). The bubble is (S-1)/(M+S-1) for gPipe and 1F1B, a third of
     the ticks' share for zero-bubble (M >= S)."""
     def planned(schedule: str, micro: int) -> tuple[float, float]:
-        config = tiny_config("num_decoder_layers=8", "per_device_batch_size=4", "max_target_length=256",
+        config = micro_config("num_decoder_layers=8", "per_device_batch_size=4", "max_target_length=256",
                              *stages_and_data(4, micro, f"pipeline_schedule={schedule}"))
         result = make_plan(config, Target(load_hardware("tpu-v5p"), 8, 1))
         bubble = 3 / (3 * micro + 3) if schedule == "zero_bubble" else 3 / (micro + 3)  # ZB-H1: B and W split
@@ -264,9 +264,9 @@ def test_the_plan_predicts_1f1b_activations_that_shrink_with_m_where_gpipe_keeps
 
 def test_the_sampling_command_of_a_1f1b_run_puts_the_schedule_back():
     """maxpar.generate runs no stages, so the command a run prints resets the pipeline-only keys it set."""
-    config = tiny_config(*BASE, *stages_and_data(2, 4))
+    config = micro_config(*BASE, *stages_and_data(2, 4))
     assert "pipeline_schedule=auto" in unstaged_keys(config)
-    assert not any(k.startswith("pipeline_schedule") for k in unstaged_keys(tiny_config(*BASE)))
+    assert not any(k.startswith("pipeline_schedule") for k in unstaged_keys(micro_config(*BASE)))
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -285,4 +285,4 @@ def test_the_sampling_command_of_a_1f1b_run_puts_the_schedule_back():
 ])
 def test_what_1f1b_cannot_run_is_a_config_error(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        setup_run(tiny_config(*BASE, *overrides), jax.devices())
+        setup_run(micro_config(*BASE, *overrides), jax.devices())

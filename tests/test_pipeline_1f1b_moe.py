@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import packed_batch, tiny_config
+from helpers import packed_batch, micro_config
 from maxpar.core.config import model_config
 from maxpar.model import Transformer
 from maxpar.train import setup_run
@@ -59,7 +59,7 @@ def reference():
 
     def get(name: str):
         if name not in made:
-            config = tiny_config(*MOE, *MODELS[name], "per_device_batch_size=16")
+            config = micro_config(*MOE, *MODELS[name], "per_device_batch_size=16")
             tokens = jnp.zeros((1, LENGTH), jnp.int32)
             init = jax.jit(Transformer(model_config(config)).init)
             params = nn.unbox(init(jax.random.key(0), tokens, tokens, tokens)["params"])
@@ -71,7 +71,7 @@ def reference():
 @pytest.mark.parametrize("name,kind", [("mixtral", "1f1b"), ("deepseek", "zero_bubble")])
 def test_moe_stages_give_the_unpipelined_gradients_and_sums(name, kind, reference):
     params, want, want_sums = reference(name)
-    got, sums = step_grads(tiny_config(*MOE, *MODELS[name], *STAGED, *MESHES[name], f"pipeline_schedule={kind}"),
+    got, sums = step_grads(micro_config(*MOE, *MODELS[name], *STAGED, *MESHES[name], f"pipeline_schedule={kind}"),
                            params)
     assert set(sums) == set(want_sums)
     for key in ("loss_sum", "tokens", "balance_sum", "dropped", "routed"):
@@ -96,6 +96,6 @@ def test_the_balance_loss_gradient_reaches_the_routers(reference):
     """The case above would miss a dropped balance-loss gradient too small to see: without the loss the routers'
     gradients differ by far more than its tolerance."""
     params, want, _ = reference("mixtral")
-    no_balance, _ = step_grads(tiny_config(*MOE, "load_balance_loss_weight=0", "per_device_batch_size=16"), params)
+    no_balance, _ = step_grads(micro_config(*MOE, "load_balance_loss_weight=0", "per_device_batch_size=16"), params)
     router, other = want["decoder"]["layers"]["moe"]["router"], no_balance["decoder"]["layers"]["moe"]["router"]
     assert np.max(np.abs(router - other)) > 1e-3 * np.max(np.abs(router))

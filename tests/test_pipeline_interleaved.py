@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import pytest
 
-from helpers import tiny_config
+from helpers import micro_config
 from maxpar.core.config import ConfigError, model_config
 from maxpar.core.op_schedule import B, F, OpSchedule
 from maxpar.model.stack import from_canonical, to_canonical
@@ -55,7 +55,7 @@ def test_program_runs_each_ops_block_and_routes_what_it_sends_to_the_next_blocks
 def test_gradients_equal_the_unpipelined_model(stages, microbatches, repeats, inside, reference):
     """The second case splits each stage's weights over FSDP inside the executor as well."""
     params, want_loss, want = reference
-    config = tiny_config(*BASE, *stages_and_data(stages, microbatches, f"pipeline_schedule={KIND}",
+    config = micro_config(*BASE, *stages_and_data(stages, microbatches, f"pipeline_schedule={KIND}",
                                                  f"num_pipeline_repeats={repeats}"), *inside)
     model = model_config(config)
     run = setup_run(config, jax.devices())
@@ -73,7 +73,7 @@ def test_gradients_equal_the_unpipelined_model(stages, microbatches, repeats, in
 ])
 def test_what_interleaved_cannot_run_is_a_config_error(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        setup_run(tiny_config(*BASE, *overrides), jax.devices())
+        setup_run(micro_config(*BASE, *overrides), jax.devices())
 
 
 def test_the_plan_divides_the_bubble_by_about_r_and_keeps_block_inputs_only():
@@ -81,7 +81,7 @@ def test_the_plan_divides_the_bubble_by_about_r_and_keeps_block_inputs_only():
     held (2 (S-1) + (R-1) S + 1 of them) and one block's re-run, far below circular's, which keeps every
     microbatch's."""
     def planned(schedule: str, repeats: int) -> tuple[float, float]:
-        config = tiny_config("num_decoder_layers=16", "per_device_batch_size=4", "max_target_length=256",
+        config = micro_config("num_decoder_layers=16", "per_device_batch_size=4", "max_target_length=256",
                              *stages_and_data(4, 8, f"pipeline_schedule={schedule}", f"num_pipeline_repeats={repeats}"))
         result = make_plan(config, Target(load_hardware("tpu-v5p"), 8, 1))
         return result["pipeline_bubble"], result["memory_per_device_bytes"]["activations"]

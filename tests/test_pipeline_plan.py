@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY
+from helpers import MICRO
 from maxpar.core.config import load_config
 from maxpar.plan.__main__ import run
 from maxpar.plan.hardware import load_hardware
@@ -68,7 +68,7 @@ def test_fsdp_gathers_per_iteration_or_once_with_ag_once():
         "gathered_weights"]
 
 
-SMALL = [*TINY, "num_decoder_layers=4", "per_device_batch_size=4", "dtype=bfloat16", "hardware=tpu-v5p"]
+SMALL = [*MICRO, "num_decoder_layers=4", "per_device_batch_size=4", "dtype=bfloat16", "hardware=tpu-v5p"]
 VERIFIED = {
     "DP(2)xPP(2)xTP(2) circular": ["ici_data_parallelism=2", "ici_fsdp_parallelism=1", "ici_tensor_parallelism=2",
                                    "ici_stage_parallelism=2", "num_pipeline_repeats=2", "num_pipeline_microbatches=4"],
@@ -123,7 +123,7 @@ def test_per_repeat_gathers_sit_between_the_default_and_ag_once():
 def test_verify_per_repeat_gathers_match_the_compiled_collectives():
     # PP(2)xFSDP(4) circular: each window's gathers and the rematerialized forward's permutes are counted
     # exactly; XLA:CPU's temporaries are a named known misprediction.
-    result, text, status = run([BASE, *TINY, "num_decoder_layers=4", "per_device_batch_size=1", "hardware=tpu-v5p",
+    result, text, status = run([BASE, *MICRO, "num_decoder_layers=4", "per_device_batch_size=1", "hardware=tpu-v5p",
                                 "ici_stage_parallelism=2", "ici_fsdp_parallelism=4", "num_pipeline_repeats=2",
                                 "num_pipeline_microbatches=2", "pipeline_fsdp_ag_per_repeat=true", "--verify"])
     v = result["verify"]
@@ -136,7 +136,7 @@ def test_verify_per_repeat_gathers_match_the_compiled_collectives():
 def test_verify_passes_for_moe_layers_inside_pipeline_stages():
     # EP(2)xPP(2)xDP(2), dropless: the experts' all-to-alls and gathers run per pipeline iteration (bubble
     # included) on a pipeline microbatch; their data-parallel reduction once per step after the loop.
-    result, text, status = run([BASE, *TINY, "per_device_batch_size=1", "hardware=tpu-v5p", "num_experts=4",
+    result, text, status = run([BASE, *MICRO, "per_device_batch_size=1", "hardware=tpu-v5p", "num_experts=4",
                                 "num_experts_per_tok=2", "capacity_factor=0", "ici_expert_parallelism=2",
                                 "ici_stage_parallelism=2", "ici_data_parallelism=2", "ici_fsdp_parallelism=1",
                                 "num_pipeline_microbatches=2", "--verify"])

@@ -7,7 +7,7 @@ import itertools
 import jax
 import pytest
 
-from helpers import tiny_config
+from helpers import micro_config
 from maxpar.core.config import ConfigError
 from maxpar.core.mesh import resolve_mesh_shape
 from maxpar.core.schedule import Schedule, stage_task
@@ -111,7 +111,7 @@ def test_impossible_pipelines_fail_before_any_device_is_used(overrides, message)
     """Keys that cannot pipeline on any mesh: refused by the config or, where the stage count matters, by the
     run layout on an abstract mesh."""
     with pytest.raises(ConfigError, match=message):
-        config = tiny_config(*overrides)
+        config = micro_config(*overrides)
         run_layout(config, resolve_mesh_shape(config, 8))
 
 
@@ -127,7 +127,7 @@ def test_impossible_pipelines_fail_before_any_device_is_used(overrides, message)
      r"map the stacked `layers` axis to no mesh axis; pipelining needs the rule \[layers, \[stage\]\]"),
 ])
 def test_pipelines_that_do_not_fit_the_mesh_fail_at_setup(overrides, message):
-    config = tiny_config("dataset_type=synthetic", "per_device_batch_size=1", *overrides)
+    config = micro_config("dataset_type=synthetic", "per_device_batch_size=1", *overrides)
     with pytest.raises(ConfigError, match=message):
         setup_run(config, jax.devices())
 

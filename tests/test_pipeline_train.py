@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import read_metrics, tiny_config, write_corpus
+from helpers import read_metrics, micro_config, write_corpus
 from maxpar.core.config import model_config
 from maxpar.io import checkpoint
 from maxpar.model import stack
@@ -32,7 +32,7 @@ def corpus(tmp_path_factory):
 
 
 def config_for(corpus: str, *overrides: str):
-    return tiny_config("num_decoder_layers=4", f"steps={STEPS}", "dataset_type=text", f"dataset_path={corpus}",
+    return micro_config("num_decoder_layers=4", f"steps={STEPS}", "dataset_type=text", f"dataset_path={corpus}",
                        "eval_fraction=0", "enable_checkpointing=true", f"checkpoint_period={STEPS}", *overrides)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from helpers import TINY
+from helpers import MICRO
 from maxpar.core.config import load_config
 from maxpar.plan import verify
 from maxpar.plan.__main__ import main, run
@@ -22,7 +22,7 @@ from maxpar.plan.predict import Target, make_plan, plan_layout
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = str(REPO / "configs" / "base.yml")
-SMALL = [*TINY, "per_device_batch_size=4", "hardware=tpu-v5p"]
+SMALL = [*MICRO, "per_device_batch_size=4", "hardware=tpu-v5p"]
 
 STRATEGIES = {
     "DP(8)": ("base.yml", ["ici_data_parallelism=-1", "ici_fsdp_parallelism=1"], {("data", "all-reduce")}),

@@ -9,7 +9,7 @@ import sys
 import jax
 import pytest
 
-from helpers import REPO, TINY, tiny_config
+from helpers import REPO, MICRO, micro_config
 from launch.cluster import hardware_profile, trainer_command
 from maxpar.core.config import ConfigError, load_config
 from maxpar.core.mesh import create_mesh, local_mesh_shape
@@ -44,7 +44,7 @@ def test_a_model_too_large_for_this_host_is_refused_before_it_allocates():
 
 
 def test_a_tiny_model_fits_and_skip_memory_check_skips_the_check():
-    check_local_fit(tiny_config(), jax.devices(), jax.local_devices())
+    check_local_fit(micro_config(), jax.devices(), jax.local_devices())
     huge = load_config(["configs/base.yml", "model_name=llama3-70b"])
     with pytest.raises(ConfigError, match=r"llama3-70b needs ~\d+ GB .* GB per device x 8 devices"):
         check_local_fit(huge, jax.devices(), jax.devices())
@@ -54,10 +54,10 @@ def test_a_tiny_model_fits_and_skip_memory_check_skips_the_check():
 
 def test_simulated_cpu_devices_share_the_host_memory():
     estimate = {"params": 1e9, "optimizer": 2e9, "gradients": 1e9, "activations": 1e9, "total": 5e9}
-    check_fits(tiny_config(), estimate, 40e9, 8, "this host")  # 8 x 5 GB = 40 GB: fits
+    check_fits(micro_config(), estimate, 40e9, 8, "this host")  # 8 x 5 GB = 40 GB: fits
     with pytest.raises(ConfigError, match=r"needs ~45 GB \(5.0 GB per device x 9 devices: parameters 1.0, "
                                           r"optimizer state 2.0, gradients 1.0, activations 1.0 GB\); this host"):
-        check_fits(tiny_config(), estimate, 40e9, 9, "this host")
+        check_fits(micro_config(), estimate, 40e9, 9, "this host")
 
 
 def test_launchers_check_memory_against_the_target_hardware():
@@ -74,7 +74,7 @@ def test_too_few_cpu_devices_say_how_to_simulate_more():
     with pytest.raises(ConfigError, match=r"multiply to 16 but there are 8 devices per slice; .* on a CPU machine "
                                           r"simulate devices with num_simulated_devices=16 or "
                                           r"XLA_FLAGS=--xla_force_host_platform_device_count=16"):
-        create_mesh(tiny_config("ici_fsdp_parallelism=16"))
+        create_mesh(micro_config("ici_fsdp_parallelism=16"))
 
 
 @pytest.mark.parametrize("overrides, named", [
@@ -84,7 +84,7 @@ def test_too_few_cpu_devices_say_how_to_simulate_more():
      "simulating 4 CPU devices would not run this config either: dcn degrees (dcn_data_parallelism=2)"),
 ])
 def test_the_device_count_hint_names_a_count_that_runs_the_whole_config(overrides, named):
-    config = tiny_config(*overrides)
+    config = micro_config(*overrides)
     with pytest.raises(ConfigError) as error:
         local_mesh_shape(config, jax.devices()[:1], layout_check(config))
     assert named in str(error.value)
@@ -93,16 +93,16 @@ def test_the_device_count_hint_names_a_count_that_runs_the_whole_config(override
 
 def test_num_simulated_devices_is_refused_where_it_cannot_work(monkeypatch):
     with pytest.raises(ConfigError, match="JAX has already started"):
-        preflight.apply_simulated_devices(tiny_config("num_simulated_devices=8"))
+        preflight.apply_simulated_devices(micro_config("num_simulated_devices=8"))
     monkeypatch.setenv("JAX_PLATFORMS", "cuda")
     with pytest.raises(ConfigError, match="JAX_PLATFORMS='cuda'"):
-        preflight.apply_simulated_devices(tiny_config("num_simulated_devices=8"))
-    preflight.apply_simulated_devices(tiny_config())  # 0 = off: nothing to refuse
+        preflight.apply_simulated_devices(micro_config("num_simulated_devices=8"))
+    preflight.apply_simulated_devices(micro_config())  # 0 = off: nothing to refuse
 
 
 def test_num_simulated_devices_gives_a_fresh_process_that_many_devices(tmp_path):
     # 4 simulated devices, no XLA_FLAGS: the mesh (asking for 8) counts them, before anything compiles.
-    command = [sys.executable, "-m", "maxpar.train", "configs/base.yml", *TINY, "dataset_type=synthetic", "steps=1",
+    command = [sys.executable, "-m", "maxpar.train", "configs/base.yml", *MICRO, "dataset_type=synthetic", "steps=1",
                "num_simulated_devices=4", "ici_fsdp_parallelism=8", f"base_output_directory={tmp_path}"]
     done = subprocess.run(command, cwd=REPO, env=without_simulated_devices(), capture_output=True, text=True,
                           timeout=300)
@@ -114,8 +114,8 @@ def test_num_simulated_devices_gives_a_fresh_process_that_many_devices(tmp_path)
 def test_an_output_directory_under_a_file_is_a_config_error(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match=r"base_output_directory='.*file/runs': cannot create it"):
-        preflight.check_output_directory(tiny_config(f"base_output_directory={tmp_path / 'file' / 'runs'}"))
-    preflight.check_output_directory(tiny_config(f"base_output_directory={tmp_path / 'runs'}"))
+        preflight.check_output_directory(micro_config(f"base_output_directory={tmp_path / 'file' / 'runs'}"))
+    preflight.check_output_directory(micro_config(f"base_output_directory={tmp_path / 'runs'}"))
     assert (tmp_path / "runs").is_dir() and not list((tmp_path / "runs").iterdir())  # the probe file is gone
 
 
@@ -123,4 +123,4 @@ def test_an_output_directory_under_a_file_is_a_config_error(tmp_path):
 def test_a_read_only_run_directory_is_a_config_error(tmp_path):
     (tmp_path / "run").mkdir(mode=0o500)
     with pytest.raises(ConfigError, match=r"the run directory .*run\): cannot write there"):
-        preflight.check_output_directory(tiny_config(f"base_output_directory={tmp_path}", "run_name=run"))
+        preflight.check_output_directory(micro_config(f"base_output_directory={tmp_path}", "run_name=run"))

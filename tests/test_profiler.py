@@ -8,13 +8,13 @@ import json
 import jax
 import pytest
 
-from helpers import tiny_config
+from helpers import micro_config
 from maxpar.core.config import ConfigError
 from maxpar.train import train
 
 
 def synthetic_config(*overrides):
-    return tiny_config("dataset_type=synthetic", "per_device_batch_size=2", "log_period=10", *overrides)
+    return micro_config("dataset_type=synthetic", "per_device_batch_size=2", "log_period=10", *overrides)
 
 
 def traced_steps(perfetto_trace) -> set[int]:

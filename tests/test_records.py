@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import TINY, kill_and_rerun, read_metrics, tiny_config, train_command
+from helpers import MICRO, kill_and_rerun, read_metrics, micro_config, train_command
 from maxpar.core.config import Config, ConfigError
 from maxpar.io import checkpoint
 from maxpar.io.data.errors import DataError
@@ -78,7 +78,7 @@ def write_shards(directory, file_type: str, texts: list[str], shards: int = 3, f
 
 
 def grain_config(pattern: str, file_type: str, *overrides: str):
-    return tiny_config("dataset_type=grain", f"grain_file_type={file_type}", f"dataset_path={pattern}",
+    return micro_config("dataset_type=grain", f"grain_file_type={file_type}", f"dataset_path={pattern}",
                        "per_device_batch_size=2", *overrides)
 
 
@@ -121,7 +121,7 @@ def save_hf(directory, texts: list[str], eval_texts: list[str] | None = None) ->
 
 
 def hf_config(hf_path: str, *overrides: str):
-    return tiny_config("dataset_type=hf", f"hf_path={hf_path}", "per_device_batch_size=2", *overrides)
+    return micro_config("dataset_type=hf", f"hf_path={hf_path}", "per_device_batch_size=2", *overrides)
 
 
 SOURCES = ["jsonl", "parquet", "arrayrecord", "hf-saved", "hf-json"]
@@ -378,7 +378,7 @@ def test_a_record_damaged_mid_shard_stops_the_run_with_a_data_error(tmp_path, ca
     path = damaged_shard(tmp_path / "corpus", file_type, record_texts(40), damaged=38)
     overrides = ["dataset_type=grain", f"grain_file_type={file_type}", f"dataset_path={path}", "eval_fraction=0",
                  "per_device_batch_size=1", "steps=40", "enable_checkpointing=true", "checkpoint_period=1"]
-    status = main(["configs/base.yml", *TINY, *overrides, f"base_output_directory={tmp_path}", "run_name=run"])
+    status = main(["configs/base.yml", *MICRO, *overrides, f"base_output_directory={tmp_path}", "run_name=run"])
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2, err
     assert re.fullmatch(rf"maxpar: data error: grain_file_type={file_type}: cannot read {re.escape(str(path))}, "
@@ -386,13 +386,13 @@ def test_a_record_damaged_mid_shard_stops_the_run_with_a_data_error(tmp_path, ca
     saved = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit())
     assert saved[-1] >= 2 and not list((tmp_path / "run" / "checkpoints").glob("*.unusable"))
     warnings: list[str] = []
-    assert int(resume_newest(tmp_path / "run", tiny_config(*overrides), warnings.append).step) == saved[-1]
+    assert int(resume_newest(tmp_path / "run", micro_config(*overrides), warnings.append).step) == saved[-1]
     assert not warnings
 
 
 def test_a_text_file_that_vanishes_mid_run_is_a_data_error(tmp_path):
     (tmp_path / "a.txt").write_text("a document")
-    config = tiny_config("dataset_type=text", f"dataset_path={tmp_path / '*.txt'}", "eval_fraction=0")
+    config = micro_config("dataset_type=text", f"dataset_path={tmp_path / '*.txt'}", "eval_fraction=0")
     train_data, _ = datasets(config)
     (tmp_path / "a.txt").unlink()
     with pytest.raises(DataError, match=r"dataset_type=text: cannot read .*a.txt: FileNotFoundError: "):
@@ -434,7 +434,7 @@ def test_hf_resume_on_another_dataset_split_field_or_tokenizer_is_refused(tmp_pa
     for key, change in changes.items():
         with pytest.raises(checkpoint.IncompatibleCheckpoint, match=rf"keys differ:\n  {key}: .* in the checkpoint, "):
             resume(change)
-    status = main(["configs/base.yml", *TINY, "dataset_type=hf", f"hf_path={tmp_path / 'ds'}", *overrides,
+    status = main(["configs/base.yml", *MICRO, "dataset_type=hf", f"hf_path={tmp_path / 'ds'}", *overrides,
                    *changes.values(), f"base_output_directory={tmp_path}", "run_name=run"])
     err = capsys.readouterr().err
     assert status == 2 and "maxpar: config error: checkpoint step 2" in err

@@ -28,8 +28,8 @@ from maxpar.training.train_step import create_state
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
-TINY = ["emb_dim=64", "mlp_dim=128", "head_dim=16", "num_query_heads=4", "num_kv_heads=2", "vocab_size=64",
-        "max_target_length=16", "num_decoder_layers=2", "dtype=float32", "weight_dtype=float32"]
+# The micro model (configs/models/micro.yml) with 64 tokens and rows of 16.
+SHORT = ["model_name=micro", "vocab_size=64", "max_target_length=16", "dtype=float32", "weight_dtype=float32"]
 FSDP4_TP2 = ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]
 
 STRATEGIES = {
@@ -56,7 +56,7 @@ PER_DEVICE_BYTES = {
 
 
 def config_for(preset: str, *overrides: str):
-    return load_config([str(CONFIGS / preset), *TINY, *overrides])
+    return load_config([str(CONFIGS / preset), *SHORT, *overrides])
 
 
 # ---------------------------------------------------------------- an independent resolver

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import read_metrics, tiny_config, write_corpus
+from helpers import read_metrics, micro_config, write_corpus
 from maxpar.host import malloc
 from maxpar.io.metrics import METRIC_KEYS, matmul_params, peak_flops, training_flops_per_token
 from maxpar.train import train
@@ -23,7 +23,7 @@ def corpus(tmp_path_factory):
 
 
 def text_config(corpus, *overrides):
-    return tiny_config("dataset_type=text", f"dataset_path={corpus}", "per_device_batch_size=2", *overrides)
+    return micro_config("dataset_type=text", f"dataset_path={corpus}", "per_device_batch_size=2", *overrides)
 
 
 def test_outputs_metrics_and_eval(tmp_path, corpus, capsys):
@@ -74,7 +74,7 @@ def test_mfu_uses_configured_peak(tmp_path, corpus):
 def test_attention_flops_count_the_keys_each_query_attends():
     """Causal: seq/2 keys per query on average; a sliding window of w counts only the keys inside it."""
     def attention_flops(*overrides: str) -> float:
-        config = tiny_config("max_target_length=64", *overrides)
+        config = micro_config("max_target_length=64", *overrides)
         return training_flops_per_token(config) - 6 * matmul_params(config)
 
     per_key = 3 * 2 * 4 * 4 * 16  # (fwd + bwd) x 2 layers x (QK^T + PV: 2 x 2 FLOPs) x 4 heads x head_dim 16
@@ -201,7 +201,7 @@ def test_summary_command_lays_the_run_out_in_one_process(run, devices, slices, p
     one word."""
     from maxpar.core.mesh import resolve_mesh_shape
     from maxpar.training.summary import generate_command, sampling_overrides
-    config = tiny_config("max_new_tokens=8", *run)  # room in TINY's 32 tokens
+    config = micro_config("max_new_tokens=8", *run)  # room in MICRO's 32 tokens
     overrides = sampling_overrides(config, resolve_mesh_shape(config, devices, slices), platform)
     assert overrides == added
     run_dir = tmp_path / "my run"
@@ -213,5 +213,5 @@ def test_summary_command_lays_the_run_out_in_one_process(run, devices, slices, p
 def test_summary_command_fits_max_new_tokens_into_a_short_sequence():
     """A run with max_target_length 32 has room for 32 - BOS - 'def ' = 27 new tokens, not the default 64."""
     from maxpar.training.summary import room_to_write
-    assert room_to_write(tiny_config("max_target_length=32", "max_new_tokens=64")) == ["max_new_tokens=27"]
-    assert room_to_write(tiny_config("max_target_length=256", "max_new_tokens=64")) == []
+    assert room_to_write(micro_config("max_target_length=32", "max_new_tokens=64")) == ["max_new_tokens=27"]
+    assert room_to_write(micro_config("max_target_length=256", "max_new_tokens=64")) == []

@@ -23,14 +23,14 @@ import optax
 
 from maxpar.core.config import Config, load_config
 from maxpar.core.mesh import resolve_mesh_shape
+from maxpar.tools.testbed import MICRO_MODEL
 from maxpar.training.train_step import run_layout
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "goldens" / "shardings.json"
 NUM_DEVICES = 8
-# The tiny model of tests/helpers.py (dims only).
-TINY = ["emb_dim=64", "num_query_heads=4", "num_kv_heads=2", "head_dim=16", "mlp_dim=128", "num_decoder_layers=2",
-        "vocab_size=264", "max_target_length=32", "dtype=float32", "weight_dtype=float32"]
+# The tests' micro model (maxpar/tools/testbed.py).
+MODEL = ["model_name=micro", *MICRO_MODEL, "max_target_length=32", "dtype=float32", "weight_dtype=float32"]
 STRATEGIES: dict[str, tuple[str, list[str]]] = {
     "dp8": ("base.yml", ["ici_data_parallelism=8", "ici_fsdp_parallelism=1"]),
     "fsdp8": ("base.yml", ["ici_fsdp_parallelism=8"]),
@@ -97,7 +97,7 @@ def moment_specs(abstract: Any, specs: Any) -> dict[str, Any]:
 
 
 def dump() -> dict[str, Any]:
-    return {name: strategy_shardings(load_config([str(REPO / "configs" / file), *TINY, *overrides]))
+    return {name: strategy_shardings(load_config([str(REPO / "configs" / file), *MODEL, *overrides]))
             for name, (file, overrides) in STRATEGIES.items()}
 
 
