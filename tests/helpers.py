@@ -13,8 +13,9 @@ import pickle
 import re
 import shutil
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -61,15 +62,25 @@ def packed_batch(rows: int, length: int, vocab: int = 264, seed: int = 0) -> dic
             "positions": np.where(columns < cut, columns, columns - cut).astype(np.int32)}
 
 
-def step_metrics(devices, steps: int, *overrides: str, metrics: tuple[str, ...] = ("loss", "grad_norm"),
-                 config_file: str = "configs/base.yml") -> dict[str, np.ndarray]:
-    """{metric: its value at steps 1..`steps`} of the trainer's own compiled train step on the micro model: the run
-    layout, sharded initialization and step that `maxpar.train` compiles for `config` on `devices`, fed one fixed
-    packed batch of the layout's global rows every step (the same rows on any mesh, so runs compare). What
-    `train_metrics` shows without the data pipeline, writers and loop; use it for equivalence, and `train_metrics`
-    where the loop itself is what a test checks. The loss falls: every step fits the same batch."""
+@dataclass(frozen=True)
+class StepRun:
+    """What `compiled_steps` returns (picklable, so `shared` can keep it)."""
+    metrics: dict[str, np.ndarray]  # every metric the step returns, its value at steps 1..N
+    params: Any  # the parameters after the last step, on the host, in the canonical (scanned, unstaged) layout
+    fp8_meta: Any  # the fp8 amax histories after the last step ({} without delayed scaling)
+
+
+def compiled_steps(devices, steps: int, *overrides: str, config_file: str = "configs/base.yml") -> StepRun:
+    """`steps` steps of the trainer's own compiled train step on the micro model: the run layout, sharded
+    initialization and step that `maxpar.train` compiles for the config on `devices`, fed one fixed packed batch of
+    the layout's global rows every step (the same rows on any mesh, so runs compare). What `train_metrics` shows
+    without the data pipeline, writers and loop; use it for equivalence, and `train_metrics` where the loop itself
+    is what a test checks. The loss falls: every step fits the same batch. Step 1 runs at learning rate 0 (MICRO's
+    warm-up), so compare 4 steps: steps 2-4 start from updated AdamW moments, 3-4 from updated parameters."""
     import jax
 
+    from maxpar.core.config import model_config
+    from maxpar.model import stack
     from maxpar.train import global_batch, setup_run
     from maxpar.training.train_step import create_state
 
@@ -83,7 +94,26 @@ def step_metrics(devices, steps: int, *overrides: str, metrics: tuple[str, ...] 
     for _ in range(steps):
         state, values = step(state, batch)
         rows.append(jax.device_get(values))
-    return {name: np.array([row[name] for row in rows], dtype=float) for name in metrics}
+    metrics = {name: np.array([row[name] for row in rows], dtype=float) for name in rows[0]}
+    params = stack.to_canonical(jax.device_get(state.params), model_config(config))
+    return StepRun(metrics, params, jax.device_get(state.fp8_meta))
+
+
+def step_metrics(devices, steps: int, *overrides: str, metrics: tuple[str, ...] = ("loss", "grad_norm"),
+                 config_file: str = "configs/base.yml") -> dict[str, np.ndarray]:
+    """{metric: its value at steps 1..`steps`} of `compiled_steps`."""
+    run = compiled_steps(devices, steps, *overrides, config_file=config_file)
+    return {name: run.metrics[name] for name in metrics}
+
+
+def one_device_steps(steps: int, *overrides: str, config_file: str = "configs/base.yml") -> StepRun:
+    """`compiled_steps` on one device, once per test session for these arguments (`shared`): the reference that
+    equivalence tests in several modules compare their meshes with. Give the global batch in `overrides`
+    (per_device_batch_size=8 for the usual 8 rows)."""
+    import jax
+
+    return shared(lambda: compiled_steps(jax.devices()[:1], steps, *overrides, config_file=config_file),
+                  "one_device_steps", steps, config_file, overrides)
 
 
 # ---------------------------------------------------------------- one result for the whole session, across workers

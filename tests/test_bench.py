@@ -41,6 +41,7 @@ def _starts(flags: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_every_xla_flag_exists_in_this_jaxlib():
     """XLA aborts at start-up on an unknown flag (checked with a made-up one), so starting proves they exist."""
     assert _starts("--xla_gpu_made_up_flag_for_this_test=true").returncode != 0
@@ -49,6 +50,7 @@ def test_every_xla_flag_exists_in_this_jaxlib():
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_gpu_smoke_rows_measure_or_say_why_not(tmp_path):
     """The --gpu path end to end on CPU with the smoke shape: a measured row, a refused cuDNN row, outputs."""
     rows = [bench.run_worker(setting, bench_gpu.setting_overrides(setting, smoke=True), 1, steps=1, warmup=1)

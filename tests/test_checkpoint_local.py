@@ -31,6 +31,8 @@ from maxpar.io import checkpoint, local_checkpoint  # noqa: E402
 from maxpar.train import setup_run  # noqa: E402
 from maxpar.training.train_step import create_state  # noqa: E402
 
+pytestmark = pytest.mark.slow  # multi-process jobs: left out of the development tier
+
 STEPS, PERSISTENT, LOCAL, KILL_AFTER = 8, 5, 2, 6  # persistent saves 5, 8; local 2, 4, 6; killed after 6
 BUCKET = "maxpar-test"
 

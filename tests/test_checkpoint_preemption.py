@@ -19,6 +19,8 @@ from maxpar.io import checkpoint
 from maxpar.train import setup_run, train
 from maxpar.training.guards import INTERRUPTED_EXIT_STATUS, PREEMPTED_EXIT_STATUS
 
+pytestmark = pytest.mark.slow  # training processes killed and restarted: left out of the development tier
+
 STEPS = 32
 
 

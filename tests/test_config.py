@@ -422,6 +422,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, expected", [
     (["configs/base.yml", "stepz=3"], ["stepz", "steps"]),
     (["configs/base.yml", "steps=abc"], ["steps", "abc", "int"]),
@@ -454,6 +455,7 @@ def test_cli_config_errors_exit_2_without_traceback(args, expected):
 
 # ---------------------------------------------------------------- parsing is pure
 
+@pytest.mark.slow
 def test_loading_does_not_import_jax_or_touch_environ():
     script = textwrap.dedent(f"""
         import os, sys

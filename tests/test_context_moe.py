@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import MICRO, shared, step_metrics
+from helpers import MICRO, one_device_steps, step_metrics
 from maxpar.model.context_parallel import sequence_layout
 from maxpar.model.moe_dispatch import capacity_local, dropless_local
 from maxpar.model.routing import capacity_slots
@@ -38,10 +38,10 @@ MIXTRAL = {
 
 
 def one_device(capacity_factor: float) -> dict[str, np.ndarray]:
-    """The one-device run (dot_product attention) at `capacity_factor`, once per session."""
-    return shared(lambda: step_metrics(jax.devices()[:1], STEPS, "per_device_batch_size=8", "model_name=tiny-moe",
-                                       f"capacity_factor={capacity_factor}", metrics=MOE_METRICS),
-                  "step_metrics", "tiny-moe", STEPS, capacity_factor, MOE_METRICS)
+    """The one-device run (dot_product attention) at `capacity_factor`, once per session (tests/test_moe_parallel.py
+    compares with the dropless one too)."""
+    return one_device_steps(STEPS, "per_device_batch_size=8", "model_name=tiny-moe",
+                            f"capacity_factor={capacity_factor}").metrics
 
 
 @pytest.mark.parametrize("name", list(MIXTRAL))

@@ -539,6 +539,7 @@ def from_hf(capsys, hf_path: Path, out: Path, *overrides: str) -> tuple[int, str
     return status, capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_missing_config_json_exits_2(tmp_path):
     (tmp_path / "empty").mkdir()
     result = subprocess.run([sys.executable, "-m", "maxpar.convert", "from_hf", "--hf_path", str(tmp_path / "empty"),

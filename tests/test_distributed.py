@@ -246,6 +246,7 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in read_metrics(run_dir)}
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process(job):
     one, two = _losses(job.root / "one"), _losses(job.root / "two")
     assert list(two) == [1, 2, 3, 4]  # one line per step: only process 0 writes metrics
@@ -259,6 +260,7 @@ def test_two_processes_match_one_process(job):
     assert {r["process_count"] for r in job.reports.values()} == {2}
 
 
+@pytest.mark.slow
 def test_mesh_is_hierarchical_and_only_data_crosses_processes(job):
     report = job.reports[("two", 0)]
     sizes = report["axis_sizes"]
@@ -278,6 +280,7 @@ def test_mesh_is_hierarchical_and_only_data_crosses_processes(job):
     assert any("data" not in c.axes.split("+") for c in wrong)
 
 
+@pytest.mark.slow
 def test_each_process_reads_only_its_own_lanes(job):
     rank_reads = [job.reports[("two", p)]["reads"] for p in range(2)]
     # Together they read exactly what one process reads alone: nothing twice, nothing missing ...
@@ -293,6 +296,7 @@ def test_each_process_reads_only_its_own_lanes(job):
         assert rank_reads[p] == expected and len(expected) < len(job.reads_one)
 
 
+@pytest.mark.slow
 def test_checkpoints_restore_across_process_counts(job):
     one, two = _losses(job.root / "one"), _losses(job.root / "two")
     state_dir = job.root / "two" / "checkpoints" / "2"
@@ -307,6 +311,7 @@ def test_checkpoints_restore_across_process_counts(job):
     np.testing.assert_allclose([one_to_two[s] for s in (3, 4)], [one[s] for s in (3, 4)], rtol=1e-5, atol=0)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_damaged_on_one_process_falls_back_on_every_process(job):
     """Only process 1 finds the newest step damaged (its data position file is gone) while process 0 reads all of
     it: both must agree, set it aside and resume from the older step, as an undamaged resume from it does. Were
@@ -324,6 +329,7 @@ def test_a_checkpoint_damaged_on_one_process_falls_back_on_every_process(job):
     np.testing.assert_allclose([resumed[s] for s in (3, 4)], [undamaged[s] for s in (3, 4)], rtol=1e-5, atol=0)
 
 
+@pytest.mark.slow
 def test_the_command_a_two_process_run_prints_samples_in_one_process(job):
     """maxpar.generate joins no job: the command the 2 x 4 run prints folds its DCN degree into one process's 8
     simulated devices, and runs as printed."""

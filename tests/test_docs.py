@@ -125,6 +125,7 @@ def test_readme_keeps_its_two_commands_unmarked_and_stays_short():
     assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; keep it to {README_MAX_LINES}, details in docs/"
 
 
+@pytest.mark.slow
 def test_mkdocs_build_strict(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(REPO / "mkdocs.yml"),
@@ -156,6 +157,7 @@ def reader_environment() -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", BLOCKS, ids=[("slow-" if b.tier else "") + b.where[0] for b in BLOCKS])
 def test_runnable_block(block: Block, tmp_path):
     work = working_copy(tmp_path / "repo")

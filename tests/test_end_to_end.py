@@ -15,6 +15,8 @@ import pytest
 
 from helpers import REPO
 
+pytestmark = pytest.mark.slow  # the end-to-end scripts, each a process: left out of the development tier
+
 FAST = {"determinism": [],
         "moe_balance": ["--steps", "2", "--rows", "2", "--length", "16", "dataset_type=synthetic", "emb_dim=32",
                         "num_query_heads=2", "num_kv_heads=1", "head_dim=16", "mlp_dim=32", "num_decoder_layers=1"]}

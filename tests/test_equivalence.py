@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import shared, step_metrics
+from helpers import one_device_steps, step_metrics
 
 STEPS = 4
 COMPARED = ("loss", "grad_norm")  # the gradient norm of every step: the gradients match, not only the loss
@@ -48,8 +48,8 @@ def assert_same_run(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> 
 
 def one_device(*settings: str, config_file="configs/base.yml", metrics=COMPARED) -> dict[str, np.ndarray]:
     """The one-device run of `settings` (8 rows per step), once per session: other modules compare with it too."""
-    return shared(lambda: run_metrics(jax.devices()[:1], "per_device_batch_size=8", *settings, config_file=config_file,
-                                      metrics=metrics), "step_metrics", STEPS, config_file, settings, metrics)
+    run = one_device_steps(STEPS, "per_device_batch_size=8", *settings, config_file=config_file)
+    return {name: run.metrics[name] for name in metrics}
 
 
 @pytest.fixture(scope="module")

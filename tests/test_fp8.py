@@ -421,6 +421,7 @@ def test_bfloat16_fp8_steps_run_with_tensor_parallel_shards():
     assert np.isfinite(losses).all() and losses[1] < losses[0], losses
 
 
+@pytest.mark.slow
 def test_fp8_trains_like_bfloat16(tmp_path, corpus):
     """Looser than end_to_end/fp8.py (300 steps, 2%): 60 steps of the tiny model, the last losses within 3%."""
     from maxpar.train import train
@@ -548,6 +549,7 @@ def saved_histories(run_dir, step):
         return jax.tree.map(np.asarray, reader.restore(run_dir / "checkpoints" / str(step) / HISTORIES))
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Sharding info not provided")  # saved_histories reads them as one device
 def test_the_amax_histories_survive_a_kill_and_resume_bitwise(tmp_path, corpus):
     """kill -9 once checkpoint 4 is complete, then the same run resumes: every step's loss and gradient norm and the

@@ -72,6 +72,7 @@ def trained(server, tmp_path_factory):
     return command, done.stdout + done.stderr, env
 
 
+@pytest.mark.slow
 def test_a_run_writes_everything_into_the_bucket(trained, gcs, tmp_path):
     _, output, _ = trained
     fs = filesystem(gcs)
@@ -85,6 +86,7 @@ def test_a_run_writes_everything_into_the_bucket(trained, gcs, tmp_path):
     assert not (REPO / "gs:").exists() and not (tmp_path / "gs:").exists()
 
 
+@pytest.mark.slow
 def test_the_printed_sample_command_runs_from_the_bucket(trained, gcs):
     _, output, env = trained
     line = next(line for line in output.splitlines() if "sample from it:" in line)
@@ -185,6 +187,7 @@ def test_a_local_copy_is_fetched_once_per_version_of_the_object(gcs, tmp_path):
     assert storage.local_copy(str(tmp_path / "x"), cache=tmp_path) == str(tmp_path / "x")
 
 
+@pytest.mark.slow
 def test_convert_reads_and_writes_the_bucket(trained, gcs, tmp_path):
     """to_hf from the trained run's gs:// checkpoint into gs://, from_hf back from gs:// into gs://, and to_hf of
     that with the first export as a gs:// template: the same tensors and config.json, bit for bit."""
@@ -210,6 +213,7 @@ def test_convert_reads_and_writes_the_bucket(trained, gcs, tmp_path):
     assert not (REPO / "gs:").exists() and not (tmp_path / "gs:").exists()
 
 
+@pytest.mark.slow
 def test_the_bucket_checkpoint_loads_onto_another_mesh(trained, gcs):
     """load_full_state_path and load_parameters_path from gs:// onto FSDP(4)xTP(2), where the run trained on
     FSDP(8): the same values in the new shardings."""
@@ -289,6 +293,7 @@ def test_each_kind_of_refused_write_is_named():
 # A 2-process job on gs:// killed mid-run resumes bitwise from the bucket: tests/test_checkpoint_local.py, whose
 # 2-process job keeps its run outputs and persistent tier on this emulator.
 
+@pytest.mark.slow
 def test_a_damaged_newest_checkpoint_in_the_bucket_falls_back_and_is_set_aside(trained, gcs, capsys):
     """A copy of the trained run whose step-6 params lost an array object's tail (as a bad copy leaves it): the
     same command resumes from step 3 with the warning a local run prints, sets step 6 aside as STEP.unusable in

@@ -193,6 +193,7 @@ def test_the_printed_command_lays_out_every_kind_of_run_in_one_process(kind, tmp
     assert {**layout.axis_sizes, "stage": None} == {**run_degrees, "stage": None} and layout.axis_sizes["stage"] == 1
 
 
+@pytest.mark.slow
 def test_the_command_a_run_prints_samples_from_it(tmp_path):
     """A circular pipeline on 2 simulated devices (num_simulated_devices=2 in its config.yml): the summary's command
     runs as printed, in a fresh process. (A bad tokenizer_path exits 2 without a traceback: test_bad_requests_exit_2,

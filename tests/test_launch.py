@@ -161,6 +161,7 @@ def _stop_one_rank(rank: int, how: str) -> tuple[Launched, int, float, list[int]
     return job, code, time.monotonic() - start, pids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["killed", "hung"])
 def test_a_failed_process_stops_the_job_within_the_bound(how):
     """SIGKILL: the launcher sees the exit and stops the rest. SIGSTOP (a hang): the live process's
@@ -179,6 +180,7 @@ def test_a_failed_process_stops_the_job_within_the_bound(how):
     print(f"\n{how}: launcher exited with {code} {elapsed:.1f} s after rank 1 was {how}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["killed", "hung"])
 def test_a_lost_coordinator_stops_the_job_with_a_clear_last_word(how):
     """Rank 0 hosts the coordinator: when it dies or hangs, JAX's runtime aborts the peer from C++ (signal 6,
@@ -200,6 +202,7 @@ def test_a_lost_coordinator_stops_the_job_with_a_clear_last_word(how):
     print(f"\n{how}: launcher exited with {code} {elapsed:.1f} s after rank 0 was {how}")
 
 
+@pytest.mark.slow
 def test_the_launcher_blames_the_rank_that_failed_first(tmp_path, monkeypatch):
     """Rank 1 is killed and rank 0 aborts FAILURE_GAP_S later, and the launcher looks only once both are gone (as a
     busy launcher may, within one look): it blames rank 1, whose exit came first, not the lower-numbered rank."""
@@ -220,6 +223,7 @@ def test_the_launcher_blames_the_rank_that_failed_first(tmp_path, monkeypatch):
     assert code == 137
 
 
+@pytest.mark.slow
 def test_launcher_exits_with_the_failing_status():
     job = Launched("--num_processes", "2", "--", "configs/base.yml", "no_such_key=1")
     assert job.proc.wait(timeout=120) == 2

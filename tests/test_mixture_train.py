@@ -51,6 +51,7 @@ def test_a_mixture_resumes_exactly_logs_per_source_and_starts_a_phase_on_new_wei
     assert min(gained) >= 0 and sum(gained) >= 0.95 * 8 * 4 * config.max_target_length  # counted on, not afresh
 
 
+@pytest.mark.slow
 def test_kill_9_then_rerun_matches_the_uninterrupted_run(tmp_path):
     """A real process killed mid-run (no chance to save) resumes from its newest checkpoint, every source's
     position included, and finishes with the uninterrupted run's losses and token counts, bit for bit."""

@@ -1,7 +1,10 @@
 """Expert parallelism reproduces one device: outputs, gradients and training losses; all-to-all in the HLO;
 checkpoints of MoE runs; the planner's --verify on an expert-parallel mesh; setup-time errors.
 
-The tiny MoE (configs/models/tiny-moe.yml: 8 experts, top-2) at the test shapes (emb 64, 2 layers, float32).
+The tiny MoE (configs/models/tiny-moe.yml: 8 experts, top-2) at the micro shapes (emb 64, 2 layers, float32). The
+training losses are the trainer's compiled step on a fixed batch (`helpers.compiled_steps`) against the one-device
+step, which tests/test_context_moe.py shares; DeepSeek-style routing (sigmoid, groups, bias updates, a shared expert)
+trains equal to one device, biases and parameters included, in tests/test_deepseek_parallel.py.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import read_metrics, micro_config, write_corpus
+from helpers import micro_config, one_device_steps, read_metrics, step_metrics, write_corpus
 from maxpar.core.config import ConfigError, model_config
 from maxpar.io import checkpoint
 from maxpar.model import stack
@@ -21,7 +24,7 @@ from maxpar.model.moe import MOE_STATS
 from maxpar.plan import hlo
 from maxpar.plan.__main__ import run as plan_run
 from maxpar.train import setup_run, train
-from maxpar.training.train_step import create_state, jit_train_step, objective
+from maxpar.training.train_step import create_state, objective
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 BASE = str(Path(__file__).resolve().parents[1] / "configs" / "base.yml")
@@ -124,43 +127,47 @@ def train_losses(run_dir, corpus, mesh, *extra) -> list[dict]:
     return read_metrics(run_dir)
 
 
-@pytest.fixture(scope="module")
-def one_device_runs(tmp_path_factory, corpus):
-    return {mode: train_losses(tmp_path_factory.mktemp(mode) / "run", corpus, ONE, f"capacity_factor={cf}")
-            for mode, cf in (("dropless", 0.0), ("capacity", 1.0))}
+STEP_METRICS = ("loss", "moe_load_balance_loss", "moe_dropped_tokens", "moe_dropped_fraction")
 
 
-def assert_same_losses(rows, reference):
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert reference[-1]["loss"] < reference[0]["loss"]  # it is really training
-    for key in ("loss", "moe_load_balance_loss", "moe_dropped_tokens"):
-        np.testing.assert_allclose([r[key] for r in rows], [r[key] for r in reference], rtol=1e-5, err_msg=key)
+def assert_same_steps(mesh, capacity_factor: float) -> dict[str, np.ndarray]:
+    """4 compiled train steps of `mesh` equal the one-device steps (shared with tests/test_context_moe.py): losses,
+    balance losses and dropped copies. Returns the mesh's metrics."""
+    devices, overrides = mesh
+    want = one_device_steps(4, "per_device_batch_size=8", "model_name=tiny-moe",
+                            f"capacity_factor={capacity_factor}").metrics
+    got = step_metrics(jax.devices()[:devices], 4, "model_name=tiny-moe", f"capacity_factor={capacity_factor}",
+                       *overrides, metrics=STEP_METRICS)
+    assert want["loss"][-1] < want["loss"][0]  # it is really training
+    for key in STEP_METRICS:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
+    return got
 
 
-def test_ep8_training_losses_equal_one_device(tmp_path, corpus, one_device_runs):
-    rows = train_losses(tmp_path / "run", corpus, MESHES["ep8"])
-    assert_same_losses(rows, one_device_runs["dropless"])
-    assert all(r["moe_dropped_tokens"] == 0 and 1.9 < r["moe_load_balance_loss"] < 8 for r in rows)
+def test_ep8_training_losses_equal_one_device():
+    got = assert_same_steps(MESHES["ep8"], 0.0)
+    assert np.all(got["moe_dropped_tokens"] == 0) and np.all((1.9 < got["moe_load_balance_loss"])
+                                                             & (got["moe_load_balance_loss"] < 8))
 
 
-def test_capacity_training_losses_and_drops_equal_one_device(tmp_path, corpus, one_device_runs):
-    rows = train_losses(tmp_path / "run", corpus, MESHES["ep4_fsdp2"], "capacity_factor=1.0")
-    assert_same_losses(rows, one_device_runs["capacity"])
-    assert all(0 < r["moe_dropped_fraction"] < 1 for r in rows)
+def test_capacity_training_losses_and_drops_equal_one_device():
+    got = assert_same_steps(MESHES["ep4_fsdp2"], 1.0)
+    assert np.all((0 < got["moe_dropped_fraction"]) & (got["moe_dropped_fraction"] < 1))
 
 
-def test_moe_checkpoint_saves_on_one_mesh_and_resumes_on_another(tmp_path, corpus, one_device_runs):
+def test_moe_checkpoint_saves_on_one_mesh_and_resumes_on_another(tmp_path, corpus):
+    """Saved by the trainer on EP(2) x FSDP(2) x TP(2) (which trains equal to one device: the gradient test above),
+    resumed at step 2 on EP(4) x FSDP(2) with unrolled layers: steps 3 and 4 repeat the saved run's losses."""
     saved = tmp_path / "saved"
     rows = train_losses(saved, corpus, MESHES["ep2_fsdp2_tp2"], "enable_checkpointing=true", "checkpoint_period=2",
                         "max_checkpoints_to_keep=0")
-    assert_same_losses(rows, one_device_runs["dropless"])
-    # Resume step 2 on EP(4) x FSDP(2), unrolled: steps 3 and 4 repeat the saved run's losses.
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["loss"] < rows[0]["loss"]
     resumed = tmp_path / "resumed"
     shutil.copytree(saved / "checkpoints" / "2", resumed / "checkpoints" / "2")
-    rows = train_losses(resumed, corpus, MESHES["ep4_fsdp2"], "enable_checkpointing=true", "scan_layers=false")
-    assert [r["step"] for r in rows] == [3, 4]
-    np.testing.assert_allclose([r["loss"] for r in rows], [r["loss"] for r in one_device_runs["dropless"][2:]],
-                               rtol=1e-5)
+    resumed_rows = train_losses(resumed, corpus, MESHES["ep4_fsdp2"], "enable_checkpointing=true", "scan_layers=false")
+    assert [r["step"] for r in resumed_rows] == [3, 4]
+    for key in ("loss", "moe_load_balance_loss", "moe_dropped_tokens"):
+        np.testing.assert_allclose([r[key] for r in resumed_rows], [r[key] for r in rows[2:]], rtol=1e-5, err_msg=key)
 
 
 def test_interleaved_moe_layers_have_one_on_disk_layout_scanned_or_unrolled():
@@ -208,51 +215,10 @@ def test_plan_verify_passes_for_expert_parallelism_and_counts_active_parameters(
     assert params["total"] - params["active"] == 2 * 3 * 6 * 64 * 128  # 6 of 8 experts idle, 2 layers, 3 weights
 
 
-# ---------------------------------------------------------------- DeepSeek-V3-style MoE: sigmoid, bias, groups, shared
+# ---------------------------------------------------------------- DeepSeek-V3-style MoE: the routing bias resumes
 
 DEEPSEEK = ["routed_score_func=sigmoid", "routed_bias=true", "routed_bias_update_rate=0.01", "n_routing_groups=4",
             "topk_routing_group=2", "num_shared_experts=1", "moe_mlp_dim=48", "routed_scaling_factor=2.5"]
-DEEPSEEK_MESHES = {
-    "ep2_fsdp2_tp2": MESHES["ep2_fsdp2_tp2"],
-    "pp2_ep2_fsdp2": (8, ["ici_stage_parallelism=2", "ici_expert_parallelism=2", "ici_fsdp_parallelism=2",
-                          "pipeline_schedule=gpipe", "num_pipeline_microbatches=2", "per_device_batch_size=1"]),
-}
-
-
-def deepseek_steps(mesh, steps: int = 3):
-    """(losses, canonical parameters after `steps` train steps on one batch) of the DeepSeek-style tiny MoE."""
-    devices, overrides = mesh
-    config = micro_config(*MOE, *DEEPSEEK, *overrides)
-    run = setup_run(config, jax.devices()[:devices])
-    state = create_state(run.model, run.tx, run.layout, run.mesh)
-    step = jit_train_step(run.model, run.tx, run.layout, run.mesh)
-    batch = jax.device_put(make_batch(config), run.in_sharding)
-    losses = []
-    for _ in range(steps):
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-    return losses, stack.to_canonical(jax.device_get(state.params), model_config(config))
-
-
-@pytest.fixture(scope="module")
-def deepseek_one_device():
-    return deepseek_steps(ONE)
-
-
-@pytest.mark.parametrize("name", list(DEEPSEEK_MESHES))
-def test_deepseek_moe_with_bias_updates_trains_equal_to_one_device(name, deepseek_one_device):
-    want_losses, want = deepseek_one_device
-    losses, got = deepseek_steps(DEEPSEEK_MESHES[name])
-    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-    bias = want["decoder"]["layers"]["moe"]["routing_bias"]
-    # Three updates of +-0.01 (or 0) each from zero, identical choices on every mesh: the same biases.
-    steps = np.round(bias / 0.01)
-    assert np.all(np.abs(steps) <= 3) and np.any(steps != 0)
-    np.testing.assert_allclose(bias, steps * 0.01, atol=1e-7)
-    np.testing.assert_array_equal(got["decoder"]["layers"]["moe"]["routing_bias"], bias)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5 * max(np.abs(b).max(), 1e-3)), got, want)
-
-
 def test_routing_bias_resumes_bitwise(tmp_path, corpus):
     def final_bias(run_dir):
         config = micro_config("model_name=tiny-moe", *DEEPSEEK, "dataset_type=text", f"dataset_path={corpus}",

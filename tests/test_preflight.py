@@ -31,6 +31,7 @@ def run_to_the_end(command: list[str], env: dict[str, str]) -> tuple[int, str, i
     return process.returncode, stderr, usage.ru_maxrss * 1024
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(host_available_bytes() > 100e9, reason="llama2-7b's ~120 GB could fit this host")
 def test_a_model_too_large_for_this_host_is_refused_before_it_allocates():
     status, stderr, peak = run_to_the_end([sys.executable, "-m", "maxpar.train", "configs/base.yml",
@@ -100,6 +101,7 @@ def test_num_simulated_devices_is_refused_where_it_cannot_work(monkeypatch):
     preflight.apply_simulated_devices(micro_config())  # 0 = off: nothing to refuse
 
 
+@pytest.mark.slow
 def test_num_simulated_devices_gives_a_fresh_process_that_many_devices(tmp_path):
     # 4 simulated devices, no XLA_FLAGS: the mesh (asking for 8) counts them, before anything compiles.
     command = [sys.executable, "-m", "maxpar.train", "configs/base.yml", *MICRO, "dataset_type=synthetic", "steps=1",

@@ -298,6 +298,7 @@ def test_global_batch_is_the_same_for_any_process_count(tmp_path, kind):
                     np.concatenate([halves[i][split][step][key] for i in range(2)]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KILLED_SOURCES)
 def test_kill_9_then_rerun_matches_the_uninterrupted_run(tmp_path, kind):
     """A real process killed mid-run (no chance to save) resumes from its newest checkpoint, data iterators

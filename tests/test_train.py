@@ -94,6 +94,7 @@ def test_peak_flops_table():
     assert peak_flops("cpu", configured=5e11) == 5e11
 
 
+@pytest.mark.slow
 def test_tensorboard_events_are_written_without_loading_torch(tmp_path):
     """tensorboardX would import an installed torch (seconds and hundreds of MB); the writer keeps it out, and the
     process can still import torch afterwards. A fresh interpreter: this one may hold torch already."""
@@ -149,6 +150,7 @@ def test_resume_continues_the_same_run(tmp_path, corpus):
     assert resumed["loss"] == whole["loss"]
 
 
+@pytest.mark.slow
 def test_command_line_training_run(tmp_path, corpus):
     args = [sys.executable, "-m", "maxpar.train", "configs/base.yml", "steps=3", "log_period=1",
             "dataset_type=text", f"dataset_path={corpus}", "enable_checkpointing=false", "eval_interval=0",

@@ -7,6 +7,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from helpers import REPO
 
 
@@ -21,6 +23,7 @@ def _run(body: str) -> tuple[subprocess.CompletedProcess, float]:
     return result, time.monotonic() - start
 
 
+@pytest.mark.slow
 def test_a_stuck_process_is_stopped_with_a_clear_message():
     result, elapsed = _run("""
         watchdog.progress(7)
@@ -32,6 +35,7 @@ def test_a_stuck_process_is_stopped_with_a_clear_message():
     assert elapsed < 25
 
 
+@pytest.mark.slow
 def test_steady_progress_and_the_time_before_the_first_step_are_not_stuck():
     result, _ = _run("""
         time.sleep(1.5)  # compiling: not armed yet
