@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import signal
 import sys
 import time
@@ -18,17 +19,20 @@ import grain
 import jax
 import numpy as np
 import optax
+import yaml
 from etils import epath
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from tqdm import tqdm
 
 from maxpar.core import storage
-from maxpar.core.config import EXPLICIT_BACKWARD, Config, ConfigError, describe_keys, load_config, model_config, to_yaml
+from maxpar.core.config import (DEFAULTS, EXPLICIT_BACKWARD, Config, ConfigError, describe_keys, load_config,
+                                model_config, to_yaml)
 from maxpar.core.layout import BatchShape, RunLayout, check_devices
 from maxpar.core.mesh import build_mesh, local_mesh_shape
 from maxpar.core.op_schedule import OpSchedule
 from maxpar.core.schedule import Schedule
+from maxpar.host import devices as host_devices
 from maxpar.host import distributed, malloc, preflight
 from maxpar.io import checkpoint, local_checkpoint, logs
 from maxpar.io.data.errors import DataError
@@ -41,7 +45,7 @@ from maxpar.plan.fit import check_local_fit
 from maxpar.training import summary
 from maxpar.training.cadence import StepTimer, cadence
 from maxpar.training.guards import (INTERRUPTED_EXIT_STATUS, PREEMPTED_EXIT_STATUS, STORAGE_EXIT_STATUS, LossCheck,
-                                    Preempted, PreemptionWatch, StepsInFlight, StepWatchdog)
+                                    Preempted, PreemptionWatch, SlowStepNote, StepsInFlight, StepWatchdog)
 from maxpar.training.optimizer import make_optimizer
 from maxpar.training.profiler import StepProfiler, profile_window
 from maxpar.training.train_step import compile_train_step, create_state, jit_eval_step, layout_check
@@ -156,14 +160,52 @@ def accumulation_words(steps: int, microbatch_rows: int) -> str:
     return f" in {steps} gradient-accumulation microbatches of {microbatch_rows} rows" if steps > 1 else ""
 
 
+PRESETS = DEFAULTS.parent / "models"
+
+
+def preset_differences(config: Config, name: str, presets: epath.PathLike = PRESETS) -> dict[str, Any] | None:
+    """{key: this config's value} for each key of preset `name`'s file that the config sets otherwise (None: no
+    such preset). The preset's values are read as a run would read them, on base.yml."""
+    path = epath.Path(presets) / f"{name}.yml"
+    if not path.is_file():
+        return None
+    keys = yaml.safe_load(path.read_text()) or {}
+    preset = load_config([str(DEFAULTS), f"model_name={name}"])
+    return {key: getattr(config, key) for key in keys if getattr(config, key) != getattr(preset, key)}
+
+
+def describe_model(config: Config, presets: epath.PathLike = PRESETS) -> str:
+    """The run header's name for the model: its preset and the preset's keys the run changes ("tiny (overridden:
+    emb_dim=512, num_decoder_layers=6)"); without model_name (a config saved by a run or an import) the preset
+    whose keys it has ("custom, as qwen3-0.6b"), or "custom"."""
+    if config.model_name:
+        changed = preset_differences(config, config.model_name, presets)
+        if not changed:
+            return config.model_name
+        words = ", ".join(f"{key}={str(value).lower() if isinstance(value, bool) else value}"
+                          for key, value in changed.items())
+        return f"{config.model_name} (overridden: {words})"
+    same = [path.stem for path in sorted(epath.Path(presets).glob("*.yml"))
+            if preset_differences(config, path.stem, presets) == {}]
+    return f"custom, as {same[0]}" if same else "custom"
+
+
+def describe_computation(config: Config) -> str:
+    """The model line's note on quantized matmuls, only where there are some."""
+    if not config.quantization:
+        return ""
+    scaling = f", fp8_scaling={config.fp8_scaling}" if config.quantization == "fp8" else ""
+    return f", quantization={config.quantization}{scaling}"
+
+
 def _print_header(run: RunSetup, run_dir: epath.Path, peak: float | None, log: Callable[[str], None]) -> None:
     config, devices = run.config, run.devices
     counts = parameter_counts(run.abstract_state.params, config.num_experts_per_tok)
     mesh_desc = run.layout.mesh.describe()
     log(f"maxpar: run {run_dir}" + ("" if config.run_name else f" (to resume it later: run_name={run_dir.name})"))
-    log(f"  model {config.model_name or 'custom'}: {counts['total']:,} parameters "
+    log(f"  model {describe_model(config)}: {counts['total']:,} parameters "
         f"({counts['non_embedding']:,} non-embedding, {counts['active']:,} active per token), "
-        f"{config.num_decoder_layers} layers, emb {config.emb_dim}")
+        f"{config.num_decoder_layers} layers, emb {config.emb_dim}{describe_computation(config)}")
     if config.num_experts > 1:
         dispatch = (f"capacity factor {config.capacity_factor:g}" if config.capacity_factor > 0 else "dropless")
         log(f"  mixture of experts: {config.num_moe_layers} MoE layers of {config.num_experts} experts, top-"
@@ -210,6 +252,14 @@ def initial_state(run: RunSetup, manager: Any, iterator: Any, log: Callable[[str
     return create_state(run.model, run.tx, run.layout, run.mesh)
 
 
+def slow_step_note(devices: Sequence[jax.Device]) -> SlowStepNote | None:
+    """On simulated CPU devices, what a step running half as long as XLA lets a collective wait may come to."""
+    if devices[0].platform != "cpu" or len(jax.local_devices()) < 2:
+        return None
+    timeouts = host_devices.CollectiveTimeouts.of(os.environ.get("XLA_FLAGS", ""))
+    return SlowStepNote(timeouts.abort_s / 2, host_devices.late_collective_words(timeouts))
+
+
 def library_log(run_dir: epath.Path) -> epath.Path:
     """This process's file for the libraries' log records (absl, Orbax, JAX) while it trains."""
     return logs.library_log_path(run_dir, jax.process_index(), jax.process_count())
@@ -241,7 +291,8 @@ def _train(config: Config, devices: Sequence[jax.Device] | None, run_dir: epath.
     writer, bar = None, None
     profiler = StepProfiler(profile_window(config), run_dir, log)
     try:
-        with PreemptionWatch() as preemption, StepWatchdog(config.step_timeout_s) as watchdog:
+        with (PreemptionWatch(saver.newest_complete if saver else None) as preemption,
+              StepWatchdog(config.step_timeout_s, slow_step_note(devices)) as watchdog):
             state = initial_state(run, manager, iterator, log, local)
             start = int(state.step)
             if lead and rewind_metrics(run_dir / "metrics.jsonl", start):
@@ -278,6 +329,7 @@ def _train(config: Config, devices: Sequence[jax.Device] | None, run_dir: epath.
 
             lagging: tuple[int, Any] | None = None  # a step read late (Due.read_late): read after the next dispatch
             loop_start = time.perf_counter()
+            watchdog.progress(start)  # compiled: the first step is timed like the others
             for step in range(start + 1, config.steps + 1):
                 profiler.before_step(step)
                 batch = next(iterator)
@@ -329,7 +381,7 @@ def _train(config: Config, devices: Sequence[jax.Device] | None, run_dir: epath.
                                    time.perf_counter() - loop_start, run.shape.tokens_per_step)
         sampling = summary.sampling_overrides(config, run.layout.mesh, devices[0].platform)
         for line in summary.finish_run(run_dir, totals, f"maxpar: {config.model_name or 'custom'}, {run_dir.name}",
-                                       sampling):
+                                       sampling, checkpointing=config.enable_checkpointing):
             log(line)
     return row
 

@@ -181,7 +181,7 @@ class Saver:
         self.directory = epath.Path(manager.directory)
         self._in_flight: int | None = None  # an async save not yet seen to complete
         self._damaged = False  # a save failed: Orbax's listing and the step's directory need cleaning first
-        self._complete: int | None = None  # the newest step known complete, for the final error (no listing then)
+        self._complete = manager.latest_step()  # the newest step known complete: what this run resumed from, or None
 
     @classmethod
     def of(cls, manager: ocp.CheckpointManager, config: Config, warn: Warn = warn_stderr) -> Saver:
@@ -194,8 +194,6 @@ class Saver:
              wait: bool = False) -> None:
         """Save `step` (see `save`), retried while the policy allows; `wait`: return once it is complete.
         Raises SaveFailed when every attempt failed."""
-        if self._complete is None:
-            self._complete = self.manager.latest_step()  # what this run resumed from, or None
         failed = self._wait_for_in_flight()
         if failed is not None:
             self.warn(f"checkpoint step {failed[0]} to {self.directory} failed ({failed[1]}); it is never "
@@ -213,6 +211,13 @@ class Saver:
             self._complete = step
         else:
             self._in_flight = step
+
+    def newest_complete(self) -> int | None:
+        """The newest step known complete, without waiting: not a save still being written (an async save that has
+        finished counts), None before any. What a stop at once (a second Ctrl-C) leaves to resume from."""
+        if self._in_flight is not None and not self.manager.is_saving_in_progress():
+            return self._in_flight
+        return self._complete
 
     def _wait_for_in_flight(self) -> tuple[int, str] | None:
         """(step, why) when the async save in flight failed; None when it completed or there was none."""
