@@ -24,7 +24,7 @@ from maxpar.convert.hf_config import (ConversionError, architecture_of, model_ke
 from maxpar.convert.layout import maxpar_block
 from maxpar.convert.safetensors_io import TENSOR_FILES, HFTensors
 from maxpar.core import storage
-from maxpar.core.config import Config
+from maxpar.core.config import Config, to_yaml
 from maxpar.core.mesh import build_mesh, local_mesh_shape
 from maxpar.io import checkpoint
 from maxpar.training.train_step import run_layout
@@ -76,7 +76,8 @@ def read_parameter(tensors: HFTensors, rule: TensorRule, leaf: jax.ShapeDtypeStr
 
 def convert_from_hf(hf_path: Path, out: Path, argv: Sequence[str], base_config: Path,
                     devices: Sequence[jax.Device] | None = None, log: Callable[[str], None] = print) -> Config:
-    """Convert the checkpoint in `hf_path` to OUT/checkpoints/0; returns the config it was written with.
+    """Convert the checkpoint in `hf_path` to OUT/checkpoints/0 (and its config to OUT/config.yml, as a run writes
+    it); returns the config it was written with, which the checkpoint carries (`maxpar.io.run_config`).
 
     `argv` are maxpar `key=value` overrides (model_name=, weight_dtype=, mesh degrees...); model keys
     among them must agree with config.json.
@@ -107,6 +108,7 @@ def convert_from_hf(hf_path: Path, out: Path, argv: Sequence[str], base_config: 
                 node = node.setdefault(parent, {})
             node[name] = read_parameter(tensors, rules[path], leaf)
     step_dir = checkpoint.save_parameters(out, params, config)
+    (out / "config.yml").write_text(to_yaml(config), encoding="utf-8")  # as a run directory has it
     count = sum(math.prod(leaf.shape) for leaf in leaves.values())
     log(f"maxpar.convert: {architecture.name} from {hf_path}: {count:,} parameters, {config.num_decoder_layers} "
         f"layers, {config.weight_dtype} -> {step_dir}")

@@ -41,7 +41,7 @@ from etils import epath
 from jax.sharding import Mesh
 
 from maxpar.core import storage
-from maxpar.core.config import Config, ConfigError, model_config
+from maxpar.core.config import MODEL_KEYS, Config, ConfigError, model_config
 from maxpar.core.layout import RunLayout
 from maxpar.host import distributed
 from maxpar.io.data.pipeline import mixture_differences, position_keys
@@ -51,13 +51,6 @@ from maxpar.training.train_step import TrainState
 LAYOUT = "maxpar/stacked-layers/v1"
 ARRAY_ITEMS = ("params", "opt_state")
 HISTORIES = "fp8_meta"  # fp8_scaling=delayed: the amax histories (TrainState.fp8_meta), an item of their own
-
-# Keys that change the parameter tree or its dtype: every kind of load needs them equal.
-MODEL_KEYS = ("emb_dim", "num_query_heads", "num_kv_heads", "head_dim", "mlp_dim", "num_decoder_layers",
-              "vocab_size", "weight_dtype", "logits_via_embedding", "qk_norm", "num_experts",
-              "moe_layer_interval", "first_num_dense_layers", "attention_type", "q_lora_rank", "kv_lora_rank",
-              "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mtp_num_layers", "moe_mlp_dim",
-              "num_shared_experts", "routed_bias")
 
 Warn = Callable[[str], None]
 
