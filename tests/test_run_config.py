@@ -24,6 +24,7 @@ from helpers import REPO, layout_on
 from maxpar.convert.__main__ import main as convert_main
 from maxpar.core.config import MODEL_KEYS, CarriedModel, ConfigError, load_config, model_config
 from maxpar.io import checkpoint
+from maxpar.io.data.tokenizer import ByteTokenizer, load_tokenizer
 from maxpar.io.run_config import load_run_config
 from maxpar.model import stack
 
@@ -109,10 +110,38 @@ def test_train_takes_a_deepseek_checkpoints_model(deepseek_run, tmp_path, monkey
     assert "num_decoder_layers=4 on the command line, 3 in the checkpoint" in capsys.readouterr().err
 
 
-def test_to_hf_of_a_deepseek_checkpoint_with_base_yml(deepseek_run, tmp_path):
+def test_to_hf_of_a_deepseek_checkpoint_with_base_yml_writes_its_byte_tokenizer(deepseek_run, tmp_path):
+    """The export loads with AutoTokenizer, which gives the byte tokenizer's ids (BOS first by default, as maxpar
+    starts documents and prompts), and config.json names its special ids (DeepSeek's defaults are others)."""
+    from transformers import AutoTokenizer
     assert convert_main(["to_hf", "--checkpoint", str(deepseek_run), "--out", str(tmp_path / "hf")]) == 0
     exported = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert exported["architectures"] == ["DeepseekV3ForCausalLM"] and exported["vocab_size"] == 264
+    assert (exported["bos_token_id"], exported["eos_token_id"], exported["pad_token_id"]) == (1, 2, 0)
+    hf = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "héllo wörld\n\tdef f():  ✓ 🙂 <s></s>"
+    assert hf.encode(text, add_special_tokens=False) == ByteTokenizer().encode(text)
+    assert hf(text)["input_ids"] == [ByteTokenizer.bos_id, *ByteTokenizer().encode(text)]
+    assert hf.decode(ByteTokenizer().encode(text)) == text
+    assert (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id) == (1, 2, 0)
+
+
+def test_to_hf_copies_a_hugging_face_tokenizer(deepseek_run, tmp_path):
+    import tokenizers
+    from transformers import AutoTokenizer
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="<unk>"))
+    words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    words.train_from_iterator(["hello world", "hello there world"], tokenizers.trainers.WordLevelTrainer(
+        special_tokens=["<unk>", "<s>", "</s>"]))
+    (tmp_path / "tok").mkdir()
+    words.save(str(tmp_path / "tok" / "tokenizer.json"))
+    assert convert_main(["to_hf", "--checkpoint", str(deepseek_run), "--out", str(tmp_path / "hf"),
+                         "--tokenizer_path", str(tmp_path / "tok" / "tokenizer.json")]) == 0
+    ours = load_tokenizer(str(tmp_path / "tok" / "tokenizer.json"))
+    hf = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert hf.encode("hello there world", add_special_tokens=False) == ours.encode("hello there world")
+    assert (hf.eos_token_id, json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"]) == (
+        ours.eos_id, ours.eos_id)
 
 
 def test_no_checkpoint_there_is_left_to_the_load_to_report():

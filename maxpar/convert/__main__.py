@@ -61,6 +61,9 @@ def _parser() -> argparse.ArgumentParser:
                             "max_position_embeddings and architecture are kept; its model keys must match")
     to_hf.add_argument("--config", type=storage.path, default=BASE_CONFIG,
                        help="maxpar base config (configs/base.yml)")
+    to_hf.add_argument("--tokenizer_path", default=None,
+                       help="the tokenizer to write beside the model (default: the checkpoint's tokenizer_path; "
+                            "'' = maxpar's byte tokenizer)")
     return parser
 
 
@@ -87,7 +90,8 @@ def _convert(args: argparse.Namespace) -> None:
               f"(the model's keys as key=value: {args.out / OVERRIDES_FILE})")
     else:
         convert_to_hf(args.checkpoint, args.out, args.config, architecture=args.architecture, dtype=args.dtype,
-                      max_shard_bytes=int(args.max_shard_size_mb * 2**20), template_path=args.hf_template)
+                      max_shard_bytes=int(args.max_shard_size_mb * 2**20), template_path=args.hf_template,
+                      tokenizer_path=args.tokenizer_path)
 
 
 if __name__ == "__main__":

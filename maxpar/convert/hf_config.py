@@ -277,11 +277,12 @@ def _yaml(value: Any) -> str:
 
 
 def hf_config(config: Config, architecture: Architecture, dtype: str,
-              template: dict[str, Any] | None = None) -> dict[str, Any]:
+              template: dict[str, Any] | None = None, token_ids: dict[str, int] | None = None) -> dict[str, Any]:
     """config.json for `config`'s model under `architecture`, with tensors of `dtype`.
 
     `template` (e.g. the original model's config.json) supplies what maxpar does not model: token
-    ids, max_position_embeddings and the like. Its model keys must be this model's.
+    ids, max_position_embeddings and the like. Its model keys must be this model's. `token_ids` (bos_token_id...:
+    the tokenizer the model trained with) stand where the template names none.
     """
     # transformers writes num_nextn_predict_layers but saves no MTP layer: a template may claim one the model lacks.
     mtp_claimed = bool(template) and not config.mtp_num_layers and bool(template.get("num_nextn_predict_layers"))
@@ -310,4 +311,6 @@ def hf_config(config: Config, architecture: Architecture, dtype: str,
     for key, source in architecture.hf_defaults.items():
         result.setdefault(key, result[source])
     result.setdefault("max_position_embeddings", config.max_target_length)  # without a template: what it trained on
+    for key, value in (token_ids or {}).items():  # a template's own, null included, stand
+        result.setdefault(key, value)
     return result

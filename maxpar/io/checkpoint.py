@@ -44,6 +44,7 @@ from maxpar.core import storage
 from maxpar.core.config import MODEL_KEYS, Config, ConfigError, model_config
 from maxpar.core.layout import RunLayout
 from maxpar.host import distributed
+from maxpar.io import logs
 from maxpar.io.data.pipeline import mixture_differences, position_keys
 from maxpar.model import stack
 from maxpar.training.train_step import TrainState
@@ -75,6 +76,7 @@ def make_manager(run_dir: epath.PathLike, config: Config) -> ocp.CheckpointManag
     Leftover temporary directories of saves that were killed are removed on start; they never
     held a complete checkpoint.
     """
+    logs.tensorstore_credentials(run_dir)  # its C++ lines into the library log, not among the run's
     options = ocp.CheckpointManagerOptions(
         max_to_keep=config.max_checkpoints_to_keep or None,
         enable_async_checkpointing=config.async_checkpointing,
@@ -90,6 +92,7 @@ def read_only_manager(directory: epath.PathLike) -> ocp.CheckpointManager:
     """A manager that only reads `directory`, in this process alone: never writes or deletes there, and its
     restores end in no barrier with the other processes (Orbax's own do), so a process whose read fails never
     leaves its peers waiting in that barrier while it waits in `load_everywhere`'s agreement."""
+    logs.tensorstore_credentials(directory)
     me = jax.process_index()
     alone = ocp.options.MultiprocessingOptions(primary_host=None, active_processes={me},
                                                barrier_sync_key_prefix=f"maxpar_read_{me}")
