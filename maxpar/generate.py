@@ -215,8 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         run_config = load_run_config([args.config, *args.overrides])  # with the checkpoint's model
         config = run_config.config
-        if run_config.note:
-            print(run_config.note, flush=True)
+        if run_config.note:  # stderr: stdout holds the continuations alone
+            print(run_config.note, file=sys.stderr, flush=True)
         preflight.apply_simulated_devices(config)  # a run's num_simulated_devices=N: before JAX starts
         prompts = [*args.prompt, *(read_prompts(args.prompts_file) if args.prompts_file else [])]
         with logs.library_logs(logs.tool_log_path("generate"), config.log_level, mode="w"):

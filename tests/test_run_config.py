@@ -91,7 +91,7 @@ def test_generate_loads_a_deepseek_checkpoint_with_base_yml_alone(deepseek_run, 
     monkeypatch.setattr(maxpar.generate, "generate", load)
     assert maxpar.generate.main([BASE, f"load_parameters_path={deepseek_run}", "ici_fsdp_parallelism=1",
                                  "--prompt", "hi"]) == 0
-    assert f"maxpar: model from load_parameters_path={deepseek_run} (step 0): deepseek-tiny" in capsys.readouterr().out
+    assert f"maxpar: model from load_parameters_path={deepseek_run} (step 0): deepseek-tiny" in capsys.readouterr().err
     config = loaded["config"]
     assert {k: getattr(config, k) for k in MODEL_KEYS} == {k: getattr(load_config([BASE, *DEEPSEEK]), k)
                                                           for k in MODEL_KEYS}

@@ -670,7 +670,9 @@ def _load_from(key: str, value: str, target: Target, items: Sequence[str], warn:
             where = f"{key}={value!r} (step {s})"
             _, saved_config = _read_json_items(manager, s)
             check_config(saved_config, target.config, MODEL_KEYS, where,
-                         "Loading needs the same model shape; everything else may change.")
+                         "Loading needs the same model shape; everything else may change. The checkpoint carries "
+                         "its model: the commands take it from there when no model key or model_name= is given "
+                         "(maxpar.io.run_config.load_run_config).")
             restored = _with_histories(manager, s, target, items)
             _check_structure(manager, s, target, restored, where)
             return StepRead(s, None, restored)

@@ -45,8 +45,9 @@ from maxpar.plan.predict import Target, evaluate_layout, memory_fit, plan_batch,
 REMAT_POLICIES = ("none", "minimal", "full")  # fastest first: a policy only adds recompute
 LONG_SEQUENCE = 16384  # from here on the search also tries context parallelism and blockwise attention
 MIN_CONTEXT_SHARD = 1024  # tokens per context shard the search goes down to
-WITHIN_SLICE = (Physical.TENSOR, Physical.CONTEXT)  # per-layer collectives on activations: never across slices
-ACROSS_SLICES = (Physical.DATA, Physical.STAGE, Physical.FSDP, Physical.EXPERT)  # DCN takes them in this order
+# The axes the slices (DCN) take, in this order; tensor and context, with per-layer collectives on the
+# activations, stay within a slice.
+ACROSS_SLICES = (Physical.DATA, Physical.STAGE, Physical.FSDP, Physical.EXPERT)
 
 
 def divisors(n: int) -> list[int]:
@@ -94,8 +95,7 @@ def families(config: Config, target: Target) -> list[Family]:
     long = config.max_target_length >= LONG_SEQUENCE
     tensors = [t for t in divisors(per_slice) if t <= max(config.num_query_heads, 1) * 2]
     experts = [e for e in divisors(config.num_experts) if target.num_devices % e == 0] if config.num_experts > 1 else [1]
-    stages = [s for s in divisors(config.num_stack_layers // config.num_pipeline_repeats)
-              if config.num_stack_layers % (s * config.num_pipeline_repeats) == 0 and target.num_devices % s == 0]
+    stages = [s for s in divisors(config.num_stack_layers // config.num_pipeline_repeats) if target.num_devices % s == 0]
     contexts = sorted({configured_context, *([c for c in divisors(per_slice)
                                                if c <= config.max_target_length // MIN_CONTEXT_SHARD] if long else [])})
     found = []
@@ -126,14 +126,14 @@ def _split_dims(state: TracedState, rules: tuple[AxisRule, ...]) -> tuple[tuple[
 
 def splits(degrees: dict[str, int], config: Config, state: TracedState) -> bool:
     """Whether every parameter dimension divides by the degrees of the mesh axes sharding it: the trainer's shape
-    check (`maxpar.core.sharding.check_divisible`) without building a layout, so that meshes it would reject cost
+    check (`maxpar.core.layout.check_splits`) without building a layout, so that meshes it would reject cost
     nothing."""
     return all(size % math.prod(degrees[a] for a in axes) == 0
                for size, axes in _split_dims(state, tuple(config.axis_rules)))
 
 
 def place(degrees: dict[str, int], target: Target) -> tuple[dict[str, int], dict[str, int]] | None:
-    """(ICI, DCN) degrees per axis: the slices take ACROSS_SLICES in order, WITHIN_SLICE axes stay in a slice;
+    """(ICI, DCN) degrees per axis: the slices take ACROSS_SLICES in order, the other axes stay within a slice;
     None where the degrees cannot fill the slices that way."""
     left = target.num_slices
     dcn = dict.fromkeys(PHYSICAL_AXES, 1)
