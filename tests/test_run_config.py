@@ -29,8 +29,10 @@ from maxpar.io.run_config import load_run_config
 from maxpar.model import stack
 
 BASE = str(REPO / "configs" / "base.yml")
-# A trained DeepSeek: the deepseek-tiny preset with a key of the run's own over it (as the tokenizer needs).
-DEEPSEEK = ["model_name=deepseek-tiny", "vocab_size=264"]
+# A trained DeepSeek: the deepseek-tiny preset with a key of the run's own over it.
+PRESET_VOCAB = load_config([BASE, "model_name=deepseek-tiny"]).vocab_size
+VOCAB = PRESET_VOCAB + 8
+DEEPSEEK = ["model_name=deepseek-tiny", f"vocab_size={VOCAB}"]
 
 
 def carried(*overrides: str) -> CarriedModel:
@@ -42,14 +44,14 @@ def carried(*overrides: str) -> CarriedModel:
 
 def test_the_carried_model_replaces_the_defaults_and_keeps_its_preset_name():
     config = load_config([BASE], carried(*DEEPSEEK))
-    assert config.model_name == "deepseek-tiny" and config.vocab_size == 264 and config.attention_type == "mla"
+    assert config.model_name == "deepseek-tiny" and config.vocab_size == VOCAB and config.attention_type == "mla"
     assert config.routed_bias_update_rate == load_config([BASE, *DEEPSEEK]).routed_bias_update_rate  # its preset's
 
 
 def test_a_preset_renamed_since_leaves_the_checkpoints_keys_standing():
     saved = {**carried(*DEEPSEEK).values, "model_name": "gone-preset"}
     config = load_config([BASE], CarriedModel("X", saved))
-    assert config.model_name == "" and config.emb_dim == 64 and config.vocab_size == 264
+    assert config.model_name == "" and config.emb_dim == 64 and config.vocab_size == VOCAB
 
 
 def test_user_settings_change_what_the_parameters_compute_but_not_their_shapes(tmp_path):
@@ -59,13 +61,13 @@ def test_user_settings_change_what_the_parameters_compute_but_not_their_shapes(t
     with pytest.raises(ConfigError, match=r"carries its model, which these settings contradict: emb_dim=32 on the "
                                           r"command line, 64 in the checkpoint\. Drop them"):
         load_config([BASE, "emb_dim=32"], carried(*DEEPSEEK))
-    with pytest.raises(ConfigError, match=r"vocab_size=256 from model_name=deepseek-tiny, 264 in the checkpoint"):
+    with pytest.raises(ConfigError, match=rf"vocab_size={PRESET_VOCAB} from model_name=deepseek-tiny, {VOCAB} in the checkpoint"):
         load_config([BASE, "model_name=deepseek-tiny"], carried(*DEEPSEEK))
     (tmp_path / "mine.yml").write_text(f"base_config: {BASE}\nmlp_dim: 64\n")
     with pytest.raises(ConfigError, match=rf"mlp_dim=64 in {tmp_path / 'mine.yml'}, 128 in the checkpoint"):
         load_config([str(tmp_path / "mine.yml")], carried(*DEEPSEEK))
     # the same values are no conflict, whoever sets them
-    assert load_config([BASE, *DEEPSEEK], carried(*DEEPSEEK)).vocab_size == 264
+    assert load_config([BASE, *DEEPSEEK], carried(*DEEPSEEK)).vocab_size == VOCAB
 
 
 # ---------------------------------------------------------------- a DeepSeek checkpoint, base.yml and nothing else
@@ -95,7 +97,7 @@ def test_generate_loads_a_deepseek_checkpoint_with_base_yml_alone(deepseek_run, 
     config = loaded["config"]
     assert {k: getattr(config, k) for k in MODEL_KEYS} == {k: getattr(load_config([BASE, *DEEPSEEK]), k)
                                                           for k in MODEL_KEYS}
-    assert loaded["params"]["token_embedding"].shape == (264, 64)
+    assert loaded["params"]["token_embedding"].shape == (VOCAB, 64)
 
 
 def test_train_takes_a_deepseek_checkpoints_model(deepseek_run, tmp_path, monkeypatch, capsys):
@@ -105,7 +107,7 @@ def test_train_takes_a_deepseek_checkpoints_model(deepseek_run, tmp_path, monkey
                               "dataset_type=synthetic"]) == 0
     assert "model from" in capsys.readouterr().out
     assert (taken["config"].model_name, taken["config"].num_experts, taken["config"].vocab_size) == (
-        "deepseek-tiny", 8, 264)
+        "deepseek-tiny", 8, VOCAB)
     assert maxpar.train.main([BASE, f"load_parameters_path={deepseek_run}", "num_decoder_layers=4"]) == 2
     assert "num_decoder_layers=4 on the command line, 3 in the checkpoint" in capsys.readouterr().err
 
@@ -116,7 +118,7 @@ def test_to_hf_of_a_deepseek_checkpoint_with_base_yml_writes_its_byte_tokenizer(
     from transformers import AutoTokenizer
     assert convert_main(["to_hf", "--checkpoint", str(deepseek_run), "--out", str(tmp_path / "hf")]) == 0
     exported = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert exported["architectures"] == ["DeepseekV3ForCausalLM"] and exported["vocab_size"] == 264
+    assert exported["architectures"] == ["DeepseekV3ForCausalLM"] and exported["vocab_size"] == VOCAB
     assert (exported["bos_token_id"], exported["eos_token_id"], exported["pad_token_id"]) == (1, 2, 0)
     hf = AutoTokenizer.from_pretrained(tmp_path / "hf")
     text = "héllo wörld\n\tdef f():  ✓ 🙂 <s></s>"
