@@ -26,11 +26,12 @@ import numpy as np
 import optax
 
 from maxpar.core import storage
-from maxpar.core.config import Config, ConfigError, load_config, model_config
+from maxpar.core.config import Config, ConfigError, model_config
 from maxpar.core.mesh import build_mesh, local_mesh_shape
 from maxpar.host import preflight
 from maxpar.io import checkpoint, logs
 from maxpar.io.data.tokenizer import Tokenizer, load_tokenizer
+from maxpar.io.run_config import load_run_config
 from maxpar.model import Transformer
 from maxpar.model.layers import CACHE
 from maxpar.training.guards import INTERRUPTED_EXIT_STATUS
@@ -207,12 +208,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m maxpar.generate", description=__doc__.split("\n\n")[0])
     parser.add_argument("config", help="the run's YAML (configs/base.yml)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="load_parameters_path=RUN, the run's model keys, max_new_tokens, temperature, ...")
+                        help="load_parameters_path=RUN (its model comes with it), max_new_tokens, temperature, ...")
     parser.add_argument("--prompt", action="append", default=[], help="text to continue (repeat for a batch)")
     parser.add_argument("--prompts_file", metavar="PATH", help="a file of prompts, one per line (after any --prompt)")
     args = parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)  # key=value after --prompt too
     try:
-        config = load_config([args.config, *args.overrides])
+        run_config = load_run_config([args.config, *args.overrides])  # with the checkpoint's model
+        config = run_config.config
+        if run_config.note:  # stderr: stdout holds the continuations alone
+            print(run_config.note, file=sys.stderr, flush=True)
         preflight.apply_simulated_devices(config)  # a run's num_simulated_devices=N: before JAX starts
         prompts = [*args.prompt, *(read_prompts(args.prompts_file) if args.prompts_file else [])]
         with logs.library_logs(logs.tool_log_path("generate"), config.log_level, mode="w"):

@@ -26,8 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from tqdm import tqdm
 
 from maxpar.core import storage
-from maxpar.core.config import (DEFAULTS, EXPLICIT_BACKWARD, Config, ConfigError, describe_keys, load_config,
-                                model_config, to_yaml)
+from maxpar.core.config import DEFAULTS, EXPLICIT_BACKWARD, Config, ConfigError, describe_keys, model_config, to_yaml
 from maxpar.core.layout import BatchShape, RunLayout, check_devices
 from maxpar.core.mesh import build_mesh, local_mesh_shape
 from maxpar.core.op_schedule import OpSchedule
@@ -40,6 +39,7 @@ from maxpar.io.data.mixture import SOURCE_TOKENS
 from maxpar.io.data.pipeline import SourceData, open_datasets
 from maxpar.io.metrics import (MetricsWriter, parameter_counts, peak_flops, rewind_metrics, throughput,
                                training_flops_per_token)
+from maxpar.io.run_config import load_run_config
 from maxpar.model import Transformer
 from maxpar.plan.fit import check_local_fit
 from maxpar.training import summary
@@ -424,10 +424,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  {key} ({kind}): {doc}", file=stream)
         return 0 if argv else 2
     try:
-        config = load_config(argv)
+        run_config = load_run_config(argv)  # with the model of a checkpoint it starts from
+        config = run_config.config
         preflight.apply_simulated_devices(config)  # before JAX starts
         preflight.check_output_directory(config)
         distributed.setup(config)  # before any JAX device use
+        if run_config.note and jax.process_index() == 0:
+            print(run_config.note, flush=True)
         check_local_fit(config, jax.devices(), jax.local_devices())  # before anything is allocated
         malloc_note = malloc.tune(config.cpu_malloc_tuning, jax.default_backend())  # process-wide: the CLI's own
         if malloc_note and jax.process_index() == 0:

@@ -21,9 +21,10 @@ from maxpar.convert.architectures import ARCHITECTURES, Architecture, TensorRule
 from maxpar.convert.hf_config import ConversionError, architecture_of, hf_config, read_hf_config
 from maxpar.convert.layout import hf_tensor
 from maxpar.convert.safetensors_io import write_safetensors
+from maxpar.convert.tokenizer_files import write_tokenizer
 from maxpar.core import storage
 from maxpar.core.config import Config, config_from_dict, load_config
-from maxpar.io import checkpoint
+from maxpar.io import checkpoint, logs
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 
@@ -63,6 +64,7 @@ def _leaf_paths(tree: Any, prefix: str = "") -> dict[str, Any]:
 def open_array(metadata: Any, use_zarr3: bool) -> ts.TensorStore:
     """One array of an Orbax (OCDBT) checkpoint item, opened for reading slices."""
     directory = str(metadata.directory)
+    logs.tensorstore_credentials(directory)
     base = directory if "://" in directory else Path(directory).absolute().as_uri()
     spec = {"driver": "zarr3" if use_zarr3 else "zarr",
             "kvstore": {"driver": "ocdbt", "base": base, "path": metadata.name}}
@@ -86,11 +88,13 @@ def hf_order(rules: dict[str, TensorRule], shapes: dict[str, tuple[int, ...]]
 
 def convert_to_hf(checkpoint_path: str, out: Path, base_config: Path, architecture: str | None = None,
                   dtype: str | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                  template_path: Path | None = None, log: Callable[[str], None] = print) -> Path:
-    """Write OUT/config.json and OUT/*.safetensors from the checkpoint at `checkpoint_path`.
+                  template_path: Path | None = None, log: Callable[[str], None] = print,
+                  tokenizer_path: str | None = None) -> Path:
+    """Write OUT/config.json, OUT/*.safetensors and the tokenizer's files from the checkpoint at `checkpoint_path`.
 
     `template_path`: a config.json, or a directory holding one, whose other keys (token ids,
     max_position_embeddings...) the output keeps; it also names the architecture unless `architecture` does.
+    `tokenizer_path`: the tokenizer to write (None: the one the checkpoint's run trained with; '' the byte one).
     """
     step, saved, metadata = checkpoint.parameters_metadata("--checkpoint", checkpoint_path)
     config = saved_config(saved, base_config)
@@ -126,9 +130,13 @@ def convert_to_hf(checkpoint_path: str, out: Path, base_config: Path, architectu
 
     with storage.staged_directory(out) as directory:  # safetensors writes local files; a gs:// OUT gets them after
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / "config.json").write_text(json.dumps(hf_config(config, arch, dtype, template), indent=2) + "\n",
-                                               encoding="utf-8")
+        tokenizer = write_tokenizer(directory, config.tokenizer_path if tokenizer_path is None else tokenizer_path,
+                                    config.max_target_length)
+        hf = hf_config(config, arch, dtype, template, tokenizer.token_ids)
+        (directory / "config.json").write_text(json.dumps(hf, indent=2) + "\n", encoding="utf-8")
         files = write_safetensors(directory, sizes, produce, max_shard_bytes)
     log(f"maxpar.convert: step {step} of {checkpoint_path} -> {arch.name} in {out} ({len(entries)} tensors, "
-        f"{dtype}, {len(files)} safetensors file(s))")
+        f"{dtype}, {len(files)} safetensors file(s); tokenizer: {', '.join(tokenizer.files) or 'none'})")
+    if tokenizer.note:
+        log(f"maxpar.convert: note: {tokenizer.note}")
     return out

@@ -41,6 +41,31 @@ class ConfigError(ValueError):
     """Bad configuration; the trainer prints it and exits with status 2."""
 
 
+# The model a checkpoint carries (docs/checkpoints.md#a-checkpoint-carries-its-model). MODEL_KEYS fix the parameter
+# tree and its dtype: every kind of load needs them equal. FUNCTION_KEYS change what the parameters compute but not
+# their shapes (RoPE, norms, routing, the attention window): a run may change them deliberately.
+MODEL_KEYS = ("emb_dim", "num_query_heads", "num_kv_heads", "head_dim", "mlp_dim", "num_decoder_layers",
+              "vocab_size", "weight_dtype", "logits_via_embedding", "qk_norm", "num_experts",
+              "moe_layer_interval", "first_num_dense_layers", "attention_type", "q_lora_rank", "kv_lora_rank",
+              "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mtp_num_layers", "moe_mlp_dim",
+              "num_shared_experts", "routed_bias")
+FUNCTION_KEYS = ("rope_theta", "rope_scaling_type", "rope_scaling_factor", "rope_low_freq_factor",
+                 "rope_high_freq_factor", "rope_original_max_position_embeddings", "normalization_layer_epsilon",
+                 "sliding_window", "num_experts_per_tok", "norm_topk_prob", "rope_yarn_beta_fast",
+                 "rope_yarn_beta_slow", "rope_yarn_mscale", "rope_yarn_mscale_all_dim", "routed_score_func",
+                 "routed_scaling_factor", "n_routing_groups", "topk_routing_group")
+# What a checkpoint carries: its preset's name, its model's keys, and the tokenizer its token ids belong to.
+CARRIED_KEYS = ("model_name", *MODEL_KEYS, *FUNCTION_KEYS, "tokenizer_path")
+
+
+@dataclasses.dataclass(frozen=True)
+class CarriedModel:
+    """The model of a checkpoint a run starts from (`maxpar.io.run_config` reads it): the CARRIED_KEYS it was
+    written with, and where they were read (for messages)."""
+    source: str
+    values: Mapping[str, Any]
+
+
 def _key(doc: str, *, min: float | None = None, max: float | None = None,
          choices: Sequence[Any] | None = None, allow: Sequence[Any] = ()) -> dataclasses.Field:
     """A schema field: its one-line doc and its allowed values (no default here)."""
@@ -449,32 +474,76 @@ def _plain(value: Any) -> Any:
 
 # ---------------------------------------------------------------- loading
 
-def load_config(argv: Sequence[str]) -> Config:
+def load_config(argv: Sequence[str], carried: CarriedModel | None = None) -> Config:
     """`argv` = [CONFIG.yml, key=value, ...] -> validated Config.
 
     Precedence, lowest first: the root YAML (base.yml), the model preset named
-    by `model_name`, YAML files that extend the root via `base_config`, then
-    command-line overrides.
+    by `model_name`, the `carried` model, YAML files that extend the root via
+    `base_config`, then command-line overrides.
+
+    `carried`: the model of the checkpoint the run starts from, which replaces the root's defaults: its model_name
+    (unless the user names one) picks the preset, and its keys stand over the preset's. The user's YAMLs and
+    key=values may change its FUNCTION_KEYS and tokenizer_path; one of MODEL_KEYS that they, or a preset they
+    name, set to another value is a ConfigError naming the key and both values (the parameters would not load).
     """
     if not argv or "=" in argv[0]:
         raise ConfigError("usage: python -m maxpar.train CONFIG.yml [key=value ...] (first argument must be a YAML file)")
     chain = _yaml_chain(storage.path(argv[0]))
     overrides = ("command line", parse_overrides(argv[1:]))
-    layers = chain + [overrides]
-    for source, layer in layers:
+    for source, layer in chain + [overrides]:
         _check_known_keys(layer, source)
-    model_name = _merge([layer for _, layer in layers]).get("model_name", "")
-    model_layers = []
-    if model_name:
-        model_file = storage.path(chain[0][0]).parent / "models" / f"{model_name}.yml"
-        if not model_file.is_file():
-            available = sorted(p.stem for p in model_file.parent.glob("*.yml"))
-            raise ConfigError(f"model_name={model_name!r}: no file {model_file}; available: {', '.join(available)}")
-        model_layer = _read_yaml(model_file)
-        _check_known_keys(model_layer, str(model_file))
-        model_layers = [(str(model_file), model_layer)]
-    ordered = _defaults_for_saved(chain) + chain[:1] + model_layers + chain[1:] + [overrides]
+    user = chain[1:] + [overrides]  # what the user set over the root file's defaults
+    given = _merge([layer for _, layer in user])
+    if carried is not None and "model_name" not in given:  # the checkpoint's preset, if this maxpar still has it
+        name = carried.values.get("model_name") or ""
+        model_name = name if name and _preset_file(chain, name).is_file() else ""
+        carried_layers = [(carried.source, {**carried.values, "model_name": model_name})]
+    else:
+        model_name = _merge([layer for _, layer in chain + [overrides]]).get("model_name") or ""
+        carried_layers = [(carried.source, dict(carried.values))] if carried is not None else []
+    model_layers = _preset_layers(chain, model_name)
+    if carried is not None:
+        _check_known_keys(carried.values, carried.source)
+        named = [(f"from model_name={model_name}", model_layers[0][1])] if given.get("model_name") else []
+        _check_carried(carried, named + user)
+    ordered = _defaults_for_saved(chain) + chain[:1] + model_layers + carried_layers + chain[1:] + [overrides]
     return config_from_dict(_merge([layer for _, layer in ordered]))
+
+
+def _preset_file(chain: Sequence[tuple[str, dict[str, Any]]], model_name: str) -> epath.Path:
+    return storage.path(chain[0][0]).parent / "models" / f"{model_name}.yml"
+
+
+def _preset_layers(chain: Sequence[tuple[str, dict[str, Any]]], model_name: str) -> list[tuple[str, dict[str, Any]]]:
+    """[(file, keys)] of the preset `model_name` names, beside the root YAML ([] for '')."""
+    if not model_name:
+        return []
+    model_file = _preset_file(chain, model_name)
+    if not model_file.is_file():
+        available = sorted(p.stem for p in model_file.parent.glob("*.yml"))
+        raise ConfigError(f"model_name={model_name!r}: no file {model_file}; available: {', '.join(available)}")
+    model_layer = _read_yaml(model_file)
+    _check_known_keys(model_layer, str(model_file))
+    return [(str(model_file), model_layer)]
+
+
+def _check_carried(carried: CarriedModel, user: Sequence[tuple[str, Mapping[str, Any]]]) -> None:
+    """ConfigError when a layer of the user's (lowest first) sets one of MODEL_KEYS to another value than the
+    checkpoint's: the parameters could not load into that model."""
+    conflicts = []
+    for key in MODEL_KEYS:
+        setting = next(((source, layer[key]) for source, layer in reversed(user) if key in layer), None)
+        if key not in carried.values or setting is None:
+            continue
+        source, value = setting
+        if _coerce(key, value) != _coerce(key, carried.values[key]):
+            where = {"command line": "on the command line"}.get(source, source if source.startswith("from ")
+                                                                 else f"in {source}")
+            conflicts.append(f"{key}={value!r} {where}, {carried.values[key]!r} in the checkpoint")
+    if conflicts:
+        raise ConfigError(f"{carried.source} carries its model, which these settings contradict: "
+                          f"{'; '.join(conflicts)}. Drop them: the checkpoint's model is taken whole (only its "
+                          f"RoPE, norm, routing and tokenizer keys may be changed)")
 
 
 DEFAULTS = Path(__file__).resolve().parents[2] / "configs" / "base.yml"

@@ -23,8 +23,8 @@ from maxpar.core.axes import ATTN_KV, ATTN_Q, BATCH_INPUT, CONTEXT_AXIS, RESIDUA
 from maxpar.core.config import CUDNN_ATTENTION, EXPLICIT_BACKWARD, AxisRule, Config, ConfigError
 from maxpar.core.mesh import MeshShape
 from maxpar.core.schedule import Schedule
-from maxpar.core.sharding import (check_divisible, constrain, entry_axes, mesh_axes, mesh_shardings, mesh_specs,
-                                  named_shardings, shard_optimizer_state, with_zero_axis)
+from maxpar.core.sharding import (constrain, entry_axes, mesh_axes, mesh_shardings, mesh_specs,
+                                  named_shardings, shard_optimizer_state, uneven_split, with_zero_axis)
 
 Axes = tuple[str, ...]
 
@@ -368,9 +368,10 @@ def pipeline_layout(config: Config, schedule: Schedule, outer: ModelLayout, row_
 
 # ---------------------------------------------------------------- the run layout
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class TracedState:
-    """The abstract train state of a config (traced once, no devices): shapes and logical specs."""
+    """The abstract train state of a config (traced once, no devices): shapes and logical specs. Hashed by identity:
+    what is derived from it alone is computed once (the planner lays it out on many meshes)."""
 
     abstract: Any     # ShapeDtypeStructs of the TrainState
     specs: Any        # logical PartitionSpecs of the TrainState
@@ -478,7 +479,7 @@ def resolve_layout(config: Config, mesh: MeshShape, state: TracedState, *, check
     check_attention_sharding(config, rules, sizes)
     abstract_mesh = AbstractMesh(mesh.shape, mesh.axis_names)
     shardings = mesh_shardings(state.specs, abstract_mesh, rules)
-    check_divisible(state.abstract, shardings)
+    check_splits(config, state, shardings)
     update_specs = None
     if config.shard_optimizer_over_data:  # ZeRO-1: the moments, gradients and updates also split over data
         shardings = shard_optimizer_state(state.abstract, shardings)
@@ -492,6 +493,40 @@ def resolve_layout(config: Config, mesh: MeshShape, state: TracedState, *, check
     return RunLayout(config=config, mesh=mesh, batch=batch, input_axes=input_axes,
                      residual_axes=tuple(mesh_axes(RESIDUAL, rules)), model=model, state=state,
                      state_specs=jax.tree.map(lambda s: s.spec, shardings), update_specs=update_specs)
+
+
+# The config keys that size a weight's logical axis: what a message names when a degree does not divide it.
+SIZE_KEYS = {Logical.EMBED: ("emb_dim",), Logical.MLP_EMBED: ("emb_dim",), Logical.HEADS: ("num_query_heads",),
+             Logical.KV_HEADS: ("num_kv_heads",), Logical.VOCAB: ("vocab_size",), Logical.EXP: ("num_experts",),
+             Logical.MLP: ("mlp_dim", "moe_mlp_dim"), Logical.LORA: ("q_lora_rank", "kv_lora_rank"),
+             Logical.HEAD_DIM: ("head_dim", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
+             Logical.LAYERS: ("num_decoder_layers",), Logical.DENSE_LAYERS: ("first_num_dense_layers",),
+             Logical.REPEATS: ("num_pipeline_repeats",)}
+
+
+def size_keys(config: Config, logical: str | None, size: int) -> tuple[str, ...]:
+    """The config keys that may size a dimension of this logical axis: those of this size, else all of them."""
+    keys = SIZE_KEYS.get(logical, ())
+    return tuple(key for key in keys if getattr(config, key) == size) or keys
+
+
+def check_splits(config: Config, state: TracedState, shardings: Any) -> None:
+    """Every sharded dimension of the train state divides evenly by its mesh axes' degree; else a ConfigError naming
+    the model key behind the dimension (its logical axis tells which), the parameter and the mesh axes."""
+    split = uneven_split(state.abstract, shardings)
+    if split is None:
+        return
+    is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+    logical = tuple(jax.tree_util.tree_leaves(state.specs, is_leaf=is_spec)[split.index])
+    name = logical[split.dim] if split.dim < len(logical) else None
+    size = split.shape[split.dim]
+    keys = size_keys(config, name, size)
+    what = f"{keys[0]}={size}" if len(keys) == 1 else f"{' / '.join(keys) or 'a dimension'} of {size}"
+    raise ConfigError(
+        f"{what} cannot be split {split.degree} ways: parameter {split.name} of shape {split.shape} splits that "
+        f"dimension ({name or 'unnamed'}) over mesh axes {split.axes} of total degree {split.degree}. Choose "
+        f"ici_/dcn_*_parallelism degrees whose product over {split.axes} divides {size}"
+        + (f", or another {' / '.join(keys)}" if keys else "") + " (or other logical_axis_rules).")
 
 
 def gathers_lookup_table(rules: Sequence[AxisRule], sizes: dict[str, int], row_axes: Axes, pipelined: bool) -> bool:

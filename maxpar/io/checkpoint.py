@@ -41,9 +41,10 @@ from etils import epath
 from jax.sharding import Mesh
 
 from maxpar.core import storage
-from maxpar.core.config import Config, ConfigError, model_config
+from maxpar.core.config import MODEL_KEYS, Config, ConfigError, model_config
 from maxpar.core.layout import RunLayout
 from maxpar.host import distributed
+from maxpar.io import logs
 from maxpar.io.data.pipeline import mixture_differences, position_keys
 from maxpar.model import stack
 from maxpar.training.train_step import TrainState
@@ -51,13 +52,6 @@ from maxpar.training.train_step import TrainState
 LAYOUT = "maxpar/stacked-layers/v1"
 ARRAY_ITEMS = ("params", "opt_state")
 HISTORIES = "fp8_meta"  # fp8_scaling=delayed: the amax histories (TrainState.fp8_meta), an item of their own
-
-# Keys that change the parameter tree or its dtype: every kind of load needs them equal.
-MODEL_KEYS = ("emb_dim", "num_query_heads", "num_kv_heads", "head_dim", "mlp_dim", "num_decoder_layers",
-              "vocab_size", "weight_dtype", "logits_via_embedding", "qk_norm", "num_experts",
-              "moe_layer_interval", "first_num_dense_layers", "attention_type", "q_lora_rank", "kv_lora_rank",
-              "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mtp_num_layers", "moe_mlp_dim",
-              "num_shared_experts", "routed_bias")
 
 Warn = Callable[[str], None]
 
@@ -82,6 +76,7 @@ def make_manager(run_dir: epath.PathLike, config: Config) -> ocp.CheckpointManag
     Leftover temporary directories of saves that were killed are removed on start; they never
     held a complete checkpoint.
     """
+    logs.tensorstore_credentials(run_dir)  # its C++ lines into the library log, not among the run's
     options = ocp.CheckpointManagerOptions(
         max_to_keep=config.max_checkpoints_to_keep or None,
         enable_async_checkpointing=config.async_checkpointing,
@@ -97,6 +92,7 @@ def read_only_manager(directory: epath.PathLike) -> ocp.CheckpointManager:
     """A manager that only reads `directory`, in this process alone: never writes or deletes there, and its
     restores end in no barrier with the other processes (Orbax's own do), so a process whose read fails never
     leaves its peers waiting in that barrier while it waits in `load_everywhere`'s agreement."""
+    logs.tensorstore_credentials(directory)
     me = jax.process_index()
     alone = ocp.options.MultiprocessingOptions(primary_host=None, active_processes={me},
                                                barrier_sync_key_prefix=f"maxpar_read_{me}")
@@ -679,7 +675,9 @@ def _load_from(key: str, value: str, target: Target, items: Sequence[str], warn:
             where = f"{key}={value!r} (step {s})"
             _, saved_config = _read_json_items(manager, s)
             check_config(saved_config, target.config, MODEL_KEYS, where,
-                         "Loading needs the same model shape; everything else may change.")
+                         "Loading needs the same model shape; everything else may change. The checkpoint carries "
+                         "its model: the commands take it from there when no model key or model_name= is given "
+                         "(maxpar.io.run_config.load_run_config).")
             restored = _with_histories(manager, s, target, items)
             _check_structure(manager, s, target, restored, where)
             return StepRead(s, None, restored)

@@ -14,10 +14,11 @@ from collections.abc import Sequence
 
 import jax
 
-from maxpar.core.config import Config, ConfigError, load_config
+from maxpar.core.config import Config, ConfigError
 from maxpar.core.layout import TracedState
 from maxpar.core.mesh import num_slices_for, resolve_mesh_shape
 from maxpar.host.preflight import apply_simulated_devices
+from maxpar.io.run_config import load_run_config
 from maxpar.plan import report, verify
 from maxpar.plan.hardware import available, default_num_slices, hardware_for_device_kind, load_hardware
 from maxpar.plan.layout import Layout
@@ -135,13 +136,14 @@ def run(argv: Sequence[str]) -> tuple[dict[str, object], str, int]:
     flags, rest = parse_flags(argv)
     if not rest:
         raise ConfigError(USAGE)
-    config = load_config(rest)
+    run_config = load_run_config(rest)  # a load_parameters_path=DIR plans the checkpoint's model
+    config = run_config.config
     apply_simulated_devices(config)  # num_simulated_devices=N: before the local devices are looked at
     devices, local = local_devices(config, flags["verify"])
     target = resolve_target(config, *local)
     state = trace_state(config)
     plan, layout, result, first = planned(config, target, state, flags["recommend"] and not flags["verify"])
-    text, status = [first], 0
+    text, status = [*([run_config.note] if run_config.note else []), first], 0
     if flags["recommend"]:
         result["recommendations"] = recommend(config, target, state, top=flags["top"])
         text.append(report.render_recommendations(result["recommendations"]))

@@ -10,6 +10,7 @@ trainer would reject is rejected with the same message). The model is traced onc
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterable
 
@@ -194,23 +195,44 @@ def _declared_role(path: tuple, logical: tuple[str | None, ...]) -> ParamRole:
     return role
 
 
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+    """What the planner reads of one train-state leaf that no mesh changes."""
+    path: str
+    group: str
+    role: ParamRole | None
+    shape: tuple[int, ...]
+    dtype: str
+    logical: tuple[str | None, ...]
+    unrolled: bool  # in an unrolled layer unit (scan_layers=false): one slice per layer
+
+
+@functools.lru_cache(maxsize=8)
+def _leaves(state: TracedState) -> tuple[_Leaf, ...]:
+    """The train state's leaves, once per traced state: `--recommend` lays them out on hundreds of meshes."""
+    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
+    leaves = []
+    for (path, leaf), logical in zip(jax.tree_util.tree_leaves_with_path(state.abstract),
+                                     jax.tree_util.tree_leaves(state.specs, is_leaf=is_spec)):
+        name = jax.tree_util.keystr(path)
+        group = "params" if name.startswith(".params") else "optimizer" if name.startswith(".opt_state") else "step"
+        logical_names = tuple(logical) + (None,) * (len(leaf.shape) - len(logical))
+        role = _declared_role(path[1:], logical_names) if group == "params" else None
+        leaves.append(_Leaf(name, group, role, tuple(leaf.shape), str(leaf.dtype), logical_names,
+                            stack.in_unrolled_unit(path)))
+    return tuple(leaves)
+
+
 def build_layout(config: Config, mesh: MeshShape, state: TracedState) -> Layout:
     """The run layout of the traced state on an abstract mesh of these degrees (ConfigError if it cannot run);
     the batch may be one the trainer would refuse (`predict.plan_batch` says so)."""
     run = resolve_layout(config, mesh, state, check_batch=False)
     is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
-    leaves = jax.tree_util.tree_leaves_with_path(state.abstract)
     tensors = []
-    for (path, leaf), logical, spec in zip(leaves, jax.tree_util.tree_leaves(state.specs, is_leaf=is_spec),
-                                           jax.tree_util.tree_leaves(run.state_specs, is_leaf=is_spec)):
-        name = jax.tree_util.keystr(path)
-        group = "params" if name.startswith(".params") else "optimizer" if name.startswith(".opt_state") else "step"
+    for leaf, spec in zip(_leaves(state), jax.tree_util.tree_leaves(run.state_specs, is_leaf=is_spec)):
         padded = tuple(spec) + (None,) * (len(leaf.shape) - len(spec))
-        mesh_axes = tuple(entry_axes(e) for e in padded)
-        logical_names = tuple(logical) + (None,) * (len(leaf.shape) - len(logical))
-        role = _declared_role(path[1:], logical_names) if group == "params" else None
-        tensors.append(Tensor(path=name, group=group, role=role, shape=tuple(leaf.shape),
-                              dtype=str(leaf.dtype), logical=logical_names, mesh_axes=mesh_axes,
-                              layered=Logical.LAYERS in logical_names or stack.in_unrolled_unit(path)
-                              or (Logical.DENSE_LAYERS in logical_names and not run.pipelined)))
+        tensors.append(Tensor(path=leaf.path, group=leaf.group, role=leaf.role, shape=leaf.shape, dtype=leaf.dtype,
+                              logical=leaf.logical, mesh_axes=tuple(entry_axes(e) for e in padded),
+                              layered=Logical.LAYERS in leaf.logical or leaf.unrolled
+                              or (Logical.DENSE_LAYERS in leaf.logical and not run.pipelined)))
     return Layout(run=run, tensors=tuple(tensors))

@@ -122,9 +122,12 @@ def _time(plan: dict[str, Any]) -> list[str]:
     ]
 
 
+RULES_SOURCE = '"How to Scale Your Model" (Austin et al., the scaling book)'  # rooflines.py's closed forms
+
+
 def _rules_of_thumb(plan: dict[str, Any]) -> list[str]:
     r = plan["rules_of_thumb"]
-    return ["the seeds' rules of thumb for this hardware and model", table(["", "value"], [
+    return [f"rules of thumb from {RULES_SOURCE} for this hardware and model", table(["", "value"], [
         ["ICI intensity C/W (FLOPs per byte)", f"{r['ici_intensity_flops_per_byte']:,.0f}"],
         [f"FSDP/DP critical batch per device ({r['torus_axes']} torus axes)",
          f"{r['fsdp_critical_batch_per_device']:,.0f}"],
@@ -150,8 +153,8 @@ def render_plan(plan: dict[str, Any]) -> str:
 
 def render_recommendations(rec: dict[str, Any]) -> str:
     out = ["", f"recommended meshes for {rec['num_devices']:,} x {rec['hardware']} "
-               f"({rec['searched']} candidates searched, {rec['feasible']} fit and shard the batch; "
-               "ranked by predicted step time)"]
+               f"({rec['searched']:,} of {rec['space']:,} candidates planned in {rec['search_s']:.1f} s, "
+               f"{rec['feasible']} fit and shard the batch; ranked by predicted step time)"]
     if not rec["best"]:
         out.append("  none: " + rec["why_none"])
         return "\n".join(out)
