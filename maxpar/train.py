@@ -26,7 +26,8 @@ from jax.sharding import Mesh, NamedSharding
 from tqdm import tqdm
 
 from maxpar.core import storage
-from maxpar.core.config import DEFAULTS, EXPLICIT_BACKWARD, Config, ConfigError, describe_keys, model_config, to_yaml
+from maxpar.core.config import (DEFAULTS, EXPLICIT_BACKWARD, Config, ConfigError, describe_keys, load_config,
+                                model_config, to_yaml)
 from maxpar.core.layout import BatchShape, RunLayout, check_devices
 from maxpar.core.mesh import build_mesh, local_mesh_shape
 from maxpar.core.op_schedule import OpSchedule
