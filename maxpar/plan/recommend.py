@@ -3,7 +3,8 @@
 The search keeps what the user fixed about the run (model, batch, sequence,
 slices, DCN degrees, expert and stage degrees) and varies what is free inside
 a slice: the ICI data / FSDP / tensor degrees and the remat policy; for long sequences
-(max_target_length >= LONG_SEQUENCE) also the context degree and attention=blockwise; with pipeline stages
+(max_target_length >= LONG_SEQUENCE) also the context degree and a block attention core (blockwise, or the
+configured splash); with pipeline stages
 also the schedule (its bubble and held activations differ; the stacked weights' layout does not). Every
 candidate goes through the same `evaluate` as the plan itself, so a candidate
 that the trainer would reject (a dimension that does not split, a batch that
@@ -16,7 +17,7 @@ import dataclasses
 from typing import Any
 
 from maxpar.core.axes import Physical
-from maxpar.core.config import Config, ConfigError
+from maxpar.core.config import BLOCK_ATTENTION, Config, ConfigError
 from maxpar.core.mesh import MeshShape
 from maxpar.core.layout import TracedState
 from maxpar.core.mesh import resolve_mesh_shape
@@ -47,20 +48,23 @@ def candidate_overrides(config: Config, target: Target) -> list[dict[str, Any]]:
     """Every (ici data, fsdp, tensor, context, remat, pipeline schedule) split of a slice, other degrees as
     configured.
 
-    The context degree (with attention=blockwise, which it needs) is searched for long sequences only;
-    there blockwise attention is also tried without it (no seq^2 scores).
+    The context degree (with a block attention core, which it needs) is searched for long sequences only;
+    there blockwise attention is also tried without it (no seq^2 scores) unless a block core is configured.
     """
     mesh = resolve_mesh_shape(config, target.num_devices, target.num_slices)
     ici = dict(zip(mesh.axis_names, mesh.ici))
     free = ici[Physical.DATA] * ici[Physical.FSDP] * ici[Physical.TENSOR] * ici.get(Physical.CONTEXT, 1)
     long = config.max_target_length >= LONG_SEQUENCE
-    attentions = [config.attention] + (["blockwise"] if long and config.attention != "blockwise" else [])
+    attentions = [config.attention] + (["blockwise"] if long and config.attention not in BLOCK_ATTENTION else [])
+    # splash serves context parallelism with the all_gather strategy only
+    splash_cp = config.attention == "splash" and config.context_parallel_strategy == "all_gather"
+    context_attention = config.attention if splash_cp or config.attention == "blockwise" else "blockwise"
     found = []
     configured = ici.get(Physical.CONTEXT, 1)
     # Shards of at least MIN_CONTEXT_SHARD tokens: below that the per-layer k/v traffic outweighs the split.
     contexts = [c for c in divisors(free) if c == configured or c <= config.max_target_length // MIN_CONTEXT_SHARD]
     for context in contexts if long else [configured]:
-        for attention in attentions if context == 1 else ["blockwise"]:
+        for attention in attentions if context == 1 else [context_attention]:
             extra: dict[str, Any] = {}
             if context != configured:
                 extra["ici_context_parallelism"] = context
