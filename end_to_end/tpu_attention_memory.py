@@ -8,8 +8,8 @@ No TPU needed, only libtpu (`pip install "jax[tpu]==<jax's version>"`): the 128 
 per_device_batch_size=2 max_target_length=8192 remat_policy=full, FSDP over the 128 chips (base.yml's mesh), extra
 key=value overrides after it. For each attention core the trainer's step is compiled
 (`maxpar.plan.verify.compile_train_step`, one core at a time: each takes minutes on a loaded 2-core machine) and
-XLA:TPU's memory analysis per chip is printed — arguments, temporaries, outputs — beside the planner's estimate of the
-temporaries for the same config on hardware=tpu-v5p (gradients + activations + gathered weights,
+XLA:TPU's memory analysis per chip is printed — arguments, temporaries, outputs — beside the planner's estimate of
+the temporaries for the same config on hardware=tpu-v5p (gradients + activations + gathered weights,
 `maxpar.plan.verify.memory_rows`'s transient), with the compile time and the load average.
 
 PASS when blockwise and splash each need fewer temporaries than dot_product (they keep no seq x seq scores).

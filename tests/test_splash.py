@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -84,15 +85,37 @@ def test_refused_without_a_tpu():
         setup_run(config, jax.devices()[:1])
 
 
-@pytest.mark.parametrize("overrides, degree, message", [
-    (["context_parallel_strategy=ring"], 2, "context_parallel_strategy=ring: the splash kernel cannot carry"),
-    (["sa_block_q=192"], 1, "sa_block_q=192: the splash kernel's blocks are multiples of 128"),
-    (["max_target_length=192"], 1, "sa_block_q=512: the splash kernel cuts the 192 queries"),
-    (["max_target_length=256"], 4, "cuts the 64 queries \\(max_target_length=256 / context degree 4\\)"),
+@pytest.mark.parametrize("overrides, degree, stages, message", [
+    (["context_parallel_strategy=ring"], 2, 1, "context_parallel_strategy=ring: the splash kernel cannot carry"),
+    (["sa_block_q=192"], 1, 1, "sa_block_q=192: the splash kernel's blocks are multiples of 128"),
+    (["max_target_length=192"], 1, 1, "sa_block_q=512: the splash kernel cuts the 192 queries"),
+    (["max_target_length=256"], 4, 1, "cuts the 64 queries \\(max_target_length=256 / context degree 4\\)"),
+    (["ici_stage_parallelism=2"], 1, 2, "attention=splash with ici_stage_parallelism=2, .* do not run inside "
+                                        "pipeline stages yet"),
 ])
-def test_what_the_kernel_cannot_run_is_a_config_error(overrides, degree, message):
+def test_what_the_kernel_cannot_run_is_a_config_error(overrides, degree, stages, message):
     with pytest.raises(ConfigError, match=message):
-        check_context(tiny_config("attention=splash", "max_target_length=512", *overrides), degree, 1)
+        check_context(tiny_config("attention=splash", "max_target_length=512", *overrides), degree, stages)
+
+
+def test_the_planner_counts_splash_like_blockwise():
+    """No seq x seq scores: the same planned memory and attention FLOPs as blockwise with the same blocks, and
+    context parallelism's all_gather collectives."""
+    from maxpar.plan.hardware import load_hardware
+    from maxpar.plan.predict import Target, attention_overwork, make_plan
+
+    def planned(attention, *overrides):
+        config = tiny_config(f"attention={attention}", "max_target_length=1024", "attention_block_size=256",
+                             "sa_block_q=256", "sa_block_kv=256", *overrides)
+        plan = make_plan(config, Target(hardware=load_hardware("tpu-v5p"), num_devices=8, num_slices=1))
+        return plan["memory_per_device_bytes"], attention_overwork(config), plan.collectives
+
+    dense, blockwise, splash = (planned(a) for a in ("dot_product", "blockwise", "splash"))
+    assert splash == blockwise and splash[0]["activations"] < dense[0]["activations"] and splash[1] == 0.25
+    cp = ("ici_context_parallelism=2", "context_parallel_strategy=all_gather")
+    splash_cp = planned("splash", *cp)
+    assert splash_cp == planned("blockwise", *cp)
+    assert any(c.pattern == "CP k all-gather (forward)" for c in splash_cp[2])
 
 
 # ---------------------------------------------------------------- compiled for a TPU by libtpu
@@ -115,11 +138,14 @@ def tpu_devices():
      "num_experts_per_tok=2", "sliding_window=100"],
 ], ids=["fsdp4_tp2", "cp2_ep2_fsdp2_moe_window"])
 def test_the_train_step_compiles_for_tpu(tpu_devices, mesh):
-    """The trainer's step with the kernel in it (Mosaic custom calls: forward, dq, dkv), as the TPU compiler builds it."""
+    """The trainer's step with the kernel's three Mosaic calls in it (forward, dq, dkv; segmented: the packed
+    documents' ids), as the TPU compiler builds it."""
     from maxpar.plan.verify import compile_train_step
 
     config = tiny_config("attention=splash", "max_target_length=256", "dtype=bfloat16", "per_device_batch_size=1",
                          "num_slices=1", *mesh)
     compiled = compile_train_step(config, tpu_devices)
     assert compiled.platform == "tpu"
-    assert compiled.text.count("tpu_custom_call") >= 3
+    assert set(re.findall(r"splash_mha_\w+", compiled.text)) == {
+        "splash_mha_fwd_segmented_residuals", "splash_mha_dq_segmented_no_residuals",
+        "splash_mha_dkv_segmented_no_residuals"}

@@ -142,10 +142,10 @@ def expert_axes(rules: Sequence[AxisRule], mesh: MeshAxes, pipelined: bool) -> E
 @dataclasses.dataclass(frozen=True)
 class ContextLayout:
     """A block attention core (attention=blockwise or splash) on a mesh, which runs it per device under shard_map:
-    the context degree C (1: none), q's and k/v's live mesh axes (axes of
-    size 1 left out: shard_map would count them as varying), and how the C shards attend to each other:
+    the context degree C (1: none), q's and k/v's live mesh axes (axes of size 1 left out: shard_map would count
+    them as varying), and how the C shards attend to each other:
     strategy (`all_gather` or `ring`), load balance (2C chunks, shard s holding chunks s and 2C-1-s), and the
-    block size (capped at a shard's length where it runs)."""
+    blockwise kernel's block size (capped at a shard's length where it runs; splash reads its sa_block_* keys)."""
 
     degree: int
     q_spec: PartitionSpec
@@ -176,9 +176,9 @@ class ModelLayout:
 
     mesh: the mesh axes every shard_map of the model runs over; pipeline: how the layers are pipelined over the
     stages (None: they run in order); experts: the MoE axes (None: dense); context: how the block attention core
-    (blockwise, splash) splits over the mesh (None: another core, or one device); gather_lookup_table: whether the token lookup
-    gathers the table's embed shards first (a vocab-sharded table: each shard looks up its own rows) or runs on
-    them (the ids are gathered and the looked-up rows moved to their batch shards by an all-to-all, as MaxText's
+    (blockwise, splash) splits over the mesh (None: another core, or one device); gather_lookup_table: whether the
+    token lookup gathers the table's embed shards first (a vocab-sharded table: each shard looks up its own rows) or
+    runs on them (the ids are gathered and the looked-up rows moved to their batch shards by an all-to-all, as MaxText's
     partitioned lookup does: no table gather and no reduction of its gradient over the axes that shard its embed
     dim).
     """
@@ -691,6 +691,11 @@ def check_context(config: Config, degree: int, stages: int) -> None:
             raise ConfigError(f"{degree_keys} with ici_stage_parallelism={config.ici_stage_parallelism}, "
                               f"dcn_stage_parallelism={config.dcn_stage_parallelism}: context parallelism with "
                               f"pipeline stages is not supported yet; use stage degree 1")
+    if config.attention in BLOCK_ATTENTION and stages > 1:
+        raise ConfigError(f"attention={config.attention} with ici_stage_parallelism={config.ici_stage_parallelism}, "
+                          f"dcn_stage_parallelism={config.dcn_stage_parallelism}: the block attention cores do not "
+                          f"run inside pipeline stages yet (their shard_map cannot nest in the pipeline loop's); use "
+                          f"attention=dot_product with pipeline stages")
     if config.attention == "blockwise":
         local = length // degree
         block = min(config.attention_block_size, local)
