@@ -27,9 +27,13 @@ from maxpar.core.axes import PHYSICAL_AXES, Logical, unknown_logical
 
 DTYPES = ("float32", "bfloat16", "float16")
 SYNTHETIC_FIRST_TOKEN = 3  # synthetic data skips ids 0-2, the byte tokenizer's pad, bos and eos
-ATTENTION = ("dot_product", "xla", "cudnn_flash", "cudnn_flash_causal", "blockwise")
+ATTENTION = ("dot_product", "xla", "cudnn_flash", "cudnn_flash_causal", "blockwise", "splash")
 ATTENTION_TYPES = ("gqa", "mla")
-MLA_ATTENTION = ("dot_product", "blockwise")  # the cores that take v with another head width than q and k
+MLA_ATTENTION = ("dot_product", "blockwise", "splash")  # the cores that take v with another head width than q and k
+# The block (flash-style) cores that run per device under the layout's shard_map: no seq x seq scores, and the
+# sequence may be split over `context` (context parallelism).
+BLOCK_ATTENTION = ("blockwise", "splash")
+SPLASH_LANES = 128  # the splash kernel's key blocks (and its query blocks, with segment ids) are multiples of this
 CONTEXT_STRATEGIES = ("all_gather", "ring")
 CUDNN_ATTENTION = ("cudnn_flash", "cudnn_flash_causal")
 QUANTIZATION = ("", "fp8")
@@ -183,9 +187,14 @@ class Config:
     attention: str = _key("attention core: dot_product (einsums), xla (jax.nn.dot_product_attention), cudnn_flash "
                           "(cuDNN flash, GPU, packed documents as a bias), cudnn_flash_causal (causal only: "
                           "one document per row), blockwise (pure-JAX flash attention: blocks, online softmax, "
-                          "skipped masked blocks; needed for context parallelism)", choices=ATTENTION)
+                          "skipped masked blocks; context parallelism), splash (JAX's Pallas TPU splash attention "
+                          "kernel; TPU only; context parallelism with all_gather)", choices=ATTENTION)
     attention_block_size: int = _key("query/key block of attention=blockwise (capped at the local sequence, which "
                                      "it must divide); memory per head O(length x block)", min=1)
+    sa_block_q: int = _key("query block of attention=splash, every kernel (capped at the local sequence, which it "
+                           "must divide; a multiple of 128): MaxText's key", min=SPLASH_LANES)
+    sa_block_kv: int = _key("key/value block of attention=splash, every kernel (capped at the keys' sequence, which "
+                            "it must divide; a multiple of 128): MaxText's key", min=SPLASH_LANES)
     sliding_window: int = _key("attend only to this many most recent tokens, the current one included "
                                "(0 = all; Mistral; maxpar.convert sets it from config.json)", min=0)
     scan_layers: bool = _key("nn.scan over layers (stacked `layers` axis); faster compile")
@@ -446,6 +455,8 @@ class ModelConfig:
     weight_dtype: str
     attention: str
     attention_block_size: int     # the blockwise kernel's block without a context layout (one device)
+    sa_block_q: int               # the splash kernel's query block (capped at the local sequence)
+    sa_block_kv: int              # the splash kernel's key/value block (capped at the keys' sequence)
     quantization: str
     fp8_scaling: str
     fp8_amax_history_length: int
@@ -899,8 +910,14 @@ def _validate_routing(config: Config) -> None:
 
 
 def _validate_attention(config: Config) -> None:
-    """What cuDNN flash attention supports, as far as the config alone can tell (devices: at setup)."""
+    """What the kernels (cuDNN flash, splash) support, as far as the config alone can tell (the sequence a device
+    holds and the devices: at setup)."""
     name = f"attention={config.attention}"
+    if config.attention == "splash":
+        for key in ("sa_block_q", "sa_block_kv"):
+            if getattr(config, key) % SPLASH_LANES:
+                raise ConfigError(f"{key}={getattr(config, key)}: the splash kernel's blocks are multiples of "
+                                  f"{SPLASH_LANES} (e.g. 512 or 1024)")
     if config.attention not in CUDNN_ATTENTION:
         return
     if config.dtype not in ("bfloat16", "float16"):

@@ -157,7 +157,7 @@ class Layout:
     @property
     def context_axes(self) -> tuple[str, ...]:
         """The mesh axes context parallelism splits the sequence over (none without it): the length axes of
-        blockwise attention's q."""
+        the block attention core's q (blockwise, splash)."""
         context = self.run.model.context
         return entry_axes(context.q_spec[1]) if context and context.degree > 1 else ()
 

@@ -7,8 +7,8 @@ can use, at both levels of the mesh:
 - degrees: tensor (within a slice, up to twice the query heads), expert (a mixture of experts: divisors of
   num_experts), stage (divisors of the stacked layers / repeats; each with the pipeline schedules the repeats
   allow), context (sequences of LONG_SEQUENCE tokens and more: within a slice, shards of at least
-  MIN_CONTEXT_SHARD tokens, with attention=blockwise, which is also tried alone there); data and FSDP share the
-  rest. A `Family` fixes all but data and FSDP.
+  MIN_CONTEXT_SHARD tokens, with a block attention core: blockwise, or a configured splash; blockwise is also
+  tried alone there); data and FSDP share the rest. A `Family` fixes all but data and FSDP.
 - placement: tensor and context stay within a slice; the slices (DCN) take data first, then stages, FSDP and
   experts (`ACROSS_SLICES`: the axes by how much they send per step: a data-parallel reduction once a step,
   stage-to-stage activations, FSDP's weight gathers and the experts' all-to-alls every layer); ICI the rest.
@@ -35,7 +35,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from maxpar.core.axes import PHYSICAL_AXES, Physical
-from maxpar.core.config import AxisRule, Config, ConfigError
+from maxpar.core.config import BLOCK_ATTENTION, AxisRule, Config, ConfigError
 from maxpar.core.layout import TracedState
 from maxpar.core.mesh import degree_overrides, resolve_mesh_shape
 from maxpar.core.sharding import mesh_axes
@@ -93,6 +93,9 @@ def families(config: Config, target: Target) -> list[Family]:
     configured = resolve_mesh_shape(config, target.num_devices, target.num_slices)
     configured_context = configured.degree(Physical.CONTEXT)
     long = config.max_target_length >= LONG_SEQUENCE
+    # what a context-parallel candidate attends with: a configured splash serves the all_gather strategy only
+    splash_cp = config.attention == "splash" and config.context_parallel_strategy == "all_gather"
+    context_attention = config.attention if splash_cp or config.attention == "blockwise" else "blockwise"
     tensors = [t for t in divisors(per_slice) if t <= max(config.num_query_heads, 1) * 2]
     experts = [e for e in divisors(config.num_experts) if target.num_devices % e == 0] if config.num_experts > 1 else [1]
     stages = [s for s in divisors(config.num_stack_layers // config.num_pipeline_repeats) if target.num_devices % s == 0]
@@ -100,8 +103,8 @@ def families(config: Config, target: Target) -> list[Family]:
                                                if c <= config.max_target_length // MIN_CONTEXT_SHARD] if long else [])})
     found = []
     for context in contexts:
-        attentions = (["blockwise"] if context > 1 else
-                      [config.attention] + (["blockwise"] if long and config.attention != "blockwise" else []))
+        attentions = ([context_attention] if context > 1 else
+                      [config.attention] + (["blockwise"] if long and config.attention not in BLOCK_ATTENTION else []))
         for attention in attentions:
             for tensor in tensors:
                 if per_slice % (tensor * context):
