@@ -17,6 +17,7 @@ import jax
 from maxpar.core.config import Config, ConfigError, load_config
 from maxpar.core.layout import TracedState
 from maxpar.core.mesh import num_slices_for, resolve_mesh_shape
+from maxpar.host.devices import cpu_unless_accelerators
 from maxpar.host.preflight import apply_simulated_devices
 from maxpar.plan import report, verify
 from maxpar.plan.hardware import available, default_num_slices, hardware_for_device_kind, load_hardware
@@ -136,6 +137,7 @@ def run(argv: Sequence[str]) -> tuple[dict[str, object], str, int]:
     if not rest:
         raise ConfigError(USAGE)
     config = load_config(rest)
+    cpu_unless_accelerators()  # before JAX starts: no libtpu warnings where there is no TPU
     apply_simulated_devices(config)  # num_simulated_devices=N: before the local devices are looked at
     devices, local = local_devices(config, flags["verify"])
     target = resolve_target(config, *local)

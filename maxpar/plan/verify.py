@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -60,6 +61,8 @@ class Compiled:
     layout: RunLayout
     batch_bytes_per_device: float
     platform: str
+    executable: Any = None              # the jax.stages.Compiled (cost_analysis, serialization)
+    compile_seconds: float = 0.0
 
 
 def compile_train_step(config: Config, devices: Sequence[jax.Device]) -> Compiled:
@@ -69,11 +72,14 @@ def compile_train_step(config: Config, devices: Sequence[jax.Device]) -> Compile
     check_devices(config, devices)
     mesh = build_mesh(layout.mesh, devices)
     model = Transformer(model_config(config), layout.model)
+    start = time.perf_counter()
     compiled = train_step.compile_train_step(model, make_optimizer(config), layout, mesh)
+    seconds = time.perf_counter() - start
     shards = math.prod(layout.axis_sizes[a] for a in layout.input_axes[0])
     per_device = len(train_step.BATCH_KEYS) * layout.batch.global_rows * config.max_target_length * 4 / shards
     return Compiled(text=compiled.as_text(), memory=compiled.memory_analysis(), layout=layout,
-                    batch_bytes_per_device=per_device, platform=devices[0].platform)
+                    batch_bytes_per_device=per_device, platform=devices[0].platform, executable=compiled,
+                    compile_seconds=seconds)
 
 
 def on_backend(comm: Comm, platform: str) -> tuple[str, float, list[str]]:
