@@ -143,6 +143,15 @@ def parse_topology(name: str, key: str = "compile_topology") -> TopologySpec:
     return TopologySpec(name=name, family=family, shape=shape, chips_per_host_bounds=hosts)
 
 
+def topology_for_hardware(hardware: str, devices_per_slice: int) -> TopologySpec | None:
+    """The topology of `devices_per_slice` devices of a TPU hardware profile (tpu-v5p, 128 -> v5p-256); None for a
+    profile no TPU family names. ConfigError when no slice has that many devices."""
+    family = next((f for f in FAMILIES.values() if f.hardware == hardware), None)
+    if family is None:
+        return None
+    return parse_topology(f"{family.prefix}-{family.name_count(devices_per_slice)}", key="num_devices")
+
+
 def libtpu_installed() -> bool:
     """Whether libtpu (the TPU compiler) is importable: `pip install maxpar[tpu]`."""
     return importlib.util.find_spec("libtpu") is not None

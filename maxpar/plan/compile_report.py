@@ -31,7 +31,7 @@ from maxpar.io import executable, logs
 from maxpar.io.metrics import peak_flops, training_flops_per_token
 from maxpar.plan import hlo
 from maxpar.plan.hardware import Hardware, load_hardware
-from maxpar.plan.verify import Compiled, compile_train_step
+from maxpar.plan.verify import Compiled, compile_train_step, program_axes
 
 GIB = 2 ** 30
 EXIT_FITS, EXIT_DOES_NOT_FIT = 0, 1
@@ -85,9 +85,15 @@ class CompilerCost:
     peak_flops: float | None
 
     @property
+    def estimated(self) -> bool:
+        """Whether the cost model gave a step time: it gives a negative one for multi-slice programs (their
+        transfers between slices go through the host-side runtime, which it does not model)."""
+        return self.seconds > 0
+
+    @property
     def mfu(self) -> float | None:
         """The MFU the compiler's step estimate implies (None when it covers one pass of a loop only)."""
-        if self.loop_body_once or not self.peak_flops or self.seconds <= 0:
+        if self.loop_body_once or not self.peak_flops or not self.estimated:
             return None
         return self.model_flops / (self.seconds * self.peak_flops)
 
@@ -121,17 +127,6 @@ def memory_of(analysis: Any, hardware: Hardware | None) -> Memory:
                   output=analysis.output_size_in_bytes, aliased=analysis.alias_size_in_bytes,
                   generated_code=analysis.generated_code_size_in_bytes,
                   capacity=hardware.hbm_bytes if hardware else None)
-
-
-def program_axes(text: str, mesh: MeshShape) -> tuple[dict[str, int], int, str]:
-    """(the mesh axes one compiled program spans, the slices, the DCN axes): a multi-slice TPU program is one
-    slice's (its partitions the ICI degrees), its transfers between slices run over the DCN axes."""
-    full = dict(zip(mesh.axis_names, mesh.shape))
-    slices = math.prod(mesh.dcn)
-    if slices > 1 and hlo.module_partitions(text) == math.prod(mesh.ici):
-        dcn = "+".join(a for a, d in zip(mesh.axis_names, mesh.dcn) if d > 1)
-        return dict(zip(mesh.axis_names, mesh.ici)), slices, dcn
-    return full, 1, ""
 
 
 def collective_sums(text: str, mesh: MeshShape) -> tuple[CollectiveSum, ...]:
@@ -250,8 +245,10 @@ def render(report: TopologyReport) -> list[str]:
     if c is not None:
         scope = " (one pass of the scanned layer loop's body: XLA counts a loop body once)" if c.loop_body_once else ""
         lines.append(f"  compiler's cost per chip{scope}:")
-        lines.append(f"    {c.flops:.3e} FLOPs, {c.bytes_accessed:.3e} bytes accessed, estimated step "
-                     f"{c.seconds * 1e3:.1f} ms")
+        step = (f"estimated step {c.seconds * 1e3:.1f} ms" if c.estimated else
+                f"no step estimate (the cost model gave {c.seconds:.3g} s: it does not model the transfers "
+                f"between slices)")
+        lines.append(f"    {c.flops:.3e} FLOPs, {c.bytes_accessed:.3e} bytes accessed, {step}")
         if c.mfu is not None:
             lines.append(f"    maxpar's count of the step: {c.model_flops:.3e} FLOPs per chip -> MFU {c.mfu:.1%} "
                          f"at the estimated step")
@@ -292,7 +289,8 @@ def compile_topology(config: Config, run_dir: epath.Path, log: Any = print) -> i
         out = run_dir / "compile_report.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report.as_dict(), indent=2) + "\n", encoding="utf-8")
-        log(f"  report: {out}")
+        (run_dir / "train_step.hlo.txt").write_text(compiled.text, encoding="utf-8")
+        log(f"  report: {out}; the compiled program: {run_dir / 'train_step.hlo.txt'}")
         if config.compiled_trainstep_file:
             saved = executable.save_executable(compiled.executable, config.compiled_trainstep_file,
                                                executable.CompiledFor(

@@ -399,6 +399,21 @@ def collective_matmuls(comps) -> dict[str, str]:
     return {name: kind.pop() for name, kind in kinds.items() if len(kind) == 1}
 
 
+_EINSUM = re.compile(r"/([a-z]+),([a-z]+)->([a-z]+)/dot_general$")
+
+
+def unrolled_collective_matmul(op_name: str) -> str:
+    """The collective a permute of an unrolled collective matmul does (XLA:TPU unrolls the loop of a small one, so
+    no `windowed_dot_general_body` names it), read from its matmul's einsum in the op_name: one that sums over the
+    batch ('b' in both operands, not in the result: a weight's gradient) reduce-scatters its result; any other
+    all-gathers its weight operand. '' when the op_name names no einsum."""
+    m = _EINSUM.search(op_name)
+    if not m:
+        return ""
+    lhs, rhs, out = m.groups()
+    return "reduce-scatter" if "b" in lhs and "b" in rhs and "b" not in out else "all-gather"
+
+
 _MEGASCALE = re.compile(r'_xla_megascale_transfer_type="([A-Z_]+)"')
 
 
@@ -453,7 +468,8 @@ def collectives(hlo_text: str, num_partitions: int,
                 operand_bytes=sum(o.nbytes for o in operands), groups=groups, count=multiplier.get(name, 0),
                 computation=name, op_name=op_name, operands=operands, unknown_trip_count=name in unknown,
                 moving_fraction=moving, every_branch=name in bound,
-                stands_for=matmuls.get(op_name, "") if kind == "collective-permute" else "",
+                stands_for=(matmuls.get(op_name) or unrolled_collective_matmul(op_name))
+                if kind == "collective-permute" else "",
                 dcn=megascale is not None))
     return found
 
@@ -542,12 +558,15 @@ def while_loops(hlo_text: str) -> list[tuple[str, int | None, int]]:
         op = m.group("op") if m else ""
         return (op[:-6] if op.endswith("-start") else op) in COLLECTIVE_KINDS
     direct = {name: sum(1 for line in lines if is_collective(line)) for name, _, lines in comps}
+    defs, by_name = _definitions(comps), {name: lines for name, _, lines in comps}
     found = []
     for _, _, lines in comps:
         for line in lines:
             body = re.search(r"\bbody=%([\w.\-]+)", line)
             if body and " while(" in line:
-                found.append((body.group(1), _trip_count(line), direct.get(body.group(1), 0)))
+                trips = _trip_count(line)
+                trips = trips if trips is not None else inferred_trip_count(line, by_name, defs)
+                found.append((body.group(1), trips, direct.get(body.group(1), 0)))
     return found
 
 
