@@ -129,6 +129,7 @@ def compile_maxtext(case: dict[str, Any], python: str, src: Path, base_yml: Path
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - start
+    (workdir / "maxtext_stdout.txt").write_text(done.stdout + done.stderr, encoding="utf-8")
     figures = parse_maxtext(done.stdout)
     if figures is None:
         return {"error": (done.stdout + done.stderr)[-1500:], "command": command}

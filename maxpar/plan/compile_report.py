@@ -25,7 +25,7 @@ from etils import epath
 from maxpar.core import storage
 from maxpar.core.axes import Physical
 from maxpar.core.config import Config, to_yaml
-from maxpar.core.mesh import MeshShape
+from maxpar.core.mesh import MeshShape, local_mesh_shape
 from maxpar.host import topology
 from maxpar.io import executable, logs
 from maxpar.io.metrics import peak_flops, training_flops_per_token
@@ -280,7 +280,7 @@ def compile_topology(config: Config, run_dir: epath.Path, log: Any = print) -> i
             log(f"maxpar: does not fit: XLA:TPU needs {_gib(exceeded.needed)} per chip{what}, and {spec.name}'s "
                 f"chips give it {_gib(exceeded.capacity)} of HBM ({_gib(exceeded.needed - exceeded.capacity)} "
                 f"over; the compiler stopped there). Try:")
-            for tip in what_to_try(config, None):
+            for tip in what_to_try(config, None, local_mesh_shape(config, devices)):
                 log(f"    {tip}")
             return EXIT_DOES_NOT_FIT
         report = build_report(config, compiled, spec.describe(slices), hardware)

@@ -146,7 +146,7 @@ def _trip_count(line: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-_COMPARE = re.compile(r"compare\(%([\w.\-]+), %([\w.\-]+)\), direction=(LT|LE|GT|GE)")
+_COMPARE = re.compile(r"compare\(%([\w.\-]+(?:#\d+)?), %([\w.\-]+(?:#\d+)?)\), direction=(LT|LE|GT|GE)")
 _TUPLE_INDEX = re.compile(r"get-tuple-element\(%[\w.\-]+\), index=(\d+)")
 
 
@@ -196,7 +196,8 @@ def inferred_trip_count(while_line: str, comps_by_name: dict[str, list[str]], de
     if not compare:
         return None
     lhs, rhs, direction = compare.groups()
-    index_of = {n: _TUPLE_INDEX.search(defs.get(n, "")) for n in (lhs, rhs)}
+    # `%param#0` (newer HLO text) or a get-tuple-element of the loop's parameter
+    index_of = {n: re.search(r"#(\d+)$", n) or _TUPLE_INDEX.search(defs.get(n, "")) for n in (lhs, rhs)}
     if index_of[lhs] and _constant(rhs, defs) is not None and direction in ("LT", "LE"):
         index, limit = int(index_of[lhs].group(1)), _constant(rhs, defs)
     elif index_of[rhs] and _constant(lhs, defs) is not None and direction in ("GT", "GE"):
