@@ -34,7 +34,7 @@ from maxpar.core.op_schedule import OpSchedule
 from maxpar.core.schedule import Schedule
 from maxpar.host import devices as host_devices
 from maxpar.host import distributed, malloc, preflight
-from maxpar.io import checkpoint, local_checkpoint, logs
+from maxpar.io import checkpoint, executable, local_checkpoint, logs
 from maxpar.io.data.errors import DataError
 from maxpar.io.data.mixture import SOURCE_TOKENS
 from maxpar.io.data.pipeline import SourceData, open_datasets
@@ -42,6 +42,7 @@ from maxpar.io.metrics import (MetricsWriter, parameter_counts, peak_flops, rewi
                                training_flops_per_token)
 from maxpar.io.run_config import load_run_config
 from maxpar.model import Transformer
+from maxpar.plan.compile_report import compile_topology
 from maxpar.plan.fit import check_local_fit
 from maxpar.training import summary
 from maxpar.training.cadence import StepTimer, cadence
@@ -136,7 +137,11 @@ class RunSetup:
         return checkpoint.Target.of(self.layout, self.mesh, self.shape.global_rows)
 
     def compile_train_step(self) -> Any:
-        """Ahead-of-time compiled train step for this run's state and batch layout."""
+        """Ahead-of-time compiled train step for this run's state and batch layout; the one compiled before for
+        these devices when compiled_trainstep_file names it."""
+        if self.config.compiled_trainstep_file:
+            return executable.load_executable(self.config.compiled_trainstep_file, self.devices,
+                                              self.layout.mesh.describe())
         return compile_train_step(self.model, self.tx, self.layout, self.mesh)
 
 
@@ -301,7 +306,9 @@ def _train(config: Config, devices: Sequence[jax.Device] | None, run_dir: epath.
 
             compile_start = time.perf_counter()
             step_fn = run.compile_train_step()
-            log(f"  compiled the train step in {time.perf_counter() - compile_start:.1f} s")
+            log(f"  loaded the train step compiled before from {config.compiled_trainstep_file} in "
+                f"{time.perf_counter() - compile_start:.1f} s" if config.compiled_trainstep_file else
+                f"  compiled the train step in {time.perf_counter() - compile_start:.1f} s")
             has_eval = run.eval_data or any(s.eval for s in run.sources)
             eval_fn = jit_eval_step(run.model, run.layout, run.mesh) if has_eval else None
 
@@ -427,6 +434,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         run_config = load_run_config(argv)  # with the model of a checkpoint it starts from
         config = run_config.config
+        host_devices.cpu_unless_accelerators()  # before JAX starts: libtpu's warnings where there is no TPU
+        if config.compile_topology:  # compile for a TPU topology, report and exit: no local devices used
+            preflight.check_output_directory(config)
+            return compile_topology(config, run_directory(config))
         preflight.apply_simulated_devices(config)  # before JAX starts
         preflight.check_output_directory(config)
         distributed.setup(config)  # before any JAX device use

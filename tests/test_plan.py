@@ -196,11 +196,12 @@ def test_multislice_data_parallelism_crosses_dcn_hierarchically():
                   "ici_tensor_parallelism=2", "remat_policy=full", hardware="tpu-v5e", devices=512, slices=2)
     dcn = [c for c in result["comms"] if c["network"] == "dcn"]
     assert dcn and {c["axis"] for c in dcn} == {"data"} and {c["collective"] for c in dcn} == {"all-reduce"}
-    # Reduce-scatter over ICI first: DCN carries each weight's 1/(ici shards) slice once, 2 (d-1)/d = 1x.
+    # Reduce-scatter over ICI first: DCN carries each weight's 1/(ici shards) slice once, 2 (d-1)/d = 1x, in the
+    # weights' float32 (XLA:TPU's multi-slice llama3-8b compile sends float32 gradient shards between slices).
     layer_grads = next(c for c in dcn if c["pattern"] == "DP gradient all-reduce")
     matmul = sum(v for k, v in layer_grads["by_weight"].items() if "norm" not in k)
     weights = result["params"]["attention"] + result["params"]["mlp"] + result["params"]["output"]
-    assert matmul == pytest.approx(weights * 2 / 256, rel=1e-6)
+    assert matmul == pytest.approx(weights * 4 / 256, rel=1e-6)
 
 
 def test_pipeline_is_predicted_with_its_bubble_and_permutes():

@@ -362,6 +362,14 @@ class Config:
     # Planning (python -m maxpar.plan)
     hardware: str = _key("hardware profile configs/hardware/NAME.yml to plan for ('' = match the local devices)")
     num_devices: int = _key("devices to plan for (0 = the local device count)", min=0)
+    # Compiling for a TPU topology without one (libtpu; docs/tpu.md)
+    compile_topology: str = _key("'' = train; a TPU topology name (v5p-256 = 128 chips, v5e-256, v6e-256, v4-128, "
+                                 "tpu7x-64): compile the train step for it with XLA:TPU, print its per-chip memory, "
+                                 "collectives and the compiler's step estimate, and exit (0 fits, 1 does not)")
+    compile_topology_num_slices: int = _key("slices of compile_topology, joined by DCN (the dcn_* degrees)", min=1)
+    compiled_trainstep_file: str = _key("with compile_topology: write the compiled train step there (serialized "
+                                        "executable); without: train with the step loaded from there, which must "
+                                        "have been compiled for these devices ('' = compile as usual)")
 
     # ---- derived values: pure functions of the config ----
     @property

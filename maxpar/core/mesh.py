@@ -128,6 +128,8 @@ def slice_granules(devices: Sequence[jax.Device]) -> tuple[int, bool]:
     if all(hasattr(d, "slice_index") for d in devices) and (
             devices[0].platform == "tpu" or len({d.slice_index for d in devices}) > 1):
         return len({d.slice_index for d in devices}), False
+    if devices[0].platform == "tpu":  # libtpu's one-slice topologies (compile_topology) have no slice_index
+        return 1, False
     return len({d.process_index for d in devices}), True
 
 

@@ -26,6 +26,7 @@ PEAK_BF16_FLOPS = {
     "TPU v5": 459e12,        # v5p reports itself as "TPU v5"
     "TPU v6 lite": 918e12,   # v6e (Trillium)
     "TPU v6e": 918e12,
+    "TPU7x": 1153.5e12,      # Ironwood: 2307 TFLOP/s per chip, whose two TensorCores are two devices
     "A100": 312e12,
     "H100": 989e12,          # SXM
     "H100 PCIe": 756e12,

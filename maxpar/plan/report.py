@@ -164,6 +164,25 @@ def render_recommendations(rec: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def render_compiled_candidates(best: list[dict[str, Any]], topology: str) -> str:
+    """The recommended meshes' predictions beside XLA:TPU's compile of each for `topology`."""
+    out = ["", f"the recommended meshes compiled by XLA:TPU for {topology} (per chip; the compiler's step estimate "
+               f"counts a scanned layer loop's body once: scan_layers=false for the whole step)"]
+    rows = []
+    for i, b in enumerate(best):
+        c = b.get("compiled", {})
+        if "error" in c:
+            rows.append([str(i + 1), seconds(b["step_time_s"]), "-", human_bytes(b["memory_total_bytes"]), "-",
+                         c["error"][:60]])
+            continue
+        step = "-" if c.get("estimated_step_s") is None else (
+            seconds(c["estimated_step_s"]) + (" (one layer pass)" if c["loop_body_once"] else ""))
+        rows.append([str(i + 1), seconds(b["step_time_s"]), step, human_bytes(b["memory_total_bytes"]),
+                     human_bytes(c["peak_bytes"]), "fits" if c["fits"] else "DOES NOT FIT"])
+    out.append(table(["#", "predicted step", "compiler's step", "predicted memory", "compiled peak", "HBM"], rows))
+    return "\n".join(out)
+
+
 def render_verify(result: dict[str, Any]) -> str:
     out = [f"maxpar plan --verify: {result['mesh_description']} on {result['num_devices']} "
            f"{result['platform']} devices ({result['backend_note']})"]
