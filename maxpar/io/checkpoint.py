@@ -38,14 +38,14 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from etils import epath
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxpar.core import storage
 from maxpar.core.config import Config, ConfigError, model_config
 from maxpar.core.layout import RunLayout
 from maxpar.host import distributed
 from maxpar.io.data.pipeline import mixture_differences, position_keys
-from maxpar.model import stack
+from maxpar.model import lora, stack
 from maxpar.training.train_step import TrainState
 
 LAYOUT = "maxpar/stacked-layers/v1"
@@ -277,10 +277,19 @@ class Target:
         return jax.device_put(stack.from_canonical(restored, model_config(self.config)), getattr(self.shardings, item))
 
     def state(self, step: int, params: Any, opt_state: Any, fp8_meta: Any = None) -> Any:
-        """The restored train state; fp8_meta None: empty amax histories (`empty_histories`)."""
+        """The restored train state; fp8_meta None: empty amax histories (`empty_histories`). Its frozen parameters
+        (maxpar.training.trainable) are not in checkpoints: they stay abstract here, for the caller to read from
+        where the run started (`load_parameters`)."""
         step_array = jax.device_put(np.asarray(step, np.int32), self.shardings.step)
         return self.abstract_state.replace(step=step_array, params=params, opt_state=opt_state,
                                            fp8_meta=self.empty_histories() if fp8_meta is None else fp8_meta)
+
+    def of_item(self, item: str) -> Target:
+        """This target with its `item` tree (e.g. the frozen parameters) in place of the parameters: what
+        `load_parameters` reads a checkpoint's parameters into."""
+        return dataclasses.replace(self, abstract_state=self.abstract_state.replace(
+            params=getattr(self.abstract_state, item)), shardings=self.shardings.replace(
+            params=getattr(self.shardings, item)))
 
     def empty_histories(self) -> Any:
         """All-zero fp8 amax histories in this run's shardings, as a new run starts with ({} without delayed
@@ -291,10 +300,10 @@ class Target:
 
 def state_from_params(params: Any, tx: optax.GradientTransformation, target: Target) -> Any:
     """A step-0 train state around loaded parameters, with fresh optimizer state and amax histories
-    (fine-tuning)."""
+    (fine-tuning); no frozen parameters yet (the trainer adds them)."""
     def build(p):
         return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p))
-    state = jax.jit(build, out_shardings=target.shardings.replace(fp8_meta={}))(params)
+    state = jax.jit(build, out_shardings=target.shardings.replace(fp8_meta={}, frozen={}))(params)
     return state.replace(fp8_meta=target.empty_histories())
 
 
@@ -695,10 +704,47 @@ def load_full_state(value: str, target: Target, warn: Warn = warn_stderr) -> Any
     return target.state(read.step, arrays["params"], arrays["opt_state"], arrays.get(HISTORIES))
 
 
-def load_parameters(value: str, target: Target, warn: Warn = warn_stderr) -> Any:
-    """Only the parameters of another run's checkpoint (for fine-tuning)."""
-    read = _load_from("load_parameters_path", value, target, ("params",), warn)
-    return _in_memory(target, read.arrays)["params"]
+def load_parameters(value: str, target: Target, warn: Warn = warn_stderr, key: str = "load_parameters_path") -> Any:
+    """Only the model parameters of another run's checkpoint (for fine-tuning). A LoRA run's checkpoint holds its
+    adapters only: they are merged into its own starting parameters (read the same way, so a chain of LoRA runs
+    merges in order)."""
+    return target.in_memory("params", _canonical_parameters(key, value, target, warn))
+
+
+def _canonical_parameters(key: str, value: str, target: Target, warn: Warn) -> Any:
+    """`load_parameters`' parameters in the canonical layout, in the target's shardings."""
+    _, saved, _ = parameters_metadata(key, value)
+    if not saved.get("lora_rank"):
+        return _load_from(key, value, target, ("params",), warn).arrays["params"]
+    where = f"{key}={value!r}"
+    check_config(saved, target.config, MODEL_KEYS, where, "Loading needs the same model shape; everything else may "
+                                                          "change.")
+    base_path = saved.get("load_parameters_path") or ""
+    if not base_path:
+        raise ConfigError(f"{where} is a LoRA run (lora_rank={saved['lora_rank']}) that started from a seeded "
+                          f"initialization, not from a checkpoint: there are no base weights its adapters belong to")
+    base = _canonical_parameters(f"{where}'s load_parameters_path", base_path, target, warn)
+    adapters = _read_adapters(key, value, base)
+    factor = saved["lora_alpha"] / saved["lora_rank"]
+    shardings = jax.tree.map(lambda a: a.sharding, base)
+    return jax.jit(lambda b, a: lora.merge_adapters(lora.with_adapters(b, a), factor), out_shardings=shardings)(
+        base, adapters)
+
+
+def _read_adapters(key: str, value: str, like: Any) -> Any:
+    """A LoRA checkpoint's adapters (its params item, canonical layout), replicated on the mesh of `like`'s arrays:
+    they are small."""
+    mesh = jax.tree.leaves(like)[0].sharding.mesh
+    directory, _ = resolve_source(key, value)
+    step, _, metadata = parameters_metadata(key, value)
+    manager = read_only_manager(directory)
+    try:
+        abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype,
+                                                               sharding=NamedSharding(mesh, PartitionSpec())),
+                                metadata.tree if hasattr(metadata, "tree") else metadata)
+        return manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))["params"]
+    finally:
+        manager.close()
 
 
 # ---------------------------------------------------------------- parameters-only checkpoints (maxpar.convert)

@@ -231,7 +231,8 @@ def memory_rows(plan: Plan, layout: Layout, compiled: Compiled) -> list[dict[str
     analysis = compiled.memory
     state_measured = analysis.argument_size_in_bytes - compiled.batch_bytes_per_device
     transient = mem["gradients"] + mem["activations"] + mem["gathered_weights"]
-    rows = [("train state (params + optimizer)", mem["params"] + mem["optimizer"], state_measured, TOLERANCE),
+    rows = [("train state (params + optimizer)", mem["params"] + mem["reference"] + mem["optimizer"], state_measured,
+             TOLERANCE),
             ("temporaries (gradients + activations + gathered weights)", transient,
              analysis.temp_size_in_bytes, TEMP_TOLERANCE)]
     out = []
