@@ -61,6 +61,10 @@ def _parser() -> argparse.ArgumentParser:
                             "max_position_embeddings and architecture are kept; its model keys must match")
     to_hf.add_argument("--config", type=storage.path, default=BASE_CONFIG,
                        help="maxpar base config (configs/base.yml)")
+    to_hf.add_argument("--peft", action="store_true",
+                       help="a LoRA run's adapters as a PEFT adapter (adapter_config.json, adapter_model.safetensors) "
+                            "of the Hugging Face model its base came from (--hf_template: that model's directory, "
+                            "recorded as base_model_name_or_path); without it a LoRA run exports merged")
     return parser
 
 
@@ -85,7 +89,8 @@ def _convert(args: argparse.Namespace) -> None:
               f"  python -m maxpar.train configs/base.yml {' '.join(overrides)}")
     else:
         convert_to_hf(args.checkpoint, args.out, args.config, architecture=args.architecture, dtype=args.dtype,
-                      max_shard_bytes=int(args.max_shard_size_mb * 2**20), template_path=args.hf_template)
+                      max_shard_bytes=int(args.max_shard_size_mb * 2**20), template_path=args.hf_template,
+                      peft=args.peft)
 
 
 if __name__ == "__main__":

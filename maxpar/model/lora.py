@@ -100,13 +100,15 @@ def adapted_projection(module: nn.Module, spec: str, x: Array, w: Array, name: s
     return y + (scale(module.config) * matmul(from_low, low, b, module.dtype)).astype(y.dtype)
 
 
-def merged(w: Array, a: Array, b: Array, split: Projection, factor: float) -> Array:
-    """W + factor x A B in W's dtype, for A and B (and W) with any leading stacked dims (layers, repeats)."""
-    lead = a.ndim - split.batch - split.inputs - 1
+def merged(w: Array, a: Array, b: Array, inputs: int, factor: float) -> Array:
+    """W + factor x A B in W's dtype. A [outer..., inputs..., rank] and B [outer..., rank, outputs...] share their
+    leading dims (layers, repeats, experts: whatever stacks them), W has them too; `inputs` dims are contracted with
+    x. Works on numpy arrays too (the converter's export)."""
+    outer_count = a.ndim - inputs - 1
     letters = "abcdefghijklmnopqrstuvwxy"
-    outer, rest = letters[:lead + split.batch], letters[lead + split.batch:]
-    inputs, outputs = rest[:split.inputs], rest[split.inputs:split.inputs + w.ndim - lead - split.batch - split.inputs]
-    delta = jnp.einsum(f"{outer}{inputs}{_RANK},{outer}{_RANK}{outputs}->{outer}{inputs}{outputs}",
+    outer, rest = letters[:outer_count], letters[outer_count:]
+    ins, outs = rest[:inputs], rest[inputs:inputs + w.ndim - outer_count - inputs]
+    delta = jnp.einsum(f"{outer}{ins}{_RANK},{outer}{_RANK}{outs}->{outer}{ins}{outs}",
                        a.astype(jnp.float32), b.astype(jnp.float32))
     return (w.astype(jnp.float32) + factor * delta).astype(w.dtype)
 
@@ -116,7 +118,7 @@ def adapted_weight(module: nn.Module, name: str, w: Array) -> Array:
     factors = adapter(module, name, w)
     if factors is None:
         return w
-    return merged(w, *factors, param_role((module.name or "", name)).projection, scale(module.config))
+    return merged(w, *factors, param_role((module.name or "", name)).projection.inputs, scale(module.config))
 
 
 # ---------------------------------------------------------------- parameter trees
@@ -163,8 +165,8 @@ def merge_adapters(params: Mapping[str, Any], factor: float) -> dict:
                 continue
             a_name, b_name = adapter_name(str(key), ParamRole.LORA_A), adapter_name(str(key), ParamRole.LORA_B)
             if a_name in adapted:
-                split = param_role((*keys, str(key))).projection
-                out[key] = merged(value, adapted[a_name], adapted[b_name], split, factor)
+                inputs = param_role((*keys, str(key))).projection.inputs
+                out[key] = merged(value, adapted[a_name], adapted[b_name], inputs, factor)
         return out
     return merge(base, adapters, ())
 
