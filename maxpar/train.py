@@ -261,6 +261,17 @@ def starting_frozen(run: RunSetup, target: checkpoint.Target, warn: Callable[[st
     return checkpoint.load_parameters(run.config.load_parameters_path, target.of_item("frozen"), warn)
 
 
+def held_out_losses(config: Config, devices: Sequence[jax.Device] | None = None) -> dict[str, float]:
+    """The held-out figures (eval_loss; under DPO its reward accuracy and margin too) of the state a run of `config`
+    starts from (load_parameters_path, a LoRA run's adapters at zero, or the seeded init), as its evaluations
+    compute them; nothing is trained or written."""
+    run = setup_run(config, devices)
+    if run.eval_data is None:
+        raise ConfigError("nothing is held out (eval_fraction=0 and no eval split): no held-out loss to compute")
+    state = initial_state(run, None, iter(run.train_data), lambda _: None)
+    return _eval_losses(run, jit_eval_step(run.model, run.layout, run.mesh), state)
+
+
 def library_log(run_dir: epath.Path) -> epath.Path:
     """This process's file for the libraries' log records (absl, Orbax, JAX) while it trains."""
     return logs.library_log_path(run_dir, jax.process_index(), jax.process_count())

@@ -419,13 +419,14 @@ def _saved_arrays(metadata: Any, step_dir: epath.Path, item: str, where: str) ->
 
 
 def _check_structure(manager: ocp.CheckpointManager, step: int, target: Target, items: Sequence[str],
-                     where: str) -> None:
+                     where: str, cast_params: bool = False) -> None:
     """Raise IncompatibleCheckpoint when an intact item's arrays differ from this config's, ValueError when damaged.
 
     Called after the model keys of the checkpoint's config were found equal to this config's, which fix the
     parameter tree: a params item that lists only some of this config's arrays (each with the right shape and
     dtype, none extra) has lost part of its metadata, which is damage. The optimizer state's tree also depends
-    on optimizer settings (clipping on or off), so any difference there is an incompatibility.
+    on optimizer settings (clipping on or off), so any difference there is an incompatibility. cast_params: the
+    parameters restore into another floating dtype too (LoRA's frozen base in lora_base_weight_dtype).
     """
     metadata = manager.item_metadata(step)
     for item in items:
@@ -433,7 +434,7 @@ def _check_structure(manager: ocp.CheckpointManager, step: int, target: Target, 
         expected = target.on_disk(item)
         # The optimizer state restores into this run's optimizer_state_dtype (a cast); the parameters'
         # dtype is weight_dtype, a model key checked before.
-        lines = structure_differences(saved, expected, cast_floats=item == "opt_state")
+        lines = structure_differences(saved, expected, cast_floats=item == "opt_state" or cast_params)
         if lines and item == "params" and _is_strict_subset(saved, expected):
             raise ValueError(f"its {item}/_METADATA lists only {len(_array_table(saved))} of the "
                              f"{len(_array_table(expected))} arrays its config implies")
@@ -685,7 +686,7 @@ def _load_from(key: str, value: str, target: Target, items: Sequence[str], warn:
             check_config(saved_config, target.config, MODEL_KEYS, where,
                          "Loading needs the same model shape; everything else may change.")
             restored = _with_histories(manager, s, target, items)
-            _check_structure(manager, s, target, restored, where)
+            _check_structure(manager, s, target, restored, where, cast_params=True)
             return StepRead(s, None, restored)
 
         found = first_usable(steps, (check, lambda checked: read_step_arrays(manager, target, checked)),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import json
 import random
 import sys
@@ -50,10 +51,15 @@ def answer_of(docstring: str, limit: int = 280) -> str:
     return cut[:cut.rfind(". ") + 1] if ". " in cut else cut.rsplit(" ", 1)[0] + "."
 
 
-def docstrings(modules: Sequence[str] = MODULES, stdlib: str | None = None) -> Iterator[tuple[str, str]]:
+@functools.cache
+def docstrings(modules: Sequence[str] = MODULES) -> tuple[tuple[str, str], ...]:
     """(qualified name, answer) of every documented public function and method of the modules, read with `ast`
     (nothing is imported), in a fixed order."""
-    root = Path(stdlib or sysconfig.get_paths()["stdlib"])
+    return tuple(_read_docstrings(modules))
+
+
+def _read_docstrings(modules: Sequence[str]) -> Iterator[tuple[str, str]]:
+    root = Path(sysconfig.get_paths()["stdlib"])
     for module in modules:
         path = root / f"{module}.py"
         files = [path] if path.is_file() else sorted((root / module).glob("*.py"))
