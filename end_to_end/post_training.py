@@ -1,12 +1,15 @@
 """Post-training end to end, offline: a tiny Hugging Face model imported, SFT'd with LoRA on conversations, then
 DPO'd with LoRA on preference pairs; and what LoRA saves.
 
-    python end_to_end/post_training.py [--work DIR] [--sft-steps 200] [--dpo-steps 80] [--record docs/results]
+    python end_to_end/post_training.py [--work DIR] [--pretrain-steps 300] [--sft-steps 200] [--dpo-steps 80]
+                                       [--record docs/results]
 
 1. `maxpar.tools.post_training_data` builds a random Llama with transformers from a small config (no download), a
    byte-level BPE tokenizer trained on the standard library's docstrings with a ChatML template, conversations
-   ("What does json.dumps() do?" answered by the docstring's first paragraph) and preference pairs (chosen: that
-   answer; rejected: another function's); `maxpar.convert from_hf` imports the model.
+   ("What does json.dumps() do?" answered by the docstring's first paragraph), preference pairs (chosen: that
+   answer; rejected: its words garbled, or another function's answer) and plain text; `maxpar.convert from_hf`
+   imports the model, and a short pretraining on the text (all weights) gives it the language a fine-tuning starts
+   from (a random model's frozen output layer leaves adapters nothing to work with).
 2. SFT with LoRA (rank 16 on every projection) on the conversations, the loss on the assistant tokens, 10% of the
    conversations held out: the held-out loss before (the imported model) and after.
 3. DPO with LoRA from the SFT run (load_parameters_path= merges its adapters; the result is also the reference),
@@ -72,6 +75,7 @@ def planned_memory(lora: bool) -> dict[str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, help="working directory (default: a temporary one)")
+    parser.add_argument("--pretrain-steps", dest="pretrain_steps", type=int, default=300)
     parser.add_argument("--sft-steps", dest="sft_steps", type=int, default=200)
     parser.add_argument("--dpo-steps", dest="dpo_steps", type=int, default=80)
     parser.add_argument("--rows", type=int, default=8, help="rows per step")
@@ -85,7 +89,7 @@ def main() -> int:
 
     from maxpar.convert.__main__ import main as convert
     from maxpar.core.config import load_config
-    from maxpar.tools.post_training_data import build, conversations, pairs, write_jsonl
+    from maxpar.tools.post_training_data import build, conversations, pairs, texts, write_jsonl
     from maxpar.train import held_out_losses, train
     from maxpar.training.train_step import trace_state
 
@@ -93,6 +97,7 @@ def main() -> int:
     build(hf)
     write_jsonl(conversations(800), work / "sft.jsonl")
     write_jsonl(pairs(600), work / "dpo.jsonl")
+    write_jsonl(texts(), work / "text.jsonl")
     assert convert(["from_hf", "--hf_path", str(hf), "--out", str(imported)]) == 0
     common = [str(REPO / "configs" / "base.yml"), *(imported / "overrides.txt").read_text().split(),
               "dtype=float32", f"tokenizer_path={hf / 'tokenizer.json'}", "dataset_type=grain",
@@ -100,9 +105,12 @@ def main() -> int:
               "warmup_steps=10", "log_period=20", "async_checkpointing=false", "skip_memory_check=true"]
     devices = jax.devices()[:1]
 
+    pretrain = load_config([*common, f"dataset_path={work / 'text.jsonl'}", f"steps={args.pretrain_steps}",
+                            "eval_interval=-1", "learning_rate=3e-3", f"load_parameters_path={imported}"])
+    train(pretrain, devices, work / "pretrained")
     sft_keys = [*common, "use_sft=true", f"dataset_path={work / 'sft.jsonl'}", f"steps={args.sft_steps}",
                 f"eval_interval={args.sft_steps}", "learning_rate=1e-2", "lora_rank=16", "lora_alpha=32",
-                f"lora_target_roles={ROLES}"]
+                f"lora_target_roles={ROLES}", f"load_parameters_path={work / 'pretrained'}"]
     sft = load_config(sft_keys)
     sft_before = held_out_losses(sft, devices)["eval_loss"]
     train(sft, devices, work / "sft")
@@ -150,7 +158,7 @@ def main() -> int:
                        "train_reward_accuracy_last": dpo_after.get("dpo_reward_accuracy"),
                        "steps": args.dpo_steps},
                "lora_saving": saving, "rows_per_step": args.rows, "tokens_per_row": args.length,
-               "table": records.table_rows(header, rows)}
+               "rows": records.table_rows(header, rows)}
     if args.record:
         path = records.write_record(args.record, "post_training", sys.argv, figures, LOAD_START)
         print(f"record: {path}")

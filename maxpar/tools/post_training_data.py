@@ -4,11 +4,13 @@ tokenizer and chat template, SFT conversations and DPO pairs built from the libr
     python -m maxpar.tools.post_training_data model --out DIR     # config.json, model.safetensors, tokenizer files
     python -m maxpar.tools.post_training_data sft --out FILE.jsonl [--count N]
     python -m maxpar.tools.post_training_data dpo --out FILE.jsonl [--count N]
+    python -m maxpar.tools.post_training_data text --out FILE.jsonl [--count N]    # pretraining text
 
 Nothing is downloaded. The model is a random Llama built by transformers from a small config; its tokenizer is a
 byte-level BPE trained here on the docstrings, with a ChatML template whose `{% generation %}` blocks mark the
 assistant's tokens. A conversation asks what a function of the standard library does and answers with the first
-paragraph of its docstring; a pair's chosen answer is that paragraph, its rejected one another function's.
+paragraph of its docstring; a pair's chosen answer is that paragraph, its rejected one the same words garbled or
+another function's answer; a text record is a function's name and that paragraph.
 """
 
 from __future__ import annotations
@@ -101,16 +103,28 @@ def conversations(count: int, seed: int = 0) -> list[dict[str, Any]]:
 
 
 def pairs(count: int, seed: int = 1) -> list[dict[str, Any]]:
-    """`count` DPO records: {"prompt": [the question], "chosen": its answer, "rejected": another function's}."""
+    """`count` DPO records: {"prompt": [the question], "chosen": its answer, "rejected": ...}, the rejected answer
+    alternately the same words garbled (shuffled) and another function's answer."""
     items = list(docstrings())
     rng = random.Random(seed)
     rng.shuffle(items)
     records = []
     for i, (name, answer) in enumerate(items[:count]):
-        wrong = items[(i + 1 + rng.randrange(len(items) - 1)) % len(items)][1]
+        words = answer.split()
+        rng.shuffle(words)
+        garbled = " ".join(words)
+        other = items[(i + 1 + rng.randrange(len(items) - 1)) % len(items)][1]
+        rejected = garbled if i % 2 == 0 and garbled != answer else other if other != answer else items[i - 1][1]
         records.append({"prompt": [{"role": "user", "content": f"What does {name}() do?"}],
-                        "chosen": answer, "rejected": wrong if wrong != answer else items[i - 1][1]})
+                        "chosen": answer, "rejected": rejected})
     return records
+
+
+def texts(count: int = 0) -> list[dict[str, str]]:
+    """Pretraining records {"text": ...}: each documented function's name and docstring answer as a sentence (all of
+    them when `count` is 0)."""
+    items = list(docstrings())
+    return [{"text": f"{name}(): {answer}"} for name, answer in (items[:count] if count else items)]
 
 
 def write_jsonl(records: Sequence[dict[str, Any]], path: Path) -> Path:
@@ -163,9 +177,9 @@ def build(directory: Path, **dims: int) -> Path:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m maxpar.tools.post_training_data",
                                      description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=("model", "sft", "dpo"))
+    parser.add_argument("what", choices=("model", "sft", "dpo", "text"))
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--count", type=int, default=400, help="records (sft, dpo)")
+    parser.add_argument("--count", type=int, default=400, help="records (sft, dpo; text: 0 = all)")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers (model)")
     parser.add_argument("--hidden", type=int, default=64, help="hidden size (model)")
     args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
@@ -173,9 +187,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         build(args.out, layers=args.layers, hidden=args.hidden, intermediate=2 * args.hidden)
         print(f"tiny Llama and tokenizer -> {args.out}")
     else:
-        records = conversations(args.count) if args.what == "sft" else pairs(args.count)
+        make, kind = {"sft": (conversations, "conversations"), "dpo": (pairs, "pairs"),
+                      "text": (texts, "text records")}[args.what]
+        records = make(args.count)
         write_jsonl(records, args.out)
-        print(f"{len(records)} {'conversations' if args.what == 'sft' else 'pairs'} -> {args.out}")
+        print(f"{len(records)} {kind} -> {args.out}")
     return 0
 
 
