@@ -7,7 +7,7 @@ DPO'd with LoRA on preference pairs; and what LoRA saves.
 1. `maxpar.tools.post_training_data` builds a random Llama with transformers from a small config (no download), a
    byte-level BPE tokenizer trained on the standard library's docstrings with a ChatML template, conversations
    ("What does json.dumps() do?" answered by the docstring's first paragraph), preference pairs (chosen: that
-   answer; rejected: its words garbled, or another function's answer) and plain text; `maxpar.convert from_hf`
+   answer; rejected: its words garbled) and plain text; `maxpar.convert from_hf`
    imports the model, and a short pretraining on the text (all weights) gives it the language a fine-tuning starts
    from (a random model's frozen output layer leaves adapters nothing to work with).
 2. SFT with LoRA (rank 16 on every projection) on the conversations, the loss on the assistant tokens, 10% of the
@@ -118,7 +118,7 @@ def main() -> int:
     sft_after = sft_rows[-1]["eval_loss"]
 
     dpo = load_config([*common, "use_dpo=true", f"dataset_path={work / 'dpo.jsonl'}", f"steps={args.dpo_steps}",
-                       f"eval_interval={args.dpo_steps}", "learning_rate=5e-3", "lora_rank=16", "lora_alpha=32",
+                       f"eval_interval={args.dpo_steps}", "learning_rate=2e-3", "lora_rank=16", "lora_alpha=32",
                        f"lora_target_roles={ROLES}", f"load_parameters_path={work / 'sft'}"])
     dpo_before = held_out_losses(dpo, devices)
     train(dpo, devices, work / "dpo")

@@ -9,8 +9,8 @@ tokenizer and chat template, SFT conversations and DPO pairs built from the libr
 Nothing is downloaded. The model is a random Llama built by transformers from a small config; its tokenizer is a
 byte-level BPE trained here on the docstrings, with a ChatML template whose `{% generation %}` blocks mark the
 assistant's tokens. A conversation asks what a function of the standard library does and answers with the first
-paragraph of its docstring; a pair's chosen answer is that paragraph, its rejected one the same words garbled or
-another function's answer; a text record is a function's name and that paragraph.
+paragraph of its docstring; a pair's chosen answer is that paragraph, its rejected one the same words garbled; a
+text record is a function's name and that paragraph.
 """
 
 from __future__ import annotations
@@ -103,20 +103,18 @@ def conversations(count: int, seed: int = 0) -> list[dict[str, Any]]:
 
 
 def pairs(count: int, seed: int = 1) -> list[dict[str, Any]]:
-    """`count` DPO records: {"prompt": [the question], "chosen": its answer, "rejected": ...}, the rejected answer
-    alternately the same words garbled (shuffled) and another function's answer."""
-    items = list(docstrings())
+    """`count` DPO records: {"prompt": [the question], "chosen": its answer, "rejected": the same words garbled
+    (shuffled)}: a preference for well-formed answers, which a small model can learn beyond the pairs it sees."""
+    items = [(name, answer) for name, answer in docstrings() if len(set(answer.split())) > 3]
     rng = random.Random(seed)
     rng.shuffle(items)
     records = []
-    for i, (name, answer) in enumerate(items[:count]):
+    for name, answer in items[:count]:
         words = answer.split()
-        rng.shuffle(words)
-        garbled = " ".join(words)
-        other = items[(i + 1 + rng.randrange(len(items) - 1)) % len(items)][1]
-        rejected = garbled if i % 2 == 0 and garbled != answer else other if other != answer else items[i - 1][1]
+        while " ".join(words) == answer:
+            rng.shuffle(words)
         records.append({"prompt": [{"role": "user", "content": f"What does {name}() do?"}],
-                        "chosen": answer, "rejected": rejected})
+                        "chosen": answer, "rejected": " ".join(words)})
     return records
 
 
