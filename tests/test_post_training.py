@@ -47,8 +47,8 @@ def material(tmp_path_factory) -> dict[str, Path]:
     """A tokenizer with its chat template, and JSONL conversations and pairs."""
     root = tmp_path_factory.mktemp("post_training")
     build_tokenizer(root / "tokenizer")
-    return {"tokenizer": root / "tokenizer" / "tokenizer.json", "sft": write_jsonl(conversations(48), root / "sft.jsonl"),
-            "dpo": write_jsonl(pairs(48), root / "dpo.jsonl"), "root": root}
+    return {"tokenizer": root / "tokenizer" / "tokenizer.json", "root": root,
+            "sft": write_jsonl(conversations(48), root / "sft.jsonl"), "dpo": write_jsonl(pairs(48), root / "dpo.jsonl")}
 
 
 @pytest.fixture(scope="module")
@@ -286,7 +286,8 @@ def lora_run(imported, material) -> dict:
                           "per_device_batch_size=1", "steps=3", "checkpoint_period=2", "log_period=1",
                           "eval_interval=3", "eval_steps=1", "learning_rate=3e-2", "warmup_steps=0",
                           "async_checkpointing=false", "lora_rank=4", "lora_alpha=8",
-                          "lora_target_roles=[query,key,value,attention_out,mlp_up]", "lora_base_weight_dtype=bfloat16"])
+                          "lora_target_roles=[query,key,value,attention_out,mlp_up]",
+                          "lora_base_weight_dtype=bfloat16"])
     train(config, devices=jax.devices()[:2], run_dir=root)
     first = read_metrics(root)
     shutil.rmtree(root / "checkpoints" / "3")
