@@ -48,7 +48,8 @@ def material(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("post_training")
     build_tokenizer(root / "tokenizer")
     return {"tokenizer": root / "tokenizer" / "tokenizer.json", "root": root,
-            "sft": write_jsonl(conversations(48), root / "sft.jsonl"), "dpo": write_jsonl(pairs(48), root / "dpo.jsonl")}
+            "sft": write_jsonl(conversations(48), root / "sft.jsonl"),
+            "dpo": write_jsonl(pairs(48), root / "dpo.jsonl")}
 
 
 @pytest.fixture(scope="module")
