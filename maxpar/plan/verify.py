@@ -71,7 +71,7 @@ def compile_train_step(config: Config, devices: Sequence[jax.Device]) -> Compile
     model = Transformer(model_config(config), layout.model)
     compiled = train_step.compile_train_step(model, make_optimizer(config), layout, mesh)
     shards = math.prod(layout.axis_sizes[a] for a in layout.input_axes[0])
-    per_device = len(train_step.BATCH_KEYS) * layout.batch.global_rows * config.max_target_length * 4 / shards
+    per_device = len(train_step.batch_keys(config)) * layout.batch.global_rows * config.max_target_length * 4 / shards
     return Compiled(text=compiled.as_text(), memory=compiled.memory_analysis(), layout=layout,
                     batch_bytes_per_device=per_device, platform=devices[0].platform)
 
