@@ -37,6 +37,7 @@ from maxpar.model import Transformer
 from maxpar.model.layers import CACHE
 from maxpar.training.guards import INTERRUPTED_EXIT_STATUS
 from maxpar.training.train_step import layout_check
+from maxpar.training.trainable import merged_config
 
 Array = jax.Array
 
@@ -162,6 +163,7 @@ def model_apply(model: nn.Module, rows_multiple: int = 1) -> Callable[..., tuple
 def load_model(config: Config, devices: Sequence[Any] | None = None) -> tuple[Callable[..., Any], Any]:
     """(apply for `decode`, parameters of load_parameters_path) on the run's mesh over `devices`."""
     devices = list(jax.devices() if devices is None else devices)
+    config = merged_config(config)  # a LoRA run's adapters are merged into its base as they load
     runs = layout_check(config, optax.identity(), check_batch=False)  # one trace for the hint and the layout
     layout = runs(local_mesh_shape(config, devices, runs))
     if layout.pipelined:

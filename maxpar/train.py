@@ -17,6 +17,7 @@ from typing import Any
 
 import grain
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import yaml
@@ -44,7 +45,7 @@ from maxpar.io.run_config import load_run_config
 from maxpar.model import Transformer
 from maxpar.plan.compile_report import compile_topology
 from maxpar.plan.fit import check_local_fit
-from maxpar.training import summary
+from maxpar.training import dpo, summary, trainable
 from maxpar.training.cadence import StepTimer, cadence
 from maxpar.training.guards import (INTERRUPTED_EXIT_STATUS, PREEMPTED_EXIT_STATUS, STORAGE_EXIT_STATUS, LossCheck,
                                     Preempted, PreemptionWatch, SlowStepNote, StepsInFlight, StepWatchdog)
@@ -63,23 +64,31 @@ def run_directory(config: Config) -> epath.Path:
     return storage.path(config.base_output_directory) / name
 
 
-def _evaluate(eval_step, params, dataset_factory, steps: int, sharding) -> float:
-    """Mean loss over the first `steps` batches of a fresh eval iterator (comparable over time)."""
+def _eval_sums(eval_step, state, dataset_factory, steps: int, sharding) -> dict[str, float]:
+    """The eval step's sums over the first `steps` batches of a fresh eval iterator (comparable over time)."""
     iterator = iter(dataset_factory())
-    totals = [eval_step(params, global_batch(next(iterator), sharding)) for _ in range(steps)]
-    loss_sum = sum(float(t["loss_sum"]) for t in totals)
-    tokens = sum(float(t["tokens"]) for t in totals)
-    return loss_sum / max(tokens, 1.0)
+    totals = [eval_step(state.params, state.frozen, global_batch(next(iterator), sharding)) for _ in range(steps)]
+    return {key: sum(float(t[key]) for t in totals) for key in totals[0]}
 
 
-def _eval_losses(run: RunSetup, eval_step, params) -> dict[str, float]:
+def _evaluate(eval_step, state, dataset_factory, steps: int, sharding) -> float:
+    """Mean loss over the first `steps` batches of a fresh eval iterator."""
+    sums = _eval_sums(eval_step, state, dataset_factory, steps, sharding)
+    return sums["loss_sum"] / max(sums["tokens"], 1.0)
+
+
+def _eval_losses(run: RunSetup, eval_step, state) -> dict[str, float]:
     """eval_loss; a mixture's eval_loss/NAME for each source with held-out documents too, and as eval_loss their
-    mean weighted by the mixture's weights: the held-out loss in the proportions the run trains on."""
+    mean weighted by the mixture's weights: the held-out loss in the proportions the run trains on. DPO: also the
+    held-out pairs' reward accuracy and margin (eval_dpo_reward_accuracy, eval_dpo_reward_margin)."""
     config = run.config
     if not run.sources:
-        return {"eval_loss": _evaluate(eval_step, params, run.eval_data, config.eval_steps, run.in_sharding)}
+        sums = _eval_sums(eval_step, state, run.eval_data, config.eval_steps, run.in_sharding)
+        count = max(sums["tokens"], 1.0)
+        return {"eval_loss": sums["loss_sum"] / count,
+                **{f"eval_{name}": float(value) for name, value in dpo.metrics(sums, count).items()}}
     evaluated = [s for s in run.sources if s.eval]
-    losses = {s.name: _evaluate(eval_step, params, s.eval, config.eval_steps, run.in_sharding) for s in evaluated}
+    losses = {s.name: _evaluate(eval_step, state, s.eval, config.eval_steps, run.in_sharding) for s in evaluated}
     mean = sum(s.weight * losses[s.name] for s in evaluated) / sum(s.weight for s in evaluated)
     return {"eval_loss": mean, **{f"eval_loss/{name}": loss for name, loss in losses.items()}}
 
@@ -206,12 +215,15 @@ def describe_computation(config: Config) -> str:
 
 def _print_header(run: RunSetup, run_dir: epath.Path, peak: float | None, log: Callable[[str], None]) -> None:
     config, devices = run.config, run.devices
-    counts = parameter_counts(run.abstract_state.params, config.num_experts_per_tok)
+    state = run.abstract_state
+    counts = parameter_counts(trainable.policy(state.params, state.frozen, config), config.num_experts_per_tok)
     mesh_desc = run.layout.mesh.describe()
     log(f"maxpar: run {run_dir}" + ("" if config.run_name else f" (to resume it later: run_name={run_dir.name})"))
     log(f"  model {describe_model(config)}: {counts['total']:,} parameters "
         f"({counts['non_embedding']:,} non-embedding, {counts['active']:,} active per token), "
         f"{config.num_decoder_layers} layers, emb {config.emb_dim}{describe_computation(config)}")
+    if config.lora_rank or config.use_sft or config.use_dpo:
+        log(f"  {post_training_line(config, sum(leaf.size for leaf in jax.tree.leaves(state.params)))}")
     if config.num_experts > 1:
         dispatch = (f"capacity factor {config.capacity_factor:g}" if config.capacity_factor > 0 else "dropless")
         log(f"  mixture of experts: {config.num_moe_layers} MoE layers of {config.num_experts} experts, top-"
@@ -235,9 +247,28 @@ def _print_header(run: RunSetup, run_dir: epath.Path, peak: float | None, log: C
         + ("; also printed here (log_level=debug)" if config.log_level == "debug" else ""))
 
 
+def post_training_line(config: Config, trained: int) -> str:
+    """The run header's line on what post-training trains: the objective, and LoRA's adapters."""
+    if config.use_dpo:
+        what = (f"DPO on preference pairs (beta {config.dpo_beta:g}"
+                + (f", label smoothing {config.dpo_label_smoothing:g}" if config.dpo_label_smoothing else "")
+                + "), reference = the starting parameters, frozen")
+    elif config.use_sft:
+        what = ("SFT on conversations, loss on the " + ("assistant tokens" if config.sft_train_on_completion_only
+                                                        else "whole conversation"))
+    else:
+        what = "language-model loss"
+    if config.lora_rank:
+        return (f"{what}; LoRA rank {config.lora_rank}, alpha {config.lora_alpha:g} on "
+                f"{', '.join(config.lora_target_roles)}: {trained:,} adapter parameters trained, the base frozen"
+                + (f" in {config.lora_base_weight_dtype}" if config.lora_base_weight_dtype else ""))
+    return f"{what}; {trained:,} parameters trained"
+
+
 def initial_state(run: RunSetup, manager: Any, iterator: Any, log: Callable[[str], None], local: Any = None) -> Any:
     """Where training starts: this run's newest usable checkpoint in either tier (restoring `iterator` too), else
-    load_full_state_path, else load_parameters_path (fresh optimizer), else a fresh init."""
+    load_full_state_path, else load_parameters_path (fresh optimizer), else a fresh init. The frozen parameters
+    (LoRA's base, DPO's reference) are never in a checkpoint: `starting_frozen` reads them each time."""
     config = run.config
     target = run.restore_target()
     warn = checkpoint.warn_stderr if jax.process_index() == 0 else (lambda _: None)
@@ -245,16 +276,22 @@ def initial_state(run: RunSetup, manager: Any, iterator: Any, log: Callable[[str
     if found is not None:
         state, tier = found
         log(f"  resumed from checkpoint at step {int(state.step)} ({tier})")
-        return state
+        return state.replace(frozen=starting_frozen(run, target, warn))
     if config.load_full_state_path:
         state = checkpoint.load_full_state(config.load_full_state_path, target, warn)
         log(f"  started from the full state at step {int(state.step)} of {config.load_full_state_path}; "
             f"the data starts from its beginning")
-        return state
+        return state.replace(frozen=starting_frozen(run, target, warn))
+    if config.load_parameters_path and config.lora_rank:  # the checkpoint is the base; the adapters start afresh
+        state = create_state(run.model, run.tx, run.layout, run.mesh, with_frozen=False)
+        log(f"  started LoRA adapters (rank {config.lora_rank}) on the frozen parameters of "
+            f"{config.load_parameters_path}; step 0")
+        return state.replace(frozen=starting_frozen(run, target, warn))
     if config.load_parameters_path:
         params = checkpoint.load_parameters(config.load_parameters_path, target, warn)
         log(f"  started from the parameters of {config.load_parameters_path}; fresh optimizer state, step 0")
-        return checkpoint.state_from_params(params, run.tx, target)
+        state = checkpoint.state_from_params(params, run.tx, target)
+        return state.replace(frozen=starting_frozen(run, target, warn, params))
     return create_state(run.model, run.tx, run.layout, run.mesh)
 
 
@@ -264,6 +301,30 @@ def slow_step_note(devices: Sequence[jax.Device]) -> SlowStepNote | None:
         return None
     timeouts = host_devices.CollectiveTimeouts.of(os.environ.get("XLA_FLAGS", ""))
     return SlowStepNote(timeouts.abort_s / 2, host_devices.late_collective_words(timeouts))
+
+
+def starting_frozen(run: RunSetup, target: checkpoint.Target, warn: Callable[[str], None], params: Any = None) -> Any:
+    """The run's frozen parameters (maxpar.training.trainable), as they were when it started: those of
+    load_parameters_path (the base under LoRA, else the reference: `params` when already read), else the seeded
+    initialization's; {} for a run that freezes nothing."""
+    if not jax.tree.leaves(target.abstract_state.frozen):
+        return {}
+    if not run.config.load_parameters_path:
+        return create_state(run.model, run.tx, run.layout, run.mesh).frozen
+    if params is not None and not run.config.lora_rank:  # DPO's reference: a copy of the starting parameters
+        return jax.tree.map(jnp.copy, params)
+    return checkpoint.load_parameters(run.config.load_parameters_path, target.of_item("frozen"), warn)
+
+
+def held_out_losses(config: Config, devices: Sequence[jax.Device] | None = None) -> dict[str, float]:
+    """The held-out figures (eval_loss; under DPO its reward accuracy and margin too) of the state a run of `config`
+    starts from (load_parameters_path, a LoRA run's adapters at zero, or the seeded init), as its evaluations
+    compute them; nothing is trained or written."""
+    run = setup_run(config, devices)
+    if run.eval_data is None:
+        raise ConfigError("nothing is held out (eval_fraction=0 and no eval split): no held-out loss to compute")
+    state = initial_state(run, None, iter(run.train_data), lambda _: None)
+    return _eval_losses(run, jit_eval_step(run.model, run.layout, run.mesh), state)
 
 
 def library_log(run_dir: epath.Path) -> epath.Path:
@@ -322,14 +383,14 @@ def _train(config: Config, devices: Sequence[jax.Device] | None, run_dir: epath.
             timer, losses = StepTimer(), LossCheck(enabled=config.stop_on_nan)
             in_flight = StepsInFlight()  # a stop requested now waits for about one step, not for all dispatched
 
-            def log_step(step: int, metrics: dict[str, Any], params: Any = None, late: bool = False) -> dict[str, Any]:
-                """Read, evaluate (given `params`) and write one metrics row. A row read `late` ends the timer's window
-                where the step ended: the next step is already running."""
+            def log_step(step: int, metrics: dict[str, Any], state: Any = None, late: bool = False) -> dict[str, Any]:
+                """Read, evaluate (given the `state`) and write one metrics row. A row read `late` ends the timer's
+                window where the step ended: the next step is already running."""
                 row = _metrics_row(run, step, jax.device_get(metrics), timer.per_step(), peak)
                 if late:
                     timer.restart()
-                if params is not None:
-                    row.update(_eval_losses(run, eval_fn, params))
+                if state is not None:
+                    row.update(_eval_losses(run, eval_fn, state))
                 writer.write(row)
                 bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
                 log(_format_row(row))
@@ -361,7 +422,7 @@ def _train(config: Config, devices: Sequence[jax.Device] | None, run_dir: epath.
                 if due.check_losses:
                     losses.check(manager)
                 if due.log:
-                    row = log_step(step, metrics, state.params if due.eval else None)
+                    row = log_step(step, metrics, state if due.eval else None)
                 if due.save or due.save_local:  # first: a resume from this checkpoint keeps its rows
                     writer.upload()
                 if due.save:  # the last step's and a preemption's complete before the state is given up
@@ -401,7 +462,7 @@ def _metrics_row(run: RunSetup, step: int, metrics: dict[str, Any], step_time_s:
             "learning_rate": float(metrics["learning_rate"]), "eval_loss": None,
             **throughput(run.config, tokens_per_step=run.shape.tokens_per_step, step_time_s=step_time_s,
                          num_devices=len(run.devices), peak=peak),
-            **{key: float(value) for key, value in metrics.items() if key.startswith(("moe_", "mtp_"))},
+            **{key: float(value) for key, value in metrics.items() if key.startswith(("moe_", "mtp_", "dpo_"))},
             **_source_tokens(run, metrics)}
 
 
@@ -417,6 +478,8 @@ def _format_row(row: dict[str, Any]) -> str:
         parts += [f"balance {row['moe_load_balance_loss']:.3f}", f"dropped {row['moe_dropped_fraction']:.1%}"]
     if row.get("mtp_loss") is not None:
         parts.append(f"mtp_loss {row['mtp_loss']:.4f}")
+    if row.get("dpo_reward_accuracy") is not None:
+        parts.append(f"reward accuracy {row['dpo_reward_accuracy']:.2f} margin {row['dpo_reward_margin']:.3f}")
     return "  ".join(parts)
 
 

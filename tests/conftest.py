@@ -36,8 +36,8 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # pure unit test, run in this process: no training run, no compiled train step, no subprocess. A module joins by
 # name here; a test that breaks the rule goes into a module that is not listed.
 FAST = {
-    "test_activations", "test_architecture", "test_attention", "test_blockwise", "test_cadence", "test_data",
-    "test_devices", "test_run_messages",
+    "test_activations", "test_architecture", "test_attention", "test_blockwise", "test_cadence", "test_chat",
+    "test_data", "test_devices", "test_run_messages",
     "test_logs", "test_mesh", "test_mixture", "test_moe", "test_op_schedule", "test_optimizer",
     "test_pipeline_schedule", "test_plan", "test_plan_hlo", "test_results_page", "test_topology", "test_tpu_hlo",
 }

@@ -395,7 +395,7 @@ def test_the_planner_reads_parameters_by_the_roles_the_model_declares():
     small = ("emb_dim=64", "num_query_heads=4", "num_kv_heads=2", "head_dim=16", "mlp_dim=128", "vocab_size=264",
              "max_target_length=32", "num_experts=4", "num_experts_per_tok=2", "moe_layer_interval=2",
              "num_decoder_layers=4", "qk_norm=true", "mtp_num_layers=1", "num_shared_experts=1", "routed_bias=true",
-             "routed_score_func=sigmoid")
+             "routed_score_func=sigmoid", "lora_rank=2", "lora_target_roles=[attention_out,expert_up]")  # adapters too
     for extra in ((), ("scan_layers=false", "logits_via_embedding=true")):
         cfg = config(*small, *extra)
         layout = plan_layout(cfg, Target(V5P, 8, 1))  # refuses a parameter whose role or axes are undeclared

@@ -64,6 +64,10 @@ def _parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--tokenizer_path", default=None,
                        help="the tokenizer to write beside the model (default: the checkpoint's tokenizer_path; "
                             "'' = maxpar's byte tokenizer)")
+    to_hf.add_argument("--peft", action="store_true",
+                       help="a LoRA run's adapters as a PEFT adapter (adapter_config.json, adapter_model.safetensors) "
+                            "of the Hugging Face model its base came from (--hf_template: that model's directory, "
+                            "recorded as base_model_name_or_path); without it a LoRA run exports merged")
     return parser
 
 
@@ -91,7 +95,7 @@ def _convert(args: argparse.Namespace) -> None:
     else:
         convert_to_hf(args.checkpoint, args.out, args.config, architecture=args.architecture, dtype=args.dtype,
                       max_shard_bytes=int(args.max_shard_size_mb * 2**20), template_path=args.hf_template,
-                      tokenizer_path=args.tokenizer_path)
+                      tokenizer_path=args.tokenizer_path, peft=args.peft)
 
 
 if __name__ == "__main__":

@@ -307,6 +307,27 @@ class Config:
     dataset_mixture: tuple[MixtureSource, ...] = _key("weighted sources, mixed by tokens: a list of {name, weight, "
                                                       "and data keys (dataset_type, dataset_path, hf_path, ...)}; "
                                                       "[] = the single source of the keys above")
+    # Post-training (docs/post-training.md): SFT on conversations, DPO on preference pairs, LoRA adapters
+    use_sft: bool = _key("supervised fine-tuning: records are conversations (`messages`: role/content), formatted by "
+                         "the tokenizer's chat template, packed whole (dataset_type=grain jsonl or hf)")
+    sft_train_on_completion_only: bool = _key("use_sft: the loss on the assistant tokens only (false = on every "
+                                              "token of the conversation)")
+    chat_template_path: str = _key("a Jinja chat template file ('' = the tokenizer's own: chat_template in "
+                                   "tokenizer_config.json, or chat_template.jinja, beside tokenizer_path)")
+    use_dpo: bool = _key("direct preference optimization: records are pairs (prompt or messages, chosen, rejected); "
+                         "the reference model is the starting parameters, frozen")
+    dpo_beta: float = _key("use_dpo: beta of -log sigmoid(beta x (chosen - rejected log-ratio margin))", min=0)
+    dpo_label_smoothing: float = _key("use_dpo: the share of pairs assumed mislabeled (conservative DPO; 0 = plain "
+                                      "DPO)", min=0, max=0.49)
+    lora_rank: int = _key("LoRA adapters of this rank on the lora_target_roles projections, the base weights frozen "
+                          "(0 = off: every parameter is trained)", min=0)
+    lora_alpha: float = _key("LoRA scaling: an adapter adds lora_alpha / lora_rank x (x A) B", min=0)
+    lora_target_roles: tuple[str, ...] = _key("the parameter roles (maxpar/model/roles.py) that get adapters: query, "
+                                              "key, value, attention_out, mlp_gate, mlp_up, mlp_down, expert_gate, "
+                                              "expert_up, expert_down, shared_gate, shared_up, shared_down, query_a, "
+                                              "query_b, key_value_a, key_value_b")
+    lora_base_weight_dtype: str = _key("dtype of the frozen base weights under LoRA ('' = weight_dtype); e.g. "
+                                       "bfloat16 halves them", choices=("",) + DTYPES)
     # Sharding
     mesh_axes: tuple[str, ...] = _key("order of the physical mesh axes (a permutation of data, fsdp, tensor, expert, stage, "
                                   "context)")
@@ -458,6 +479,9 @@ class ModelConfig:
     n_routing_groups: int
     topk_routing_group: int
     mtp_num_layers: int
+    lora_rank: int                # LoRA adapters (maxpar.model.lora): their rank, scaling and the roles adapted
+    lora_alpha: float
+    lora_target_roles: tuple[str, ...]
     # computation
     dtype: str
     weight_dtype: str
@@ -832,6 +856,7 @@ def validate(config: Config) -> None:
     _validate_attention(config)
     _validate_mla(config)
     _validate_pipeline(config)
+    _validate_post_training(config)
     _validate_profiler(config)
     if storage.is_remote(config.local_checkpoint_directory):
         raise ConfigError(f"local_checkpoint_directory={config.local_checkpoint_directory!r}: must be a node-local "
@@ -840,6 +865,40 @@ def validate(config: Config) -> None:
     if config.load_parameters_path and config.load_full_state_path:
         raise ConfigError(f"load_parameters_path={config.load_parameters_path!r} and load_full_state_path="
                           f"{config.load_full_state_path!r}: set at most one (parameters only, or the full state)")
+
+
+def _validate_post_training(config: Config) -> None:
+    """SFT, DPO and LoRA against the other keys (the roles LoRA names are checked against the model when traced)."""
+    mode = "use_sft=true" if config.use_sft else "use_dpo=true" if config.use_dpo else ""
+    if config.use_sft and config.use_dpo:
+        raise ConfigError("use_sft=true and use_dpo=true: choose one (SFT first, then DPO from its checkpoint with "
+                          "load_parameters_path=)")
+    if mode:
+        if config.dataset_mixture:
+            raise ConfigError(f"{mode} with dataset_mixture: post-training reads one source of records; set "
+                              f"dataset_mixture=[]")
+        if config.dataset_type not in ("grain", "hf") or (config.dataset_type == "grain"
+                                                          and config.grain_file_type != "jsonl"):
+            raise ConfigError(f"{mode} with dataset_type={config.dataset_type}"
+                              + (f" grain_file_type={config.grain_file_type}" if config.dataset_type == "grain" else "")
+                              + ": its records are read from JSON Lines (dataset_type=grain grain_file_type=jsonl) "
+                                "or a Hugging Face dataset (dataset_type=hf, e.g. hf_path=parquet for Parquet files)")
+        if config.mtp_num_layers:
+            raise ConfigError(f"{mode} with mtp_num_layers={config.mtp_num_layers}: the MTP modules' loss is not "
+                              f"masked to the trained tokens; set mtp_num_layers=0")
+    if config.use_dpo and config.pipeline_schedule in EXPLICIT_BACKWARD:
+        raise ConfigError(f"use_dpo=true with pipeline_schedule={config.pipeline_schedule}: DPO's reference pass and "
+                          f"pair loss run under pipeline_schedule=gpipe or circular")
+    if config.lora_rank and config.pipeline_schedule in EXPLICIT_BACKWARD:
+        raise ConfigError(f"lora_rank={config.lora_rank} with pipeline_schedule={config.pipeline_schedule}: that "
+                          f"schedule computes every stage weight's gradient; LoRA runs pipeline_schedule=gpipe or "
+                          f"circular")
+    if not config.lora_rank and config.lora_base_weight_dtype:
+        raise ConfigError(f"lora_base_weight_dtype={config.lora_base_weight_dtype} needs lora_rank > 0 (it is the "
+                          f"dtype of LoRA's frozen base weights)")
+    if config.lora_rank and not config.lora_target_roles:
+        raise ConfigError(f"lora_rank={config.lora_rank} with lora_target_roles=[]: name the roles that get "
+                          f"adapters, e.g. [query, key, value, attention_out]")
 
 
 def _validate_profiler(config: Config) -> None:

@@ -353,16 +353,17 @@ def memory_per_device(config: Config, layout: Layout, tokens_per_microbatch: flo
     masked_ragged_dot: see `moe_activation_bytes_per_token` (verify sets it on XLA:CPU).
     """
     params = sum(layout.local_bytes(t) for t in layout.params())
-    optimizer = sum(layout.local_bytes(t) for t in layout.tensors if t.group != "params")
-    gradients = params
+    reference = sum(layout.local_bytes(t) for t in layout.reference())  # DPO's frozen copy (not under LoRA)
+    optimizer = sum(layout.local_bytes(t) for t in layout.tensors if t.group in ("optimizer", "step"))
+    gradients = sum(layout.local_bytes(t) for t in layout.trained())  # under LoRA the adapters' only
     if config.gradient_accumulation_steps > 1:  # float32 accumulators, sharded like the parameters
-        gradients += sum(layout.local_bytes(t) / dtype_bytes(t.dtype) * 4 for t in layout.params())
+        gradients += sum(layout.local_bytes(t) / dtype_bytes(t.dtype) * 4 for t in layout.trained())
     saved, working = layer_activation_bytes(config, layout, tokens_per_microbatch, masked_ragged_dot)
     logits = (tokens_per_microbatch * config.vocab_size / tp_degrees(layout)["vocab"] / layout.context_degree
               * 4 * 2)  # f32 logits and their gradient, split over the sequence too under context parallelism
     # The MTP modules' backward pass runs first and ends before the stack's: not alive with its working set.
     activations = saved + logits + max(working, mtp_activation_bytes(config, layout, tokens_per_microbatch))
     gathered = gathered_weight_bytes(config, layout)
-    total = params + optimizer + gradients + activations + gathered
-    return {"params": params, "gradients": gradients, "optimizer": optimizer, "activations": activations,
-            "gathered_weights": gathered, "total": total}
+    total = params + reference + optimizer + gradients + activations + gathered
+    return {"params": params, "reference": reference, "gradients": gradients, "optimizer": optimizer,
+            "activations": activations, "gathered_weights": gathered, "total": total}

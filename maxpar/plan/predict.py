@@ -183,7 +183,7 @@ def hbm_seconds(layout: Layout, microbatches: int, hardware: Hardware) -> dict[s
         reads = pipe.num_iterations / pipe.num_repeats if pipe and t.layered else 1.0  # a block per iteration
         weights += t.size / kept * dtype_bytes(config.dtype) * reads
     state = sum(layout.local_bytes(t) for t in layout.tensors)
-    grads = sum(layout.local_bytes(t) for t in layout.params())
+    grads = sum(layout.local_bytes(t) for t in layout.trained())
     return {FORWARD: weights * microbatches / hardware.hbm_bandwidth,
             BACKWARD: 2 * weights * microbatches / hardware.hbm_bandwidth,
             "optimizer": (2 * state + grads) / hardware.hbm_bandwidth}

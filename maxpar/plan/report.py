@@ -74,8 +74,9 @@ def _memory(plan: dict[str, Any]) -> list[str]:
     whole = plan["state_bytes"]
     return [
         "memory per device",
-        table(["", "bytes"], [[k, human_bytes(mem[k])] for k in ("params", "gradients", "optimizer", "activations",
-                                                                 "gathered_weights", "total")]),
+        table(["", "bytes"], [[k, human_bytes(mem[k])] for k in ("params", "reference", "gradients", "optimizer",
+                                                                 "activations", "gathered_weights", "total")
+                              if k != "reference" or mem[k]]),
         f"  {'fits in' if mem['fits'] else 'DOES NOT FIT in'} {human_bytes(mem['hbm_bytes'])} of HBM",
         f"  one copy of the state, summed over its shards: params {human_bytes(whole['params'])} "
         f"({whole['params_per_parameter']:.3g} bytes per parameter), optimizer {human_bytes(whole['optimizer'])} "

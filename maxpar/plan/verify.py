@@ -76,7 +76,7 @@ def compile_train_step(config: Config, devices: Sequence[jax.Device]) -> Compile
     compiled = train_step.compile_train_step(model, make_optimizer(config), layout, mesh)
     seconds = time.perf_counter() - start
     shards = math.prod(layout.axis_sizes[a] for a in layout.input_axes[0])
-    per_device = len(train_step.BATCH_KEYS) * layout.batch.global_rows * config.max_target_length * 4 / shards
+    per_device = len(train_step.batch_keys(config)) * layout.batch.global_rows * config.max_target_length * 4 / shards
     return Compiled(text=compiled.as_text(), memory=compiled.memory_analysis(), layout=layout,
                     batch_bytes_per_device=per_device, platform=devices[0].platform, executable=compiled,
                     compile_seconds=seconds)
@@ -271,7 +271,8 @@ def memory_rows(plan: Plan, layout: Layout, compiled: Compiled) -> list[dict[str
     analysis = compiled.memory
     state_measured = analysis.argument_size_in_bytes - compiled.batch_bytes_per_device
     transient = mem["gradients"] + mem["activations"] + mem["gathered_weights"]
-    rows = [("train state (params + optimizer)", mem["params"] + mem["optimizer"], state_measured, TOLERANCE),
+    rows = [("train state (params + optimizer)", mem["params"] + mem["reference"] + mem["optimizer"], state_measured,
+             TOLERANCE),
             ("temporaries (gradients + activations + gathered weights)", transient,
              analysis.temp_size_in_bytes, TEMP_TOLERANCE)]
     out = []

@@ -9,6 +9,7 @@ from typing import Any
 import grain
 
 from maxpar.core.config import Config, ConfigError, source_config
+from maxpar.io.data.conversations import open_post_training
 from maxpar.io.data.hf import open_hf
 from maxpar.io.data.mixture import Notify, Source, mixture_batches
 from maxpar.io.data.records import open_records
@@ -33,9 +34,14 @@ POSITION_KEYS = {
 }
 
 
+# Post-training records (maxpar.io.data.conversations): what a record is and how it is tokenized, hence packed.
+POST_TRAINING_KEYS = ("use_sft", "use_dpo", "chat_template_path")
+
+
 def position_keys(config: Config) -> tuple[str, ...]:
     """The keys whose values a checkpoint's data position needs unchanged (a mixture's sources apart)."""
-    return POSITION_KEYS["mixture" if config.dataset_mixture else config.dataset_type]
+    keys = POSITION_KEYS["mixture" if config.dataset_mixture else config.dataset_type]
+    return keys + POST_TRAINING_KEYS if config.use_sft or config.use_dpo else keys
 
 
 def mixture_differences(saved: Mapping[str, Any], config: Config) -> list[tuple[str, Any, Any]]:
@@ -145,6 +151,10 @@ def open_datasets(config: Config, *, global_rows: int, eval_rows: int, shard_ind
     if tokenizer.vocab_size > config.vocab_size:
         raise ConfigError(f"vocab_size={config.vocab_size} is smaller than the tokenizer's vocabulary "
                           f"({tokenizer.vocab_size}); set vocab_size >= {tokenizer.vocab_size}")
+    if config.use_sft or config.use_dpo:
+        train, evaluation, description = open_post_training(config, tokenizer, global_rows=global_rows,
+                                                            eval_rows=eval_rows, share=share)
+        return Datasets(train, evaluation, description)
     if config.dataset_mixture:
         return _open_mixture(config, tokenizer, global_rows=global_rows, eval_rows=eval_rows, share=share,
                              notify=notify)

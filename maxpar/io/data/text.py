@@ -202,9 +202,13 @@ class _LaneDocuments:
         """The pass over the documents that the lane's m-th document belongs to (each pass reshuffles)."""
         return (self._lane + m * self._lanes) // len(self._documents)
 
-    def __call__(self, m: int) -> dict[str, np.ndarray]:
+    def document(self, m: int) -> Any:
+        """The lane's m-th document as `documents` holds it."""
         epoch, position = divmod(self._lane + m * self._lanes, len(self._documents))
-        return document_features(self._documents[int(self._permutation(epoch)[position])], self._tokenizer)
+        return self._documents[int(self._permutation(epoch)[position])]
+
+    def __call__(self, m: int) -> dict[str, np.ndarray]:
+        return document_features(self.document(m), self._tokenizer)
 
 
 class _JsonSafeState(grain.IterDataset):
