@@ -22,8 +22,8 @@ from maxpar.plan.compile_report import TopologyReport, build_report  # noqa: E40
 from maxpar.plan.hardware import load_hardware  # noqa: E402
 from maxpar.plan.verify import compile_train_step  # noqa: E402
 
-# The attention kinds compiled for TPU: attention=splash (Pallas TPU kernels, which only XLA:TPU compiles) joins
-# this list when it lands; every case below runs once per kind.
+# The attention kinds compiled for TPU, every case below once per kind (attention=splash, the Pallas TPU kernel, is
+# compiled under FSDP x TP and CP x EP x MoE in tests/test_splash.py).
 ATTENTIONS = ["dot_product"]
 MOE = ["num_experts=4", "num_experts_per_tok=2", "capacity_factor=0"]
 
@@ -49,6 +49,14 @@ def v5p_16():
 def v5p_8_twice():
     """Two slices of 4 TPU v5p chips joined by DCN."""
     return topology_devices(parse_topology("v5p-8"), num_slices=2)
+
+
+def test_libtpu_leaves_no_worker_id_behind(v5p_16):
+    """libtpu sets TPU_WORKER_ID to its warning text while it describes a topology; processes this one starts would
+    inherit it (and maxpar's multi-host contract reads it as a worker id)."""
+    from maxpar.host.topology import _process_environment
+
+    assert "TPU_WORKER_ID" not in _process_environment() and "CLOUD_TPU_TASK_ID" not in _process_environment()
 
 
 def compiled_report(devices, *overrides: str) -> TopologyReport:

@@ -184,6 +184,37 @@ def stderr_to(path: Path | None) -> Iterator[None]:
         target.close()
 
 
+def _process_environment() -> dict[str, str]:
+    """The C library's environment of this process (`os.environ` does not see what native code sets)."""
+    import ctypes
+
+    entries = ctypes.POINTER(ctypes.c_char_p).in_dll(ctypes.CDLL(None), "environ")
+    found, i = {}, 0
+    while entries[i]:
+        key, _, value = entries[i].decode(errors="replace").partition("=")
+        found[key], i = value, i + 1
+    return found
+
+
+@contextlib.contextmanager
+def environment_kept() -> Iterator[None]:
+    """Undo what native code sets in the process environment during the block. libtpu, made to describe a topology
+    on a machine that is not a TPU VM, sets TPU_WORKER_ID, CLOUD_TPU_TASK_ID and CLOUD_TPU_ACCELERATOR_TYPE to its
+    warning text ("WARNING: could not determine TPU worker number ..."), which every process started afterwards
+    would inherit, and maxpar's own multi-host contract would then read as this host's worker id."""
+    before = _process_environment()
+    try:
+        yield
+    finally:
+        after = _process_environment()
+        for key in after.keys() - before.keys():
+            os.unsetenv(key)
+            os.environ.pop(key, None)
+        for key, value in before.items():
+            if after.get(key) != value:
+                os.putenv(key, value)
+
+
 def topology_devices(spec: TopologySpec, num_slices: int = 1, log: Path | None = None) -> list:
     """The devices of `num_slices` slices of `spec`, made by libtpu (no TPU needed); its start-up lines go to
     `log`. ConfigError when libtpu is missing or refuses the topology."""
@@ -196,7 +227,7 @@ def topology_devices(spec: TopologySpec, num_slices: int = 1, log: Path | None =
     from jax.experimental import topologies  # after the environment: libtpu reads it when it loads
     kwargs = {"chip_config_name": spec.family.chip_config_name} if spec.family.chip_config_name else {}
     try:
-        with stderr_to(log):
+        with stderr_to(log), environment_kept():
             topology = topologies.get_topology_desc(
                 platform="tpu", topology_name=spec.libtpu_topology, chips_per_host_bounds=spec.chips_per_host_bounds,
                 num_slices=num_slices, **kwargs)
