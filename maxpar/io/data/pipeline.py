@@ -34,8 +34,9 @@ POSITION_KEYS = {
 }
 
 
-# Post-training records (maxpar.io.data.conversations): what a record is and how it is tokenized, hence packed.
-POST_TRAINING_KEYS = ("use_sft", "use_dpo", "chat_template_path")
+# Post-training records (maxpar.io.data.conversations): what a record is, how it is tokenized (hence packed) and
+# which of its tokens carry the loss.
+POST_TRAINING_KEYS = ("use_sft", "use_dpo", "chat_template_path", "sft_train_on_completion_only")
 
 
 def position_keys(config: Config) -> tuple[str, ...]:
