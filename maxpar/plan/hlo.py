@@ -85,12 +85,6 @@ class Collective:
         return max((len(g) for g in self.groups), default=1)
 
 
-def element_bytes(dtype: str) -> float:
-    if dtype not in ELEMENT_BYTES:
-        raise ValueError(f"unknown HLO element type {dtype!r}")
-    return ELEMENT_BYTES[dtype]
-
-
 def shape_bytes(type_text: str) -> tuple[int, str]:
     """(bytes, element type) of an HLO type string; tuples are summed ('mixed' if types differ)."""
     total, dtypes = 0.0, set()
