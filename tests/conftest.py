@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from maxpar.host.devices import simulate_cpu_devices
+from maxpar.host.topology import set_libtpu_environment
 
 # XLA:CPU's LLVM backend without optimization: the suite's programs are tiny and run once or a few times, so compiling
 # them dominates its cost, and -O0 compiles a tiny model's sharded train step in about half the CPU time (its
@@ -40,6 +41,9 @@ FAST_COMPILE = "--xla_backend_optimization_level=0"
 simulate_cpu_devices(8)
 if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:  # the user's own level stands
     os.environ["XLA_FLAGS"] += f" {FAST_COMPILE}"
+# The TPU-topology tests (tests/test_tpu_compile.py) load libtpu, which takes a machine-wide lock unless this allows
+# several loads: pytest-xdist's workers, and other processes compiling for TPU beside the suite.
+set_libtpu_environment()
 
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # set: a worker of this session, or the user's own cache
     _CACHE = tempfile.mkdtemp(prefix="maxpar-tests-jax-cache-")
@@ -57,9 +61,10 @@ if "MAXPAR_TESTS_SHARED_DIR" not in os.environ:  # set: a worker of this session
 # pure unit test, run in this process: no training run, no compiled train step, no subprocess. A module joins by
 # name here; a test that breaks the rule goes into a module that is not listed.
 FAST = {
-    "test_activations", "test_architecture", "test_attention", "test_blockwise", "test_cadence", "test_data",
+    "test_activations", "test_architecture", "test_attention", "test_blockwise", "test_cadence", "test_chat",
+    "test_data", "test_devices", "test_run_messages",
     "test_logs", "test_mesh", "test_mixture", "test_moe", "test_op_schedule", "test_optimizer",
-    "test_pipeline_schedule", "test_plan", "test_plan_hlo", "test_results_page",
+    "test_pipeline_schedule", "test_plan", "test_plan_hlo", "test_results_page", "test_topology", "test_tpu_hlo",
 }
 
 
