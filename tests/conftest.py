@@ -62,7 +62,7 @@ if "MAXPAR_TESTS_SHARED_DIR" not in os.environ:  # set: a worker of this session
 # name here; a test that breaks the rule goes into a module that is not listed.
 FAST = {
     "test_activations", "test_architecture", "test_attention", "test_blockwise", "test_cadence", "test_chat",
-    "test_data", "test_devices", "test_run_messages",
+    "test_data", "test_devices", "test_run_messages", "test_test_cost",
     "test_logs", "test_mesh", "test_mixture", "test_moe", "test_op_schedule", "test_optimizer",
     "test_pipeline_schedule", "test_plan", "test_plan_hlo", "test_results_page", "test_topology", "test_tpu_hlo",
 }
@@ -71,14 +71,27 @@ FAST = {
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 
 
-def recorded_module_costs() -> dict[str, float]:
-    """CPU seconds by test module (test_x.py) in the newest test_cost record that has them (`python -m
-    maxpar.tools.test_cost --record docs/results` writes one); {} when none does."""
+# The development tier, `python -m pytest -q -n 2 -m "not slow"` (README; docs/architecture.md, "Tests"): every test
+# but those marked slow by hand (subprocesses, multi-process jobs, long training runs) and those that cost more than
+# this many CPU seconds in the newest test_cost record. A new test runs in it until a record says it is costly; the
+# full suite (CI) runs them all.
+DEV_TIER_MAX_CPU_S = 6.0
+
+
+def recorded_costs(figure: str) -> dict[str, float]:
+    """CPU seconds by test module (figure "cpu_s_by_module", keys test_x.py) or by test ("cpu_s_by_test", keys
+    pytest's node ids) in the newest test_cost record that has them (`python -m maxpar.tools.test_cost --record
+    docs/results` writes one); {} when none does."""
     for path in sorted(RESULTS.glob("test_cost-*.json"), reverse=True):  # the names sort by date
-        costs = json.loads(path.read_text(encoding="utf-8"))["figures"].get("cpu_s_by_module")
+        costs = json.loads(path.read_text(encoding="utf-8"))["figures"].get(figure)
         if costs:
             return costs
     return {}
+
+
+def recorded_as_costly(items: list[pytest.Item], costs: dict[str, float], limit: float) -> list[pytest.Item]:
+    """The items whose recorded CPU seconds exceed `limit` (an unrecorded one counts as cheap)."""
+    return [item for item in items if costs.get(item.nodeid, 0.0) > limit]
 
 
 def costliest_modules_first(items: list[pytest.Item], costs: dict[str, float]) -> None:
@@ -95,7 +108,9 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.path.stem in FAST:
             item.add_marker(pytest.mark.fast)
-    costliest_modules_first(items, recorded_module_costs())
+    for item in recorded_as_costly(items, recorded_costs("cpu_s_by_test"), DEV_TIER_MAX_CPU_S):
+        item.add_marker(pytest.mark.slow)
+    costliest_modules_first(items, recorded_costs("cpu_s_by_module"))
 
 
 # ---------------------------------------------------------------- what each test costs

@@ -38,6 +38,11 @@ class TestCost:
     outcome: str  # passed, failed, error, skipped
 
     @property
+    def nodeid(self) -> str:
+        """pytest's id of the test (tests/test_x.py::Class::test_y[param]), as tests/conftest.py looks it up."""
+        return "::".join([self.module, *self.name.split(".")])
+
+    @property
     def cost(self) -> float:
         return self.wall_s if self.cpu_s is None else self.cpu_s
 
@@ -126,6 +131,8 @@ def figures(costs: Sequence[TestCost], top: int, wall_s: float | None, command: 
         "cpu_s_total": round(sum(c.cpu_s or 0 for c in costs), 1),
         "test_wall_s_total": round(sum(c.wall_s for c in costs), 1),
         "cpu_s_by_module": {m.module.removeprefix("tests/"): m.cpu_s for m in by_module(costs)},
+        # tests/conftest.py leaves the tests above its DEV_TIER_MAX_CPU_S out of the development tier (-m "not slow")
+        "cpu_s_by_test": {c.nodeid: c.cpu_s for c in costs if c.cpu_s is not None},
         "rows": [{"test": f"{c.module}::{c.name}", "cpu_s": c.cpu_s, "wall_s": round(c.wall_s, 1)}
                  for c in costliest(costs, top)],
     }
