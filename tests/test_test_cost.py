@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import conftest
-from maxpar.tools import test_cost
+from maxpar.tools import results_page, test_cost
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest">
@@ -47,3 +47,17 @@ def test_the_development_tier_leaves_out_the_tests_recorded_as_costly(tmp_path):
     costly = conftest.recorded_as_costly(items, recorded, limit=6.0)
     assert [item.nodeid for item in costly] == ["tests/test_a.py::test_costly[fsdp8]",
                                                 "tests/test_b.py::TestGroup::test_in_a_class"]
+
+
+def test_the_record_keeps_every_test_for_conftest_and_the_page_shows_the_costliest(tmp_path):
+    path = tmp_path / "junit.xml"
+    path.write_text(JUNIT, encoding="utf-8")
+    status = test_cost.main(["--junit", str(path), "--top", "2", "--wall_s", "40", "--load_start", "1", "2", "3",
+                             "--record", str(tmp_path / "results")])
+    assert status == 0
+    written = results_page.load_records(tmp_path / "results")
+    assert [results_page.problems(r) for r in written] == [[]]
+    assert written[0]["figures"]["cpu_s_by_test"]["tests/test_a.py::test_cheap"] == 0.4
+    page = results_page.render(written)
+    assert "| tests/test_a.py::test_costly[fsdp8] | 12.5 | 30 |" in page  # the costliest, as a table
+    assert "test_cheap" not in page  # every test's seconds stay in the record

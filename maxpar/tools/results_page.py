@@ -290,6 +290,11 @@ TITLES = {"bench_moe": "Mixture of experts by EP degree", "bench_pipeline": "Pip
           "post_training": "Post-training end to end: SFT then DPO with LoRA, and what LoRA saves"}
 
 
+# Figures that a tool reads from the record and a reader would not: test_cost's CPU seconds of every test (which
+# tests/conftest.py reads to decide the development tier) run to a thousand and more entries.
+NOT_ON_PAGE = {"cpu_s_by_test"}
+
+
 def other_section(records: Sequence[Record], shown: set[str]) -> str:
     """Every other record, newest first within each name: its rows as a table, or its figures as a list."""
     parts = ["## Other measurements\n"]
@@ -297,7 +302,8 @@ def other_section(records: Sequence[Record], shown: set[str]) -> str:
         for run in named(records, name):
             figures = run["figures"]
             rows = figures.get("rows")
-            scalars = {k: v for k, v in figures.items() if k != "rows" or not isinstance(v, list)}
+            scalars = {k: v for k, v in figures.items()
+                       if (k != "rows" or not isinstance(v, list)) and k not in NOT_ON_PAGE}
             body = table(rows, generic_columns(rows)) if isinstance(rows, list) else ""
             listed = "".join(f"- {k.replace('_', ' ')}: {cell(v)}\n" for k, v in scalars.items())
             parts.append(f"### {TITLES.get(name, name)}\n\n`{run['command']}`\n\n{body}{listed}\n{provenance(run)}\n")
