@@ -33,7 +33,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # name here; a test that breaks the rule goes into a module that is not listed.
 FAST = {
     "test_activations", "test_architecture", "test_attention", "test_blockwise", "test_cadence", "test_data",
-    "test_logs", "test_mesh", "test_mixture", "test_moe", "test_op_schedule", "test_optimizer",
+    "test_logs", "test_mesh", "test_mixture", "test_moe", "test_op_schedule", "test_optimizer", "test_optimizers",
     "test_pipeline_schedule", "test_plan", "test_plan_hlo", "test_results_page",
 }
 
