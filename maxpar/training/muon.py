@@ -123,11 +123,12 @@ def newton_schulz(x: jax.Array, steps: int = NS_STEPS) -> jax.Array:
 class Orthogonalization(enum.StrEnum):
     """How a sharded matrix is orthogonalized (the module docstring's Sharding)."""
 
-    GATHERED = "gathered"
-    DISTRIBUTED = "distributed"
+    GATHERED = "gathered"        # each matrix whole on every device that held a piece of it
+    SPREAD = "spread"            # each matrix whole on one group of them: the matrices spread over the others
+    DISTRIBUTED = "distributed"  # the matrices left split; the partitioner splits the iteration's matmuls
 
 
-CHOSEN = Orthogonalization.GATHERED  # the measured choice (docs/optimizers.md, end_to_end/muon.py)
+CHOSEN = Orthogonalization.SPREAD  # the measured choice (docs/optimizers.md, end_to_end/muon_sharding.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,21 +143,50 @@ class MuonSharding:
     def pin(self, x: jax.Array, spec: PartitionSpec) -> jax.Array:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
-    def gathered(self, path: ParamPath, view: MatrixView) -> PartitionSpec:
-        """The matrices' spec for `GATHERED`: the batch dims split as the parameter's, each matrix whole."""
-        entries = tuple(self.specs[path]) + (None,) * len(view.shape)
-        return PartitionSpec(*entries[:view.batch], None, None)
+    def to_whole(self, path: ParamPath, view: MatrixView) -> list[PartitionSpec]:
+        """The parameter-shaped specs that take its update from its own spec to one where each matrix is whole on
+        the devices that orthogonalize it. `SPREAD` first moves each mesh axis that splits a matrix onto a batch
+        dim it divides (the layers first; one all-to-all each), then both ways gather the matrix axes left."""
+        sizes = dict(self.mesh.shape)
+        spec = tuple(self.specs[path])
+        entries = [list(_axes(e)) for e in spec + (None,) * (len(view.shape) - len(spec))]
+        steps = []
+        if self.how == Orthogonalization.SPREAD:
+            for source in range(view.batch, len(view.shape)):
+                for axis in [a for a in entries[source] if sizes[a] > 1]:
+                    target = next((dim for dim in range(view.batch) if view.shape[dim] % (
+                        math.prod(sizes[a] for a in entries[dim]) * sizes[axis]) == 0), None)
+                    if target is not None:
+                        entries[source].remove(axis)
+                        entries[target].append(axis)
+                        steps.append(_spec(entries))
+        steps.append(_spec(entries[:view.batch] + [[]] * (len(view.shape) - view.batch)))
+        return steps
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _spec(entries: list[list[str]]) -> PartitionSpec:
+    return PartitionSpec(*(entry[0] if len(entry) == 1 else tuple(entry) if entry else None for entry in entries))
 
 
 def orthogonalize(path: ParamPath, x: jax.Array, consistent_rms: float, sharding: MuonSharding | None) -> jax.Array:
     """The scaled, orthogonalized update of the Muon parameter at `path` from its (Nesterov) momentum `x`."""
     view = MatrixView.of(path, x.shape)
-    matrices = view.matrices(x)
-    gather = sharding is not None and sharding.how == Orthogonalization.GATHERED
-    if gather:
-        matrices = sharding.pin(matrices, sharding.gathered(path, view))
-    out = (view.shape_scale(consistent_rms) * newton_schulz(matrices)).reshape(x.shape)
-    return sharding.pin(out, sharding.specs[path]) if gather else out
+    if sharding is None or sharding.how == Orthogonalization.DISTRIBUTED:
+        out = newton_schulz(view.matrices(x))
+        return (view.shape_scale(consistent_rms) * out).reshape(x.shape)
+    steps = sharding.to_whole(path, view)
+    for spec in steps:
+        x = sharding.pin(x, spec)
+    whole = PartitionSpec(*tuple(steps[-1])[:view.batch], None, None)  # each device: whole matrices, no collective
+    out = jax.shard_map(newton_schulz, mesh=sharding.mesh, in_specs=whole, out_specs=whole)(view.matrices(x))
+    out = (view.shape_scale(consistent_rms) * out).reshape(x.shape)
+    for spec in [*reversed(steps[:-1]), sharding.specs[path]]:
+        out = sharding.pin(out, spec)
+    return out
 
 
 class MuonState(NamedTuple):

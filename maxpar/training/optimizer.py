@@ -15,7 +15,8 @@ import optax
 from maxpar.core.config import Config
 from maxpar.model.roles import ParamRole, param_role
 from maxpar.training.guards import StepGuard
-from maxpar.training.muon import MuonSharding, dict_keys, is_muon_parameter, scale_by_muon
+from maxpar.training.muon import (CHOSEN, MuonSharding, Orthogonalization, dict_keys, is_muon_parameter,
+                                  scale_by_muon)
 
 if TYPE_CHECKING:
     from maxpar.core.layout import RunLayout
@@ -60,13 +61,16 @@ class OptimizerState(NamedTuple):
     guard: StepGuard
 
 
-def make_optimizer(config: Config, layout: RunLayout | None = None) -> optax.GradientTransformation:
+def make_optimizer(config: Config, layout: RunLayout | None = None,
+                   orthogonalization: Orthogonalization = CHOSEN) -> optax.GradientTransformation:
     """The run's optimizer; its update leaves the guard's statistics as they are. `layout`: the run layout
-    whose update shardings Muon orthogonalizes its matrices under (None: as the partitioner likes; shapes)."""
+    under whose update shardings Muon orthogonalizes its matrices, as `orthogonalization` says (None: as the
+    partitioner likes; enough for shapes and one device)."""
     transforms = []
     if config.gradient_clipping_threshold > 0:
         transforms.append(optax.clip_by_global_norm(config.gradient_clipping_threshold))
-    rule = adamw(config) if config.opt_type == "adamw" else muon(config, muon_sharding(layout))
+    rule = (adamw(config) if config.opt_type == "adamw" else
+            muon(config, muon_sharding(layout, orthogonalization)))
     transforms.append(state_in_dtype(rule, jnp.dtype(config.moments_dtype)))
     if config.routed_bias:
         transforms.append(optax.masked(optax.set_to_zero(), not_optimized_mask))
@@ -114,14 +118,14 @@ def muon_labels(params: Any) -> Any:
         lambda path, _: "muon" if is_muon_parameter(dict_keys(path)) else "adamw", params)
 
 
-def muon_sharding(layout: RunLayout | None) -> MuonSharding | None:
+def muon_sharding(layout: RunLayout | None, how: Orthogonalization = CHOSEN) -> MuonSharding | None:
     """The update PartitionSpec of every parameter of `layout` (ZeRO-1's where it splits them), by path."""
     if layout is None:
         return None
     specs = layout.state_specs.params if layout.update_specs is None else layout.update_specs
     is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
     by_path = {dict_keys(path): spec for path, spec in jax.tree_util.tree_leaves_with_path(specs, is_leaf=is_spec)}
-    return MuonSharding(mesh=layout.model.mesh.abstract(), specs=by_path)
+    return MuonSharding(mesh=layout.model.mesh.abstract(), specs=by_path, how=how)
 
 
 def state_in_dtype(inner: optax.GradientTransformation, dtype: Any) -> optax.GradientTransformation:
