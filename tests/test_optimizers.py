@@ -186,3 +186,33 @@ def test_z_loss_adds_the_weighted_squared_log_normalizer_of_real_tokens():
     assert float(sums["z_loss_sum"]) == pytest.approx(want, rel=1e-5)
     assert float(total) == pytest.approx(float(plain) + 1e-2 * want, rel=1e-6)
     assert float(sums["loss_sum"]) == float(plain_sums["loss_sum"])
+
+
+# ---------------------------------------------------------------- the planner's view of Muon
+
+
+def planned(*overrides: str):
+    from maxpar.core.mesh import resolve_mesh_shape
+    from maxpar.plan.layout import build_layout
+
+    config = tiny_config("opt_type=muon", *overrides)
+    return build_layout(config, resolve_mesh_shape(config, 8), trace_state(config))
+
+
+def test_the_planner_counts_muon_flops_by_how_the_matrices_spread():
+    from maxpar.plan.muon import muon_flops, muon_parameters
+    from maxpar.plan.muon_comms import muon_comms
+    from maxpar.training.muon import newton_schulz_flops
+
+    fsdp8 = planned("ici_fsdp_parallelism=8")
+    total = sum(newton_schulz_flops(p.view) for p in muon_parameters(fsdp8))
+    m, n = 64, 128  # the MLP's [64, 128] matrices: 5 steps of 4 m^2 n + 2 m^3, per layer
+    assert newton_schulz_flops(next(p.view for p in muon_parameters(fsdp8) if p.tensor.name.endswith("wi_gate"))) == (
+        2 * 5 * (4 * m * m * n + 2 * m ** 3))
+    assert muon_flops(fsdp8) == total  # 2 layers cannot spread over 8: every device orthogonalizes all
+    assert {c.collective for c in muon_comms(fsdp8)} == {"all-gather"}
+    mixed = planned("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2")
+    assert muon_flops(mixed) == total / 2  # the layers spread over tensor: each device does one of the two
+    assert {(c.axes, c.collective) for c in muon_comms(mixed)} == {(("tensor",), "all-to-all"),
+                                                                    (("fsdp",), "all-gather")}
+    assert muon_comms(planned("opt_type=adamw")) == []

@@ -69,7 +69,7 @@ def compile_train_step(config: Config, devices: Sequence[jax.Device]) -> Compile
     check_devices(config, devices)
     mesh = build_mesh(layout.mesh, devices)
     model = Transformer(model_config(config), layout.model)
-    compiled = train_step.compile_train_step(model, make_optimizer(config), layout, mesh)
+    compiled = train_step.compile_train_step(model, make_optimizer(config, layout), layout, mesh)
     shards = math.prod(layout.axis_sizes[a] for a in layout.input_axes[0])
     per_device = len(train_step.BATCH_KEYS) * layout.batch.global_rows * config.max_target_length * 4 / shards
     return Compiled(text=compiled.as_text(), memory=compiled.memory_analysis(), layout=layout,
@@ -230,10 +230,11 @@ def memory_rows(plan: Plan, layout: Layout, compiled: Compiled) -> list[dict[str
                                 masked_ragged_dot=True)
     analysis = compiled.memory
     state_measured = analysis.argument_size_in_bytes - compiled.batch_bytes_per_device
-    transient = mem["gradients"] + mem["activations"] + mem["gathered_weights"]
+    transient = mem["gradients"] + max(mem["activations"] + mem["gathered_weights"], mem["muon_working"])
+    what = "temporaries (gradients + activations + gathered weights" + (
+        ", or Muon's whole matrices after the backward pass)" if mem["muon_working"] else ")")
     rows = [("train state (params + optimizer)", mem["params"] + mem["optimizer"], state_measured, TOLERANCE),
-            ("temporaries (gradients + activations + gathered weights)", transient,
-             analysis.temp_size_in_bytes, TEMP_TOLERANCE)]
+            (what, transient, analysis.temp_size_in_bytes, TEMP_TOLERANCE)]
     out = []
     for what, predicted, measured, tolerance in rows:
         error = (predicted - measured) / measured if measured else 0.0

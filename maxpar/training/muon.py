@@ -179,7 +179,7 @@ def orthogonalize(path: ParamPath, x: jax.Array, consistent_rms: float, sharding
         out = newton_schulz(view.matrices(x))
         return (view.shape_scale(consistent_rms) * out).reshape(x.shape)
     steps = sharding.to_whole(path, view)
-    for spec in steps:
+    for spec in [sharding.specs[path], *steps]:  # the first pin keeps the momentum's arithmetic where it lives
         x = sharding.pin(x, spec)
     whole = PartitionSpec(*tuple(steps[-1])[:view.batch], None, None)  # each device: whole matrices, no collective
     out = jax.shard_map(newton_schulz, mesh=sharding.mesh, in_specs=whole, out_specs=whole)(view.matrices(x))
