@@ -7,7 +7,8 @@ The Newton-Schulz iteration needs each layer's matrix whole (its Frobenius norm 
 
   gathered     each matrix gathered onto every device that held a piece of it; all of them compute it
   spread       each matrix gathered onto one group of those devices; the layers (and experts) spread over the
-               groups wherever they divide, so each matrix is computed by fewer devices
+               groups (the layer dim padded with zero matrices where it does not divide), so each matrix is
+               computed by fewer devices (maxpar's choice)
   distributed  the matrices stay split as the parameters are; the partitioner splits the iteration's matmuls
                (a collective in each of its 5 x 3 matmuls)
 

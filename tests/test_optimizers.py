@@ -205,14 +205,21 @@ def test_the_planner_counts_muon_flops_by_how_the_matrices_spread():
     from maxpar.training.muon import newton_schulz_flops
 
     fsdp8 = planned("ici_fsdp_parallelism=8")
-    total = sum(newton_schulz_flops(p.view) for p in muon_parameters(fsdp8))
+    views = {p.tensor.name: MatrixView.of(tuple(p.tensor.name.split("/")), p.tensor.shape)
+             for p in muon_parameters(fsdp8)}
+    total = sum(newton_schulz_flops(view) for view in views.values())
     m, n = 64, 128  # the MLP's [64, 128] matrices: 5 steps of 4 m^2 n + 2 m^3, per layer
-    assert newton_schulz_flops(next(p.view for p in muon_parameters(fsdp8) if p.tensor.name.endswith("wi_gate"))) == (
-        2 * 5 * (4 * m * m * n + 2 * m ** 3))
-    assert muon_flops(fsdp8) == total  # 2 layers cannot spread over 8: every device orthogonalizes all
-    assert {c.collective for c in muon_comms(fsdp8)} == {"all-gather"}
+    assert newton_schulz_flops(views["decoder/layers/mlp/wi_gate"]) == 2 * 5 * (4 * m * m * n + 2 * m ** 3)
+    # 2 layers spread over fsdp(8): padded with 6 zero matrices, each device orthogonalizes one matrix of each
+    assert muon_flops(fsdp8) == total / 2
+    assert {(c.axes, c.collective) for c in muon_comms(fsdp8)} == {(("fsdp",), "all-to-all")}
+    # FSDP(4) x TP(2): tensor divides the 2 layers; fsdp then goes onto them padded to 8: one matrix each again
     mixed = planned("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2")
-    assert muon_flops(mixed) == total / 2  # the layers spread over tensor: each device does one of the two
+    assert muon_flops(mixed) == total / 2
     assert {(c.axes, c.collective) for c in muon_comms(mixed)} == {(("tensor",), "all-to-all"),
-                                                                    (("fsdp",), "all-gather")}
+                                                                    (("fsdp",), "all-to-all")}
+    gathered = planned("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2", "ici_stage_parallelism=1",
+                       "num_decoder_layers=3", "scan_layers=false")  # one matrix per parameter: nothing to spread
+    assert {(c.axes, c.collective) for c in muon_comms(gathered)} == {(("fsdp",), "all-gather"),
+                                                                       (("tensor",), "all-gather")}
     assert muon_comms(planned("opt_type=adamw")) == []

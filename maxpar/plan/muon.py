@@ -21,12 +21,18 @@ MOMENTUM_BYTES = 4  # the update is computed in float32 (`maxpar.training.optimi
 
 @dataclasses.dataclass(frozen=True)
 class Orthogonalized:
-    """One Muon parameter: its matrices and the specs its update passes through to have them whole."""
+    """One Muon parameter: its matrices (with the zero matrices that pad its layer dim, if any) and the specs its
+    update passes through to have them whole."""
 
     tensor: Tensor
     view: MatrixView
     start: PartitionSpec
     steps: tuple[PartitionSpec, ...]
+
+    @property
+    def size(self) -> int:
+        """Elements of its update once padded."""
+        return self.view.count * self.view.rows * self.view.columns
 
 
 def muon_parameters(layout: Layout) -> list[Orthogonalized]:
@@ -39,7 +45,8 @@ def muon_parameters(layout: Layout) -> list[Orthogonalized]:
         path = tuple(t.name.split("/"))
         if is_muon_parameter(path):
             view = MatrixView.of(path, t.shape)
-            out.append(Orthogonalized(t, view, sharding.specs[path], tuple(sharding.to_whole(path, view))))
+            plan = sharding.to_whole(path, view)
+            out.append(Orthogonalized(t, plan.view(view), sharding.specs[path], plan.steps))
     return out
 
 
@@ -47,8 +54,9 @@ def axes_of(spec: PartitionSpec) -> list[str]:
     return [a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)]
 
 
-def local_bytes(layout: Layout, t: Tensor, spec: PartitionSpec) -> float:
-    return t.size * MOMENTUM_BYTES / layout.group_degree(layout.live(axes_of(spec)))
+def local_bytes(layout: Layout, p: Orthogonalized, spec: PartitionSpec) -> float:
+    """Bytes of one device's piece of the (padded) float32 update under `spec`."""
+    return p.size * MOMENTUM_BYTES / layout.group_degree(layout.live(axes_of(spec)))
 
 
 def muon_flops(layout: Layout) -> float:
@@ -64,6 +72,6 @@ def muon_flops(layout: Layout) -> float:
 def muon_working_bytes(layout: Layout) -> float:
     """The largest parameter's whole matrices on one device, float32, about four times (the momentum, its Gram
     matrix and square, the next iterate): the optimizer's working set after the backward pass."""
-    sizes = [local_bytes(layout, p.tensor, PartitionSpec(*tuple(p.steps[-1])[:p.view.batch])) * 4
+    sizes = [local_bytes(layout, p, PartitionSpec(*tuple(p.steps[-1])[:p.view.batch])) * 4
              for p in muon_parameters(layout)]
     return max(sizes, default=0.0)

@@ -22,10 +22,10 @@ def muon_comms(layout: Layout) -> list[Comm]:
         specs = (p.start, *p.steps)
         for before, after in zip(specs[:-2], specs[1:-1]):  # one axis onto a batch dim: an all-to-all, and one back
             comms += hierarchical(layout, "Muon spread all-to-all", (_moved_axis(before, after),), "all-to-all",
-                                  local_bytes(layout, p.tensor, before), count=2, phase=BACKWARD, dtype="float32",
+                                  local_bytes(layout, p, before), count=2, phase=BACKWARD, dtype="float32",
                                   scales=False, tensor=p.tensor.name)
         before = specs[-2]
-        operand = local_bytes(layout, p.tensor, before)
+        operand = local_bytes(layout, p, before)
         for entry in reversed(tuple(before)[p.view.batch:]):  # dim by dim, the last first, as the partitioner does
             axes = layout.live(axes_of(PartitionSpec(entry)))
             comms += hierarchical(layout, "Muon matrix all-gather", axes, "all-gather", operand, count=1,

@@ -22,9 +22,11 @@ by sqrt(max(1, fan_out / fan_in)) instead (Jordan's), which wants a learning rat
 
 Sharding: the iteration needs each matrix whole (|M|_F and X X^T span it). `Orthogonalization.GATHERED` gathers
 each layer's matrix onto the devices that split it (the layer and expert dims stay split) and orthogonalizes it
-there, the same on each; `DISTRIBUTED` leaves the matrices split as the parameters are and lets the partitioner
-split the iteration's matmuls (a reduction per matmul). Both compute the whole matrix's update; end_to_end/muon.py
-measures them, and maxpar uses the gathered one (docs/optimizers.md).
+there, the same on each; `SPREAD` (the one maxpar uses) gathers each matrix onto one group of those devices and
+spreads the layers (and experts) over the groups, so that each matrix is computed once per group of devices;
+`DISTRIBUTED` leaves the matrices split as the parameters are and lets the partitioner split the iteration's
+matmuls (collectives in each). All three compute the whole matrix's update; end_to_end/muon_sharding.py measures
+them (docs/optimizers.md).
 """
 
 from __future__ import annotations
@@ -143,25 +145,46 @@ class MuonSharding:
     def pin(self, x: jax.Array, spec: PartitionSpec) -> jax.Array:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
-    def to_whole(self, path: ParamPath, view: MatrixView) -> list[PartitionSpec]:
-        """The parameter-shaped specs that take its update from its own spec to one where each matrix is whole on
-        the devices that orthogonalize it. `SPREAD` first moves each mesh axis that splits a matrix onto a batch
-        dim it divides (the layers first; one all-to-all each), then both ways gather the matrix axes left."""
+    def to_whole(self, path: ParamPath, view: MatrixView) -> Resharding:
+        """How the parameter's update goes from its own spec to one where each matrix is whole on the devices that
+        orthogonalize it. `SPREAD` moves each mesh axis that splits a matrix onto a batch dim it divides (the
+        layers first; one all-to-all each); an axis that divides none goes onto the leading (layer) dim padded with
+        zero matrices until it does, when that dim is not split already. Then both ways gather the matrix axes
+        left (dim by dim)."""
         sizes = dict(self.mesh.shape)
         spec = tuple(self.specs[path])
         entries = [list(_axes(e)) for e in spec + (None,) * (len(view.shape) - len(spec))]
+        shape = list(view.shape)
         steps = []
-        if self.how == Orthogonalization.SPREAD:
-            for source in range(view.batch, len(view.shape)):
-                for axis in [a for a in entries[source] if sizes[a] > 1]:
-                    target = next((dim for dim in range(view.batch) if view.shape[dim] % (
-                        math.prod(sizes[a] for a in entries[dim]) * sizes[axis]) == 0), None)
-                    if target is not None:
-                        entries[source].remove(axis)
-                        entries[target].append(axis)
-                        steps.append(_spec(entries))
+        if self.how == Orthogonalization.SPREAD and view.batch:
+            paddable = all(sizes[a] == 1 for a in entries[0])  # padding a split dim would move its shards
+            for padding in (False, True):  # where the axes divide first, then onto the padded layer dim
+                for source in range(view.batch, len(view.shape)):
+                    for axis in [a for a in reversed(entries[source]) if sizes[a] > 1]:  # minor first
+                        degree = [math.prod(sizes[a] for a in entries[d]) * sizes[axis] for d in range(view.batch)]
+                        target = next((d for d in range(view.batch) if shape[d] % degree[d] == 0), None)
+                        if target is None and padding and paddable:
+                            target, shape[0] = 0, -(-shape[0] // degree[0]) * degree[0]
+                        if target is not None:
+                            entries[source].remove(axis)
+                            entries[target].append(axis)
+                            steps.append(_spec(entries))
         steps.append(_spec(entries[:view.batch] + [[]] * (len(view.shape) - view.batch)))
-        return steps
+        return Resharding(padded=shape[0] if view.batch else 0, steps=tuple(steps))
+
+
+@dataclasses.dataclass(frozen=True)
+class Resharding:
+    """`MuonSharding.to_whole` of one parameter: the size its leading (layer) dim is padded to with zero matrices
+    (its own size: none), then the parameter-shaped specs its update passes through; the last one has each matrix
+    whole."""
+
+    padded: int
+    steps: tuple[PartitionSpec, ...]
+
+    def view(self, view: MatrixView) -> MatrixView:
+        """The matrices once padded."""
+        return dataclasses.replace(view, shape=(self.padded, *view.shape[1:])) if view.batch else view
 
 
 def _axes(entry: Any) -> tuple[str, ...]:
@@ -175,18 +198,23 @@ def _spec(entries: list[list[str]]) -> PartitionSpec:
 def orthogonalize(path: ParamPath, x: jax.Array, consistent_rms: float, sharding: MuonSharding | None) -> jax.Array:
     """The scaled, orthogonalized update of the Muon parameter at `path` from its (Nesterov) momentum `x`."""
     view = MatrixView.of(path, x.shape)
+    scale = view.shape_scale(consistent_rms)
     if sharding is None or sharding.how == Orthogonalization.DISTRIBUTED:
-        out = newton_schulz(view.matrices(x))
-        return (view.shape_scale(consistent_rms) * out).reshape(x.shape)
-    steps = sharding.to_whole(path, view)
-    for spec in [sharding.specs[path], *steps]:  # the first pin keeps the momentum's arithmetic where it lives
+        return (scale * newton_schulz(view.matrices(x))).reshape(x.shape)
+    own = sharding.specs[path]
+    plan = sharding.to_whole(path, view)
+    padded = plan.view(view)
+    x = sharding.pin(x, own)  # keeps the momentum's arithmetic where the momentum lives
+    if padded.shape != view.shape:  # zero matrices, which orthogonalize to zero
+        x = sharding.pin(jnp.pad(x, [(0, padded.shape[0] - view.shape[0])] + [(0, 0)] * (x.ndim - 1)), own)
+    for spec in plan.steps:
         x = sharding.pin(x, spec)
-    whole = PartitionSpec(*tuple(steps[-1])[:view.batch], None, None)  # each device: whole matrices, no collective
-    out = jax.shard_map(newton_schulz, mesh=sharding.mesh, in_specs=whole, out_specs=whole)(view.matrices(x))
-    out = (view.shape_scale(consistent_rms) * out).reshape(x.shape)
-    for spec in [*reversed(steps[:-1]), sharding.specs[path]]:
+    whole = PartitionSpec(*tuple(plan.steps[-1])[:view.batch], None, None)  # whole matrices, no collective
+    out = jax.shard_map(newton_schulz, mesh=sharding.mesh, in_specs=whole, out_specs=whole)(padded.matrices(x))
+    out = (scale * out).reshape(padded.shape)
+    for spec in [*reversed(plan.steps[:-1]), own]:
         out = sharding.pin(out, spec)
-    return out
+    return sharding.pin(out[:view.shape[0]], own) if padded.shape != view.shape else out
 
 
 class MuonState(NamedTuple):
