@@ -1,7 +1,7 @@
 """AdamW-cosine, AdamW-WSD and Muon-WSD on the default model, each at its tuned learning rate (a small sweep).
 
-    python end_to_end/optimizers.py [--steps 300] [--learning-rates 1e-3,3e-3,1e-2] [--plot docs/optimizers.png]
-                                    [--record docs/results] [key=value ...]
+    python end_to_end/optimizers.py [--steps 300] [--learning-rates 1e-3,3e-3,1e-2] [--rates ARM=LR,LR,...]
+                                    [--plot docs/optimizers.png] [--record docs/results] [key=value ...]
 
 Trains the default model (configs/base.yml: its data, batch, warm-up and final fraction) for --steps steps on one
 CPU device, once per optimizer arm and learning rate:
@@ -114,7 +114,10 @@ def plot(path: Path, results: dict, tuned: dict, title: str) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--learning-rates", dest="learning_rates", default="1e-3,3e-3,1e-2")
+    parser.add_argument("--learning-rates", dest="learning_rates", default="1e-3,3e-3,1e-2",
+                        help="the peak learning rates every arm tries")
+    parser.add_argument("--rates", action="append", default=[], metavar="ARM=LR,LR,...",
+                        help="another set of learning rates for one arm (repeatable)")
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of " + ", ".join(ARMS))
     parser.add_argument("--eval-interval", dest="eval_interval", type=int, default=100)
     parser.add_argument("--log-period", dest="log_period", type=int, default=10)
@@ -123,14 +126,17 @@ def main() -> int:
     records.add_record_option(parser)
     args = parser.parse_args()
     os.chdir(REPO)  # the configs' relative paths
-    rates = [float(x) for x in args.learning_rates.split(",")]
     arms = args.arms.split(",")
-    print(f"optimizers: the default model, {args.steps} steps on 1 CPU device, arms {arms} x learning rates {rates}; "
+    rates = {arm: [float(x) for x in args.learning_rates.split(",")] for arm in arms}
+    for item in args.rates:
+        arm, _, values = item.partition("=")
+        rates[arm] = [float(x) for x in values.split(",")]
+    print(f"optimizers: the default model, {args.steps} steps on 1 CPU device, learning rates {rates}; "
           f"load average {LOAD_START}", flush=True)
     results, rows = {}, []
     tail = 5
     for arm in arms:
-        for lr in rates:
+        for lr in rates[arm]:
             results[(arm, lr)] = run(arm, lr, args)
             rows.append(summary(arm, lr, results[(arm, lr)], tail))
             print(f"  {arm} lr {lr:g}: final held-out loss {rows[-1]['final_eval_loss']} in {rows[-1]['wall_s']} s "

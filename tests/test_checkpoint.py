@@ -408,7 +408,7 @@ def test_optimizer_state_restores_cast_into_another_optimizer_state_dtype(saved_
     run, cast, _, warnings = restore(saved_run, run_config(corpus, "optimizer_state_dtype=bfloat16"), jax.devices(),
                                      step=2)
     assert warnings == []
-    floats = [leaf for leaf in jax.tree.leaves(cast.opt_state) if jnp.issubdtype(leaf.dtype, jnp.floating)]
+    floats = [leaf for leaf in jax.tree.leaves(cast.opt_state.rule) if jnp.issubdtype(leaf.dtype, jnp.floating)]
     assert floats and {leaf.dtype for leaf in floats} == {jnp.dtype(jnp.bfloat16)}
     expected = jax.tree.map(lambda x, y: np.asarray(x.astype(y.dtype)), saved.opt_state, cast.opt_state)
     assert max_difference(jax.tree.map(np.asarray, cast.opt_state), expected) == 0.0
