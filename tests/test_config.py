@@ -512,3 +512,13 @@ def test_batch_shape_rejects_fractional_rows(per_device, devices):
     with pytest.raises(ConfigError) as info:
         _batch_shape(f"per_device_batch_size={per_device}", devices=devices)
     assert "per_device_batch_size" in str(info.value) and str(devices) in str(info.value)
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (CONFIGS / "models").glob("*.yml")))
+def test_every_preset_reads_the_default_data(preset):
+    """Every preset trains on the defaults' corpus and tokenizer: its vocabulary holds the tokenizer's (deepseek-tiny
+    once had 256 < 259). Opening the data is where a run checks it; no batch is read."""
+    from maxpar.io.data.pipeline import open_datasets
+
+    data = open_datasets(load(f"model_name={preset}"), global_rows=1, eval_rows=1, shard_index=0, shard_count=1)
+    assert "tokenizer byte-level" in data.description

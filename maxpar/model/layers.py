@@ -19,7 +19,7 @@ from maxpar.core.layout import ModelLayout
 from maxpar.core.sharding import constrain
 from maxpar.model.activations import swiglu
 from maxpar.model.attention import attend, cached_attention
-from maxpar.model import fp8
+from maxpar.model import fp8, lora
 from maxpar.model.matmul import project
 
 Array = jax.Array
@@ -52,9 +52,10 @@ class ModelModule(nn.Module):
 
     def project(self, spec: str, x: Array, w: Array, name: str) -> Array:
         """The weight projection `spec` of x and the module's weight `name`, in `dtype` and `quantization`; under
-        fp8_scaling=delayed its scales come from the weight's amax history (`amax_history`)."""
-        return project(spec, x, w, self.dtype, quantization=self.config.quantization,
-                       history=amax_history(self, name))
+        fp8_scaling=delayed its scales come from the weight's amax history (`amax_history`). A weight of a role
+        lora_target_roles names adds its LoRA adapter's output (maxpar.model.lora)."""
+        y = project(spec, x, w, self.dtype, quantization=self.config.quantization, history=amax_history(self, name))
+        return lora.adapted_projection(self, spec, x, w, name, y)
 
 
 def amax_history(module: nn.Module, name: str, experts: int = 0) -> Array | None:

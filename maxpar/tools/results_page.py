@@ -286,7 +286,8 @@ TITLES = {"bench_moe": "Mixture of experts by EP degree", "bench_pipeline": "Pip
           "sharding_matrix": "Sharding matrix agreement", "end_to_end": "End-to-end script runtimes",
           "install": "Install size", "tests": "Test suite runtime",
           "fp8_gemm_check": "Do fp8 matmuls become fp8 GEMMs on the GPU?",
-          "moe_balance": "Expert load: aux-loss-free bias, auxiliary loss, none"}
+          "moe_balance": "Expert load: aux-loss-free bias, auxiliary loss, none",
+          "post_training": "Post-training end to end: SFT then DPO with LoRA, and what LoRA saves"}
 
 
 def other_section(records: Sequence[Record], shown: set[str]) -> str:

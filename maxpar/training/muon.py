@@ -11,7 +11,7 @@ MLA projections, gate/up/down, shared experts, each expert separately, the MTP p
 the output head, the norm scales, the router and the routing bias keep AdamW (`maxpar.training.optimizer`).
 
 Which matrix: maxpar's weights are often einsum kernels of more than two dims, e.g. the query [embed, heads,
-head_dim]; the parameter's role (`maxpar.model.roles.Matrix`) says which dims are rows and which columns, so the
+head_dim]; the parameter's role (`maxpar.model.roles.Projection`) says which dims are rows and which columns, so the
 query is one [embed, heads x head_dim] matrix and an expert's gate [experts, embed, mlp] is `experts` matrices.
 A layer stack's leading dims index one matrix per layer.
 
@@ -82,7 +82,7 @@ class MatrixView:
     def of(cls, path: ParamPath, shape: tuple[int, ...]) -> MatrixView:
         role = param_role(path)
         stacked = len(shape) - len(role.axes)  # the layer stack's leading dims
-        return cls(tuple(shape), stacked + role.matrix.batch, role.matrix.fan_in)
+        return cls(tuple(shape), stacked + role.projection.batch, role.projection.inputs)
 
     @property
     def rows(self) -> int:
