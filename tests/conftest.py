@@ -34,7 +34,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 FAST = {
     "test_activations", "test_architecture", "test_attention", "test_blockwise", "test_cadence", "test_data",
     "test_logs", "test_mesh", "test_mixture", "test_moe", "test_op_schedule", "test_optimizer",
-    "test_pipeline_schedule", "test_plan", "test_plan_hlo", "test_results_page",
+    "test_pipeline_schedule", "test_plan", "test_plan_hlo", "test_results_page", "test_fp8_dots",
 }
 
 

@@ -266,16 +266,23 @@ def test_a_pipeline_reports_each_layers_largest_amax_like_one_device(name, obser
 
 # ---------------------------------------------------------------- MoE experts (round trips under shard_map)
 
-def test_the_round_trip_product_is_the_fp8_matmul_forward_and_backward():
-    """The experts' fp8 (operands to e4m3 and back, the output's gradient to e5m2 and back, jax's own gradients)
-    computes what the fp8 matmul of maxpar.model.matmul does."""
+def test_the_grouped_experts_product_is_the_fp8_matmul_forward_and_backward():
+    """The dropless experts' fp8 (maxpar.model.moe_dispatch.Grouped: ragged dots on the fp8 operands) computes what
+    the fp8 matmul of maxpar.model.matmul does: one expert's rows, then padding rows, which give zeros."""
+    from maxpar.model.moe_dispatch import Grouped
+
     x, w, g = operands()
-    einsum = lambda a, b: jnp.einsum(SPEC, a, b)  # noqa: E731
-    y, pullback = jax.vjp(lambda x, w: fp8.fp8_product(einsum, x, w, ()), x, w)
-    want, want_pullback = jax.vjp(lambda x, w: matmul(SPEC, x, w, jnp.float32, quantization="fp8"), x, w)
-    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
-    for got, expected in zip(pullback(g), want_pullback(g)):
-        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    x, w, g = x.reshape(10, 16), w.reshape(16, 12), g.reshape(10, 12)
+    grouped = Grouped(jnp.array([7], jnp.int32))  # rows 7-9: padding
+    y, pullback = jax.vjp(lambda x, w: fp8.fp8_product(grouped, x, w), x, w[None])
+    want, want_pullback = jax.vjp(lambda x, w: matmul("te,em->tm", x, w, jnp.float32, quantization="fp8"), x[:7], w)
+    np.testing.assert_allclose(y[:7], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(y[7:], 0.0)
+    dx, dw = pullback(g.at[7:].set(0.0))
+    want_dx, want_dw = want_pullback(g[:7])
+    np.testing.assert_allclose(dx[:7], want_dx, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(dx[7:], 0.0)
+    np.testing.assert_allclose(dw[0], want_dw, rtol=1e-5, atol=1e-5)
 
 
 def test_a_sharded_tensor_is_scaled_by_its_global_amax():

@@ -52,9 +52,11 @@ class ModelModule(nn.Module):
 
     def project(self, spec: str, x: Array, w: Array, name: str) -> Array:
         """The weight projection `spec` of x and the module's weight `name`, in `dtype` and `quantization`; under
-        fp8_scaling=delayed its scales come from the weight's amax history (`amax_history`)."""
+        fp8_scaling=delayed its scales come from the weight's amax history (`amax_history`). An fp8 projection
+        merges x's batch and length into one GEMM dim unless the layout splits the sequence (Einsum.merge_rows)."""
         return project(spec, x, w, self.dtype, quantization=self.config.quantization,
-                       history=amax_history(self, name))
+                       history=amax_history(self, name),
+                       merge_rows=not (self.layout is not None and self.layout.splits_sequence))
 
 
 def amax_history(module: nn.Module, name: str, experts: int = 0) -> Array | None:
