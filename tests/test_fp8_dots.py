@@ -14,19 +14,13 @@ import pytest
 
 from helpers import tiny_config
 from maxpar.model.matmul import Einsum, matmul
+from maxpar.tools.bench_gpu import dot_operand_types, f8_dots, fp8_gemms, unrewritten_f8_dots
 
 E4M3, E5M2 = "f8E4M3FN", "f8E5M2"
-# One dot's operand types: `stablehlo.dot_general %a, %b, ... : (tensor<2x3xf8E4M3FN>, tensor<...>) -> ...`
-DOT = re.compile(r"stablehlo\.dot_general .*: \(tensor<(?:[0-9]+x)*(\w+)>, tensor<(?:[0-9]+x)*(\w+)>\)")
-
-
-def dot_operand_types(text: str) -> Counter:
-    """(lhs, rhs) element types of every dot_general in a lowered program's text, counted."""
-    return Counter(DOT.search(line).groups() for line in text.splitlines() if DOT.search(line))
 
 
 def fp8_dots(text: str) -> Counter:
-    """The dots with an fp8 operand, by (lhs, rhs) type."""
+    """The dots of a lowered program with an fp8 operand, by (lhs, rhs) type."""
     return Counter({types: n for types, n in dot_operand_types(text).items() if any("f8" in t for t in types)})
 
 
@@ -73,8 +67,8 @@ def test_the_einsum_layout_matches_einsum_forward_and_backward():
                 np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=f"{spec} merge_rows={merge_rows}")
 
 
-def lowered_train_step(*overrides: str) -> str:
-    """The StableHLO text of the trainer's step for a tiny model on one device."""
+def lowered_train_step(*overrides: str, devices: int = 1) -> str:
+    """The StableHLO text of the trainer's step for a tiny model on `devices` devices."""
     from maxpar.core.config import model_config
     from maxpar.core.mesh import build_mesh, local_mesh_shape
     from maxpar.model import Transformer
@@ -82,7 +76,7 @@ def lowered_train_step(*overrides: str) -> str:
     from maxpar.training.train_step import lower_train_step, run_layout
 
     config = tiny_config("quantization=fp8", "scan_layers=false", "remat_policy=none", *overrides)
-    devices = jax.devices()[:1]
+    devices = jax.devices()[:devices]
     layout = run_layout(config, local_mesh_shape(config, devices), check_batch=False)
     model = Transformer(model_config(config), layout.model)
     return lower_train_step(model, make_optimizer(config), layout, build_mesh(layout.mesh, devices)).as_text()
@@ -107,12 +101,47 @@ def test_a_train_step_has_three_fp8_dots_per_quantized_matmul(name):
     assert sum(dot_operand_types(text).values()) > 3 * matmuls  # and others, not in fp8
 
 
+def fp8_dot_ranks(text: str) -> Counter:
+    """The ranks of the fp8 dots' first operands in a lowered program."""
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    return Counter(len(re.search(r": \(tensor<([^>]*)>", d)[1].split("x")) - 1 for d in dots if "xf8" in d.split(":")[-1])
+
+
 def test_a_sequence_split_over_the_mesh_keeps_the_rows_apart():
     """Under context parallelism the fp8 projections keep [batch, length] as two dims (merging them would gather
-    the sequence); without it they merge them into one GEMM dim."""
+    the sequence: the forward's x and the gradients' dy are rank 3); without it every fp8 dot is a 2-D GEMM."""
     from helpers import layout_on
 
+    context = ("ici_context_parallelism=2", "attention=blockwise", "ici_fsdp_parallelism=1")
     plain, _ = layout_on(tiny_config("quantization=fp8"), jax.devices()[:2])
-    context, _ = layout_on(tiny_config("quantization=fp8", "ici_context_parallelism=2", "attention=blockwise"),
-                           jax.devices()[:2])
-    assert not plain.model.splits_sequence and context.model.splits_sequence
+    split, _ = layout_on(tiny_config("quantization=fp8", *context), jax.devices()[:2])
+    assert not plain.model.splits_sequence and split.model.splits_sequence
+    assert set(fp8_dot_ranks(lowered_train_step())) == {2}
+    assert 3 in fp8_dot_ranks(lowered_train_step(*context, devices=2))
+
+
+def test_the_gpu_benchmark_reads_fp8_gemms_and_leftover_fp8_dots_off_a_compiled_program():
+    """The counts end_to_end/bench_gpu_fp8.py records: cuBLASLt fp8 GEMM calls, and dots (a fusion's too) that
+    still take an fp8 operand after compilation, whose operand types the HLO text gives only where they are defined."""
+    hlo = """
+%fused_dot (p0: f8e4m3fn[16,32], p1: f8e5m2[32,8]) -> f32[16,8] {
+  %p0.1 = f8e4m3fn[16,32]{1,0} parameter(0)
+  %p1.2 = f8e5m2[32,8]{1,0} parameter(1)
+  ROOT %dot.3 = f32[16,8]{1,0} dot(%p0.1, %p1.2), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+ENTRY %main {
+  %a = f8e4m3fn[16,32]{1,0} parameter(0)
+  %b = f8e4m3fn[32,8]{1,0} parameter(1)
+  %x = f32[16,32]{1,0} convert(%a)
+  %y = f32[32,8]{1,0} parameter(2)
+  %plain = f32[16,8]{1,0} dot(%x, %y), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %gemm = (f32[16,8]{1,0}, s8[0]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul$f8"
+}"""
+    assert fp8_gemms(hlo) == 1 and unrewritten_f8_dots(hlo) == 1
+    x, w = jnp.ones((4, 8), jnp.bfloat16), jnp.ones((8, 16), jnp.float32)
+
+    def loss(x, w):
+        return jnp.sum(matmul("te,em->tm", x, w, jnp.bfloat16, quantization="fp8").astype(jnp.float32))
+
+    lowered = jax.jit(jax.value_and_grad(loss, (0, 1))).lower(x, w)
+    assert f8_dots(lowered.as_text()) == 3
