@@ -3,6 +3,7 @@
 #
 #   bash install.sh            # maxpar
 #   bash install.sh test,hf    # maxpar with extras (comma-separated, as in pyproject.toml)
+#   bash install.sh tpu        # with libtpu: compile for TPU topologies on this machine (docs/tpu.md)
 #
 # Why not plain `python3 -m venv`: JAX 0.12 needs Python >= 3.12, and on an older Python pip quietly
 # resolves JAX 0.10, which is ~1.5x slower on simulated multi-device meshes. So this picks Python 3.12
@@ -36,7 +37,8 @@ find_python() {
 check_disk() {  # a clear message now instead of pip's "No space left on device" after the downloads
   [[ -d .venv ]] && return  # reinstalling into an existing .venv needs far less
   local needed_gb=2 why="" free_gb  # a fresh clone's measured peaks (docs/results/install-*.json) plus headroom
-  if [[ ",$extras," == *",test,"* ]]; then needed_gb=8 why=" (the test extra's torch comes as its ~5 GB CUDA build)"; fi
+  if [[ ",$extras," == *",test,"* ]]; then needed_gb=9 why=" (the test extra's torch comes as its ~5 GB CUDA build)"
+  elif [[ ",$extras," == *",tpu,"* ]]; then needed_gb=3 why=" (libtpu is about 640 MB installed)"; fi
   free_gb=$(df -Pk . | awk 'NR == 2 {print int($4 / 1048576)}')
   if (( free_gb < needed_gb )); then
     echo "install.sh: error: ${free_gb} GB free here, and installing${extras:+ with extras '$extras'} takes about" \

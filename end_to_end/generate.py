@@ -33,8 +33,8 @@ def main() -> int:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="for training and sampling alike")
     records.add_record_option(parser)
     args = parser.parse_args()
-    from maxpar.core.config import load_config
     from maxpar.generate import generate
+    from maxpar.io.run_config import load_run_config
 
     with tempfile.TemporaryDirectory() as tmp:
         run = args.run
@@ -46,8 +46,8 @@ def main() -> int:
             if subprocess.run(command, cwd=REPO).returncode != 0:
                 print("FAIL: the training run failed")
                 return 1
-        config = load_config([str(REPO / "configs/base.yml"), f"load_parameters_path={run}", "max_new_tokens=64",
-                              *args.overrides])
+        config = load_run_config([str(REPO / "configs/base.yml"), f"load_parameters_path={run}", "max_new_tokens=64",
+                                  *args.overrides]).config  # the run's model comes with its checkpoint
         texts, result = generate(config, PROMPTS)
     for prompt, text in zip(PROMPTS, texts):
         print(f"--- {prompt!r} ->\n{prompt}{text}\n")

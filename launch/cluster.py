@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from maxpar.core.config import ConfigError, load_config
 from maxpar.core.mesh import resolve_mesh_shape
 from maxpar.core.storage import is_remote
+from maxpar.io.run_config import load_run_config
 from maxpar.plan.fit import check_target_fit
 from maxpar.training.train_step import run_layout
 
@@ -90,7 +91,7 @@ def trainer_command(config_args: Sequence[str], num_devices: int, num_slices: in
     job (JobSet max_restarts, XPK --max-restarts) would train from step 0; the job's name is used instead,
     and every restart resumes from the newest checkpoint.
     """
-    config = load_config(list(config_args))
+    config = load_run_config(list(config_args)).config  # the model of a checkpoint it starts from
     mesh_slices = 1 if config.num_slices == 1 else num_slices
     run_layout(config, resolve_mesh_shape(config, num_devices, mesh_slices))
     if config.num_slices not in (-1, 1, num_slices):

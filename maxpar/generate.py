@@ -26,15 +26,18 @@ import numpy as np
 import optax
 
 from maxpar.core import storage
-from maxpar.core.config import Config, ConfigError, load_config, model_config
+from maxpar.core.config import Config, ConfigError, model_config
 from maxpar.core.mesh import build_mesh, local_mesh_shape
 from maxpar.host import preflight
+from maxpar.host.devices import cpu_unless_accelerators
 from maxpar.io import checkpoint, logs
 from maxpar.io.data.tokenizer import Tokenizer, load_tokenizer
+from maxpar.io.run_config import load_run_config
 from maxpar.model import Transformer
 from maxpar.model.layers import CACHE
 from maxpar.training.guards import INTERRUPTED_EXIT_STATUS
 from maxpar.training.train_step import layout_check
+from maxpar.training.trainable import merged_config
 
 Array = jax.Array
 
@@ -160,6 +163,7 @@ def model_apply(model: nn.Module, rows_multiple: int = 1) -> Callable[..., tuple
 def load_model(config: Config, devices: Sequence[Any] | None = None) -> tuple[Callable[..., Any], Any]:
     """(apply for `decode`, parameters of load_parameters_path) on the run's mesh over `devices`."""
     devices = list(jax.devices() if devices is None else devices)
+    config = merged_config(config)  # a LoRA run's adapters are merged into its base as they load
     runs = layout_check(config, optax.identity(), check_batch=False)  # one trace for the hint and the layout
     layout = runs(local_mesh_shape(config, devices, runs))
     if layout.pipelined:
@@ -207,12 +211,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m maxpar.generate", description=__doc__.split("\n\n")[0])
     parser.add_argument("config", help="the run's YAML (configs/base.yml)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="load_parameters_path=RUN, the run's model keys, max_new_tokens, temperature, ...")
+                        help="load_parameters_path=RUN (its model comes with it), max_new_tokens, temperature, ...")
     parser.add_argument("--prompt", action="append", default=[], help="text to continue (repeat for a batch)")
     parser.add_argument("--prompts_file", metavar="PATH", help="a file of prompts, one per line (after any --prompt)")
     args = parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)  # key=value after --prompt too
     try:
-        config = load_config([args.config, *args.overrides])
+        run_config = load_run_config([args.config, *args.overrides])  # with the checkpoint's model
+        config = run_config.config
+        if run_config.note:  # stderr: stdout holds the continuations alone
+            print(run_config.note, file=sys.stderr, flush=True)
+        cpu_unless_accelerators()  # before JAX starts: no libtpu warnings where there is no TPU
         preflight.apply_simulated_devices(config)  # a run's num_simulated_devices=N: before JAX starts
         prompts = [*args.prompt, *(read_prompts(args.prompts_file) if args.prompts_file else [])]
         with logs.library_logs(logs.tool_log_path("generate"), config.log_level, mode="w"):

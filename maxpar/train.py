@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import signal
 import sys
 import time
@@ -16,32 +17,38 @@ from typing import Any
 
 import grain
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
+import yaml
 from etils import epath
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from tqdm import tqdm
 
 from maxpar.core import storage
-from maxpar.core.config import EXPLICIT_BACKWARD, Config, ConfigError, describe_keys, load_config, model_config, to_yaml
+from maxpar.core.config import (DEFAULTS, EXPLICIT_BACKWARD, Config, ConfigError, describe_keys, load_config,
+                                model_config, to_yaml)
 from maxpar.core.layout import BatchShape, RunLayout, check_devices
 from maxpar.core.mesh import build_mesh, local_mesh_shape
 from maxpar.core.op_schedule import OpSchedule
 from maxpar.core.schedule import Schedule
+from maxpar.host import devices as host_devices
 from maxpar.host import distributed, malloc, preflight
-from maxpar.io import checkpoint, local_checkpoint, logs
+from maxpar.io import checkpoint, executable, local_checkpoint, logs
 from maxpar.io.data.errors import DataError
 from maxpar.io.data.mixture import SOURCE_TOKENS
 from maxpar.io.data.pipeline import SourceData, open_datasets
 from maxpar.io.metrics import (MetricsWriter, parameter_counts, peak_flops, rewind_metrics, throughput,
                                training_flops_per_token)
+from maxpar.io.run_config import load_run_config
 from maxpar.model import Transformer
+from maxpar.plan.compile_report import compile_topology
 from maxpar.plan.fit import check_local_fit
-from maxpar.training import summary
+from maxpar.training import dpo, summary, trainable
 from maxpar.training.cadence import StepTimer, cadence
 from maxpar.training.guards import (INTERRUPTED_EXIT_STATUS, PREEMPTED_EXIT_STATUS, STORAGE_EXIT_STATUS, LossCheck,
-                                    Preempted, PreemptionWatch, StepsInFlight, StepWatchdog)
+                                    Preempted, PreemptionWatch, SlowStepNote, StepsInFlight, StepWatchdog)
 from maxpar.training.optimizer import make_optimizer
 from maxpar.training.profiler import StepProfiler, profile_window
 from maxpar.training.train_step import compile_train_step, create_state, jit_eval_step, layout_check
@@ -57,23 +64,31 @@ def run_directory(config: Config) -> epath.Path:
     return storage.path(config.base_output_directory) / name
 
 
-def _evaluate(eval_step, params, dataset_factory, steps: int, sharding) -> float:
-    """Mean loss over the first `steps` batches of a fresh eval iterator (comparable over time)."""
+def _eval_sums(eval_step, state, dataset_factory, steps: int, sharding) -> dict[str, float]:
+    """The eval step's sums over the first `steps` batches of a fresh eval iterator (comparable over time)."""
     iterator = iter(dataset_factory())
-    totals = [eval_step(params, global_batch(next(iterator), sharding)) for _ in range(steps)]
-    loss_sum = sum(float(t["loss_sum"]) for t in totals)
-    tokens = sum(float(t["tokens"]) for t in totals)
-    return loss_sum / max(tokens, 1.0)
+    totals = [eval_step(state.params, state.frozen, global_batch(next(iterator), sharding)) for _ in range(steps)]
+    return {key: sum(float(t[key]) for t in totals) for key in totals[0]}
 
 
-def _eval_losses(run: RunSetup, eval_step, params) -> dict[str, float]:
+def _evaluate(eval_step, state, dataset_factory, steps: int, sharding) -> float:
+    """Mean loss over the first `steps` batches of a fresh eval iterator."""
+    sums = _eval_sums(eval_step, state, dataset_factory, steps, sharding)
+    return sums["loss_sum"] / max(sums["tokens"], 1.0)
+
+
+def _eval_losses(run: RunSetup, eval_step, state) -> dict[str, float]:
     """eval_loss; a mixture's eval_loss/NAME for each source with held-out documents too, and as eval_loss their
-    mean weighted by the mixture's weights: the held-out loss in the proportions the run trains on."""
+    mean weighted by the mixture's weights: the held-out loss in the proportions the run trains on. DPO: also the
+    held-out pairs' reward accuracy and margin (eval_dpo_reward_accuracy, eval_dpo_reward_margin)."""
     config = run.config
     if not run.sources:
-        return {"eval_loss": _evaluate(eval_step, params, run.eval_data, config.eval_steps, run.in_sharding)}
+        sums = _eval_sums(eval_step, state, run.eval_data, config.eval_steps, run.in_sharding)
+        count = max(sums["tokens"], 1.0)
+        return {"eval_loss": sums["loss_sum"] / count,
+                **{f"eval_{name}": float(value) for name, value in dpo.metrics(sums, count).items()}}
     evaluated = [s for s in run.sources if s.eval]
-    losses = {s.name: _evaluate(eval_step, params, s.eval, config.eval_steps, run.in_sharding) for s in evaluated}
+    losses = {s.name: _evaluate(eval_step, state, s.eval, config.eval_steps, run.in_sharding) for s in evaluated}
     mean = sum(s.weight * losses[s.name] for s in evaluated) / sum(s.weight for s in evaluated)
     return {"eval_loss": mean, **{f"eval_loss/{name}": loss for name, loss in losses.items()}}
 
@@ -131,7 +146,11 @@ class RunSetup:
         return checkpoint.Target.of(self.layout, self.mesh, self.shape.global_rows)
 
     def compile_train_step(self) -> Any:
-        """Ahead-of-time compiled train step for this run's state and batch layout."""
+        """Ahead-of-time compiled train step for this run's state and batch layout; the one compiled before for
+        these devices when compiled_trainstep_file names it."""
+        if self.config.compiled_trainstep_file:
+            return executable.load_executable(self.config.compiled_trainstep_file, self.devices,
+                                              self.layout.mesh.describe())
         return compile_train_step(self.model, self.tx, self.layout, self.mesh)
 
 
@@ -156,14 +175,55 @@ def accumulation_words(steps: int, microbatch_rows: int) -> str:
     return f" in {steps} gradient-accumulation microbatches of {microbatch_rows} rows" if steps > 1 else ""
 
 
+PRESETS = DEFAULTS.parent / "models"
+
+
+def preset_differences(config: Config, name: str, presets: epath.PathLike = PRESETS) -> dict[str, Any] | None:
+    """{key: this config's value} for each key of preset `name`'s file that the config sets otherwise (None: no
+    such preset). The preset's values are read as a run would read them, on base.yml."""
+    path = epath.Path(presets) / f"{name}.yml"
+    if not path.is_file():
+        return None
+    keys = yaml.safe_load(path.read_text()) or {}
+    preset = load_config([str(DEFAULTS), f"model_name={name}"])
+    return {key: getattr(config, key) for key in keys if getattr(config, key) != getattr(preset, key)}
+
+
+def describe_model(config: Config, presets: epath.PathLike = PRESETS) -> str:
+    """The run header's name for the model: its preset and the preset's keys the run changes ("tiny (overridden:
+    emb_dim=512, num_decoder_layers=6)"); without model_name (a config saved by a run or an import) the preset
+    whose keys it has ("custom, as qwen3-0.6b"), or "custom"."""
+    if config.model_name:
+        changed = preset_differences(config, config.model_name, presets)
+        if not changed:
+            return config.model_name
+        words = ", ".join(f"{key}={str(value).lower() if isinstance(value, bool) else value}"
+                          for key, value in changed.items())
+        return f"{config.model_name} (overridden: {words})"
+    same = [path.stem for path in sorted(epath.Path(presets).glob("*.yml"))
+            if preset_differences(config, path.stem, presets) == {}]
+    return f"custom, as {same[0]}" if same else "custom"
+
+
+def describe_computation(config: Config) -> str:
+    """The model line's note on quantized matmuls, only where there are some."""
+    if not config.quantization:
+        return ""
+    scaling = f", fp8_scaling={config.fp8_scaling}" if config.quantization == "fp8" else ""
+    return f", quantization={config.quantization}{scaling}"
+
+
 def _print_header(run: RunSetup, run_dir: epath.Path, peak: float | None, log: Callable[[str], None]) -> None:
     config, devices = run.config, run.devices
-    counts = parameter_counts(run.abstract_state.params, config.num_experts_per_tok)
+    state = run.abstract_state
+    counts = parameter_counts(trainable.policy(state.params, state.frozen, config), config.num_experts_per_tok)
     mesh_desc = run.layout.mesh.describe()
     log(f"maxpar: run {run_dir}" + ("" if config.run_name else f" (to resume it later: run_name={run_dir.name})"))
-    log(f"  model {config.model_name or 'custom'}: {counts['total']:,} parameters "
+    log(f"  model {describe_model(config)}: {counts['total']:,} parameters "
         f"({counts['non_embedding']:,} non-embedding, {counts['active']:,} active per token), "
-        f"{config.num_decoder_layers} layers, emb {config.emb_dim}")
+        f"{config.num_decoder_layers} layers, emb {config.emb_dim}{describe_computation(config)}")
+    if config.lora_rank or config.use_sft or config.use_dpo:
+        log(f"  {post_training_line(config, sum(leaf.size for leaf in jax.tree.leaves(state.params)))}")
     if config.num_experts > 1:
         dispatch = (f"capacity factor {config.capacity_factor:g}" if config.capacity_factor > 0 else "dropless")
         log(f"  mixture of experts: {config.num_moe_layers} MoE layers of {config.num_experts} experts, top-"
@@ -187,9 +247,28 @@ def _print_header(run: RunSetup, run_dir: epath.Path, peak: float | None, log: C
         + ("; also printed here (log_level=debug)" if config.log_level == "debug" else ""))
 
 
+def post_training_line(config: Config, trained: int) -> str:
+    """The run header's line on what post-training trains: the objective, and LoRA's adapters."""
+    if config.use_dpo:
+        what = (f"DPO on preference pairs (beta {config.dpo_beta:g}"
+                + (f", label smoothing {config.dpo_label_smoothing:g}" if config.dpo_label_smoothing else "")
+                + "), reference = the starting parameters, frozen")
+    elif config.use_sft:
+        what = ("SFT on conversations, loss on the " + ("assistant tokens" if config.sft_train_on_completion_only
+                                                        else "whole conversation"))
+    else:
+        what = "language-model loss"
+    if config.lora_rank:
+        return (f"{what}; LoRA rank {config.lora_rank}, alpha {config.lora_alpha:g} on "
+                f"{', '.join(config.lora_target_roles)}: {trained:,} adapter parameters trained, the base frozen"
+                + (f" in {config.lora_base_weight_dtype}" if config.lora_base_weight_dtype else ""))
+    return f"{what}; {trained:,} parameters trained"
+
+
 def initial_state(run: RunSetup, manager: Any, iterator: Any, log: Callable[[str], None], local: Any = None) -> Any:
     """Where training starts: this run's newest usable checkpoint in either tier (restoring `iterator` too), else
-    load_full_state_path, else load_parameters_path (fresh optimizer), else a fresh init."""
+    load_full_state_path, else load_parameters_path (fresh optimizer), else a fresh init. The frozen parameters
+    (LoRA's base, DPO's reference) are never in a checkpoint: `starting_frozen` reads them each time."""
     config = run.config
     target = run.restore_target()
     warn = checkpoint.warn_stderr if jax.process_index() == 0 else (lambda _: None)
@@ -197,17 +276,55 @@ def initial_state(run: RunSetup, manager: Any, iterator: Any, log: Callable[[str
     if found is not None:
         state, tier = found
         log(f"  resumed from checkpoint at step {int(state.step)} ({tier})")
-        return state
+        return state.replace(frozen=starting_frozen(run, target, warn))
     if config.load_full_state_path:
         state = checkpoint.load_full_state(config.load_full_state_path, target, warn)
         log(f"  started from the full state at step {int(state.step)} of {config.load_full_state_path}; "
             f"the data starts from its beginning")
-        return state
+        return state.replace(frozen=starting_frozen(run, target, warn))
+    if config.load_parameters_path and config.lora_rank:  # the checkpoint is the base; the adapters start afresh
+        state = create_state(run.model, run.tx, run.layout, run.mesh, with_frozen=False)
+        log(f"  started LoRA adapters (rank {config.lora_rank}) on the frozen parameters of "
+            f"{config.load_parameters_path}; step 0")
+        return state.replace(frozen=starting_frozen(run, target, warn))
     if config.load_parameters_path:
         params = checkpoint.load_parameters(config.load_parameters_path, target, warn)
         log(f"  started from the parameters of {config.load_parameters_path}; fresh optimizer state, step 0")
-        return checkpoint.state_from_params(params, run.tx, target)
+        state = checkpoint.state_from_params(params, run.tx, target)
+        return state.replace(frozen=starting_frozen(run, target, warn, params))
     return create_state(run.model, run.tx, run.layout, run.mesh)
+
+
+def slow_step_note(devices: Sequence[jax.Device]) -> SlowStepNote | None:
+    """On simulated CPU devices, what a step running half as long as XLA lets a collective wait may come to."""
+    if devices[0].platform != "cpu" or len(jax.local_devices()) < 2:
+        return None
+    timeouts = host_devices.CollectiveTimeouts.of(os.environ.get("XLA_FLAGS", ""))
+    return SlowStepNote(timeouts.abort_s / 2, host_devices.late_collective_words(timeouts))
+
+
+def starting_frozen(run: RunSetup, target: checkpoint.Target, warn: Callable[[str], None], params: Any = None) -> Any:
+    """The run's frozen parameters (maxpar.training.trainable), as they were when it started: those of
+    load_parameters_path (the base under LoRA, else the reference: `params` when already read), else the seeded
+    initialization's; {} for a run that freezes nothing."""
+    if not jax.tree.leaves(target.abstract_state.frozen):
+        return {}
+    if not run.config.load_parameters_path:
+        return create_state(run.model, run.tx, run.layout, run.mesh).frozen
+    if params is not None and not run.config.lora_rank:  # DPO's reference: a copy of the starting parameters
+        return jax.tree.map(jnp.copy, params)
+    return checkpoint.load_parameters(run.config.load_parameters_path, target.of_item("frozen"), warn)
+
+
+def held_out_losses(config: Config, devices: Sequence[jax.Device] | None = None) -> dict[str, float]:
+    """The held-out figures (eval_loss; under DPO its reward accuracy and margin too) of the state a run of `config`
+    starts from (load_parameters_path, a LoRA run's adapters at zero, or the seeded init), as its evaluations
+    compute them; nothing is trained or written."""
+    run = setup_run(config, devices)
+    if run.eval_data is None:
+        raise ConfigError("nothing is held out (eval_fraction=0 and no eval split): no held-out loss to compute")
+    state = initial_state(run, None, iter(run.train_data), lambda _: None)
+    return _eval_losses(run, jit_eval_step(run.model, run.layout, run.mesh), state)
 
 
 def library_log(run_dir: epath.Path) -> epath.Path:
@@ -241,7 +358,8 @@ def _train(config: Config, devices: Sequence[jax.Device] | None, run_dir: epath.
     writer, bar = None, None
     profiler = StepProfiler(profile_window(config), run_dir, log)
     try:
-        with PreemptionWatch() as preemption, StepWatchdog(config.step_timeout_s) as watchdog:
+        with (PreemptionWatch(saver.newest_complete if saver else None) as preemption,
+              StepWatchdog(config.step_timeout_s, slow_step_note(devices)) as watchdog):
             state = initial_state(run, manager, iterator, log, local)
             start = int(state.step)
             if lead and rewind_metrics(run_dir / "metrics.jsonl", start):
@@ -249,7 +367,9 @@ def _train(config: Config, devices: Sequence[jax.Device] | None, run_dir: epath.
 
             compile_start = time.perf_counter()
             step_fn = run.compile_train_step()
-            log(f"  compiled the train step in {time.perf_counter() - compile_start:.1f} s")
+            log(f"  loaded the train step compiled before from {config.compiled_trainstep_file} in "
+                f"{time.perf_counter() - compile_start:.1f} s" if config.compiled_trainstep_file else
+                f"  compiled the train step in {time.perf_counter() - compile_start:.1f} s")
             has_eval = run.eval_data or any(s.eval for s in run.sources)
             eval_fn = jit_eval_step(run.model, run.layout, run.mesh) if has_eval else None
 
@@ -263,14 +383,14 @@ def _train(config: Config, devices: Sequence[jax.Device] | None, run_dir: epath.
             timer, losses = StepTimer(), LossCheck(enabled=config.stop_on_nan)
             in_flight = StepsInFlight()  # a stop requested now waits for about one step, not for all dispatched
 
-            def log_step(step: int, metrics: dict[str, Any], params: Any = None, late: bool = False) -> dict[str, Any]:
-                """Read, evaluate (given `params`) and write one metrics row. A row read `late` ends the timer's window
-                where the step ended: the next step is already running."""
+            def log_step(step: int, metrics: dict[str, Any], state: Any = None, late: bool = False) -> dict[str, Any]:
+                """Read, evaluate (given the `state`) and write one metrics row. A row read `late` ends the timer's
+                window where the step ended: the next step is already running."""
                 row = _metrics_row(run, step, jax.device_get(metrics), timer.per_step(), peak)
                 if late:
                     timer.restart()
-                if params is not None:
-                    row.update(_eval_losses(run, eval_fn, params))
+                if state is not None:
+                    row.update(_eval_losses(run, eval_fn, state))
                 writer.write(row)
                 bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
                 log(_format_row(row))
@@ -278,6 +398,7 @@ def _train(config: Config, devices: Sequence[jax.Device] | None, run_dir: epath.
 
             lagging: tuple[int, Any] | None = None  # a step read late (Due.read_late): read after the next dispatch
             loop_start = time.perf_counter()
+            watchdog.progress(start)  # compiled: the first step is timed like the others
             for step in range(start + 1, config.steps + 1):
                 profiler.before_step(step)
                 batch = next(iterator)
@@ -301,7 +422,7 @@ def _train(config: Config, devices: Sequence[jax.Device] | None, run_dir: epath.
                 if due.check_losses:
                     losses.check(manager)
                 if due.log:
-                    row = log_step(step, metrics, state.params if due.eval else None)
+                    row = log_step(step, metrics, state if due.eval else None)
                 if due.save or due.save_local:  # first: a resume from this checkpoint keeps its rows
                     writer.upload()
                 if due.save:  # the last step's and a preemption's complete before the state is given up
@@ -329,7 +450,7 @@ def _train(config: Config, devices: Sequence[jax.Device] | None, run_dir: epath.
                                    time.perf_counter() - loop_start, run.shape.tokens_per_step)
         sampling = summary.sampling_overrides(config, run.layout.mesh, devices[0].platform)
         for line in summary.finish_run(run_dir, totals, f"maxpar: {config.model_name or 'custom'}, {run_dir.name}",
-                                       sampling):
+                                       sampling, checkpointing=config.enable_checkpointing):
             log(line)
     return row
 
@@ -341,7 +462,7 @@ def _metrics_row(run: RunSetup, step: int, metrics: dict[str, Any], step_time_s:
             "learning_rate": float(metrics["learning_rate"]), "eval_loss": None,
             **throughput(run.config, tokens_per_step=run.shape.tokens_per_step, step_time_s=step_time_s,
                          num_devices=len(run.devices), peak=peak),
-            **{key: float(value) for key, value in metrics.items() if key.startswith(("moe_", "mtp_"))},
+            **{key: float(value) for key, value in metrics.items() if key.startswith(("moe_", "mtp_", "dpo_"))},
             **_source_tokens(run, metrics)}
 
 
@@ -357,6 +478,8 @@ def _format_row(row: dict[str, Any]) -> str:
         parts += [f"balance {row['moe_load_balance_loss']:.3f}", f"dropped {row['moe_dropped_fraction']:.1%}"]
     if row.get("mtp_loss") is not None:
         parts.append(f"mtp_loss {row['mtp_loss']:.4f}")
+    if row.get("dpo_reward_accuracy") is not None:
+        parts.append(f"reward accuracy {row['dpo_reward_accuracy']:.2f} margin {row['dpo_reward_margin']:.3f}")
     return "  ".join(parts)
 
 
@@ -372,10 +495,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  {key} ({kind}): {doc}", file=stream)
         return 0 if argv else 2
     try:
-        config = load_config(argv)
+        run_config = load_run_config(argv)  # with the model of a checkpoint it starts from
+        config = run_config.config
+        host_devices.cpu_unless_accelerators()  # before JAX starts: libtpu's warnings where there is no TPU
+        if config.compile_topology:  # compile for a TPU topology, report and exit: no local devices used
+            preflight.check_output_directory(config)
+            return compile_topology(config, run_directory(config))
         preflight.apply_simulated_devices(config)  # before JAX starts
         preflight.check_output_directory(config)
         distributed.setup(config)  # before any JAX device use
+        if run_config.note and jax.process_index() == 0:
+            print(run_config.note, flush=True)
         check_local_fit(config, jax.devices(), jax.local_devices())  # before anything is allocated
         malloc_note = malloc.tune(config.cpu_malloc_tuning, jax.default_backend())  # process-wide: the CLI's own
         if malloc_note and jax.process_index() == 0:

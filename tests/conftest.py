@@ -18,8 +18,12 @@ import tempfile
 import pytest
 
 from maxpar.host.devices import simulate_cpu_devices
+from maxpar.host.topology import set_libtpu_environment
 
 simulate_cpu_devices(8)
+# The TPU-topology tests (tests/test_tpu_compile.py) load libtpu, which takes a machine-wide lock unless this allows
+# several loads: pytest-xdist's workers, and other processes compiling for TPU beside the suite.
+set_libtpu_environment()
 
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # set: a worker of this session, or the user's own cache
     _CACHE = tempfile.mkdtemp(prefix="maxpar-tests-jax-cache-")
@@ -32,9 +36,11 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # pure unit test, run in this process: no training run, no compiled train step, no subprocess. A module joins by
 # name here; a test that breaks the rule goes into a module that is not listed.
 FAST = {
-    "test_activations", "test_architecture", "test_attention", "test_blockwise", "test_cadence", "test_data",
+    "test_activations", "test_architecture", "test_attention", "test_blockwise", "test_cadence", "test_chat",
+    "test_data", "test_devices", "test_run_messages",
     "test_logs", "test_mesh", "test_mixture", "test_moe", "test_op_schedule", "test_optimizer",
-    "test_pipeline_schedule", "test_plan", "test_plan_hlo", "test_results_page", "test_fp8_dots",
+    "test_pipeline_schedule", "test_plan", "test_plan_hlo", "test_results_page", "test_topology", "test_tpu_hlo",
+    "test_fp8_dots",
 }
 
 

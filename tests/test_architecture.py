@@ -19,7 +19,8 @@ LAYERS = [
     ["maxpar.pipeline"],  # the SPMD loop over stages: generic, so the model imports it
     ["maxpar.model"],
     # training/: the optimizer, the jitted step, then the loop's policies and its summary
-    ["maxpar.training.optimizer"], ["maxpar.training.train_step"],
+    ["maxpar.training.optimizer"], ["maxpar.training.trainable"], ["maxpar.training.dpo"],
+    ["maxpar.training.train_step"],
     ["maxpar.training.cadence", "maxpar.training.guards", "maxpar.training.profiler", "maxpar.training.summary"],
     ["maxpar.io", "maxpar.host"],  # beside the spine: data, checkpoints, metrics, logs; the process and its host
     ["maxpar.plan"],  # the planner

@@ -522,3 +522,13 @@ def test_the_llama3_2_3b_preset_has_the_published_shape():
            config.num_decoder_layers, config.vocab_size, config.rope_theta)
     assert got == (3072, 24, 8, 128, 8192, 28, 128256, 500000.0)
     assert config.logits_via_embedding and config.rope_scaling_type == "llama3" and config.rope_scaling_factor == 32
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (CONFIGS / "models").glob("*.yml")))
+def test_every_preset_reads_the_default_data(preset):
+    """Every preset trains on the defaults' corpus and tokenizer: its vocabulary holds the tokenizer's (deepseek-tiny
+    once had 256 < 259). Opening the data is where a run checks it; no batch is read."""
+    from maxpar.io.data.pipeline import open_datasets
+
+    data = open_datasets(load(f"model_name={preset}"), global_rows=1, eval_rows=1, shard_index=0, shard_count=1)
+    assert "tokenizer byte-level" in data.description

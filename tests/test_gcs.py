@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -198,7 +199,8 @@ def test_convert_reads_and_writes_the_bucket(trained, gcs, tmp_path):
                          "--hf_template", f"{root}/hf"]) == 0  # keeps max_position_embeddings, which from_hf drops
     fs = filesystem(gcs)
     fs.get(f"{BUCKET}/convert/hf", str(tmp_path / "first"), recursive=True)
-    assert sorted(p.name for p in (tmp_path / "first").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "first").iterdir()) == ["config.json", "model.safetensors",
+                                                                      "tokenizer.json", "tokenizer_config.json"]
     assert f"load_parameters_path={root}/back" in fs.cat(f"{BUCKET}/convert/back/overrides.txt").decode()
     first, again = HFTensors(tmp_path / "first"), HFTensors(tmp_path / "again")
     with first, again:
@@ -317,3 +319,31 @@ def test_a_damaged_newest_checkpoint_in_the_bucket_falls_back_and_is_set_aside(t
     assert [r["step"] for r in again] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in again] == [r["loss"] for r in uninterrupted]  # bitwise: floats from JSON
     assert [r["grad_norm"] for r in again] == [r["grad_norm"] for r in uninterrupted]
+
+
+def test_tensorstores_credentials_line_goes_to_the_library_log(trained, gcs):
+    """TensorStore's C++ 'Using GOOGLE_AUTH_TOKEN_FOR_TESTING' (or its credentials file) is the run's library log's,
+    not a line among maxpar's (issue 43)."""
+    _, output, _ = trained
+    assert "GOOGLE_AUTH_TOKEN_FOR_TESTING" not in output
+    assert "Using GOOGLE_AUTH_TOKEN_FOR_TESTING" in filesystem(gcs).cat(f"{BUCKET}/runs/r/libraries.log").decode()
+
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_the_emulator_command_serves_generations_until_stopped(stop, tmp_path):
+    """`python -m maxpar.tools.emulator` (docs/storage.md): it prints the variable to export, its downloads carry
+    the object generation TensorStore's OCDBT reads, and Ctrl-C (or kill) stops it and its server (issue 43)."""
+    import urllib.request
+    command = [sys.executable, "-m", "maxpar.tools.emulator", "--port", "0", "--bucket", "cli"]
+    with subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
+        lines = [process.stdout.readline() for _ in range(3)]
+        url = next(line.split("=", 1)[1].strip() for line in lines if "export STORAGE_EMULATOR_HOST=" in line)
+        upload = urllib.request.Request(f"{url}/upload/storage/v1/b/cli/o?uploadType=media&name=some/object",
+                                        data=b"payload", method="POST")
+        urllib.request.urlopen(upload).close()
+        with urllib.request.urlopen(f"{url}/download/storage/v1/b/cli/o/some%2Fobject?alt=media") as answer:
+            assert answer.read() == b"payload" and answer.headers["x-goog-generation"]
+        process.send_signal(stop)
+        assert process.wait(timeout=30) == 0
+    assert storage.check_reachable(url, timeout_s=1) is not None  # the server went with it

@@ -370,3 +370,22 @@ def test_cluster_launchers_warn_about_a_local_output_directory(tmp_path, capsys)
         assert "base_output_directory=outputs is a local path" in capsys.readouterr().err
         assert main([*args, *CONFIG_ARGS, "base_output_directory=gs://bucket/runs"]) == 0
         assert "warning" not in capsys.readouterr().err
+
+
+def test_the_container_image_is_installed_by_install_sh_where_the_launchers_run_the_trainer():
+    """No Docker engine here: the Dockerfile is checked for what the launchers rely on (issue 43)."""
+    from launch.cluster import TRAINER
+    root = REPO
+    lines = [line.strip() for line in (root / "Dockerfile").read_text().splitlines()
+             if line.strip() and not line.startswith("#")]
+    instructions = {line.split()[0]: line.split(None, 1)[1] for line in lines}
+    assert instructions["FROM"].startswith("python:3.12")
+    assert instructions["RUN"].startswith('bash install.sh "${EXTRAS}"') and instructions["ARG"] == 'EXTRAS=""'
+    workdir = instructions["WORKDIR"]
+    assert instructions["COPY"] == ". ." and (root / "configs" / "base.yml").is_file()  # configs/base.yml in WORKDIR
+    assert instructions["ENV"] == f"PATH={workdir}/.venv/bin:$PATH" and TRAINER[0] == "python3"  # install.sh's venv
+    ignored = set((root / ".dockerignore").read_text().split())
+    assert {".git", ".venv", "outputs"} <= ignored
+    guide = (root / "docs" / "multi-host.md").read_text()
+    image = re.search(r"--docker_image (\S+)", guide)[1]
+    assert f"docker build -t {image} ." in guide and f"docker push {image}" in guide and f"--image {image}" in guide

@@ -86,3 +86,15 @@ def test_an_exception_python_could_not_raise_goes_to_the_file(terminal, tmp_path
     assert sys.unraisablehook is hook
     assert "reading array index" not in capsys.readouterr().err + terminal.getvalue()
     assert "ValueError: Encountered error while reading array index" in path.read_text()
+
+
+def test_what_native_code_writes_on_stderr_goes_to_the_library_log(tmp_path, capfd):
+    """TensorStore's C++ prints its credentials choice on file descriptor 2, below Python's sys.stderr (issue 43)."""
+    import os
+    path = tmp_path / "libraries.log"
+    with logs.library_logs(path, "info"), logs.native_stderr_logged("tensorstore"):
+        os.write(2, b"I1128 12:00:00.000000 1 google_auth_provider.cc:136] Using GOOGLE_AUTH_TOKEN_FOR_TESTING\n")
+    assert "GOOGLE_AUTH_TOKEN_FOR_TESTING" not in capfd.readouterr().err
+    assert "INFO tensorstore" in path.read_text() and "google_auth_provider.cc:136] Using GOOGLE" in path.read_text()
+    os.write(2, b"after\n")  # the descriptor is the terminal's again
+    assert capfd.readouterr().err == "after\n"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -163,3 +164,23 @@ def test_weight_decay_skips_norm_scales(model_and_params):
     assert all(not decayed for path, decayed in flat.items() if "scale" in path)
     assert all(decayed for path, decayed in flat.items() if "scale" not in path)
     assert any("token_embedding" in path for path in flat) and flat["['token_embedding']"]
+
+
+
+def _first_loss(model, params, vocab_size: int) -> float:
+    from helpers import packed_batch
+
+    batch = packed_batch(8, LENGTH, vocab_size)
+    loss_sum, count = jax.jit(loss_sum_and_count, static_argnums=1)(params, model, batch)
+    return float(loss_sum / count)
+
+
+def test_a_fresh_model_starts_near_the_uniform_loss(model_and_params):
+    """Step 1's loss is ln(vocab) plus about half the logits' variance (unit variance here), tied or not: tied
+    embeddings once gave logits of std sqrt(emb_dim), a first loss of 41 here (~200 for qwen3-0.6b)."""
+    config, untied_model, untied_params = model_and_params
+    tied_model = Transformer(model_config(tiny_config("logits_via_embedding=true")))
+    tokens = jnp.zeros((1, LENGTH), jnp.int32)
+    tied_params = nn.unbox(jax.jit(tied_model.init)(jax.random.key(1), tokens, tokens, tokens)["params"])
+    for model, params in ((untied_model, untied_params), (tied_model, tied_params)):
+        assert abs(_first_loss(model, params, config.vocab_size) - np.log(config.vocab_size)) < 1.0

@@ -79,7 +79,7 @@ def test_too_few_cpu_devices_say_how_to_simulate_more():
 
 @pytest.mark.parametrize("overrides, named", [
     (["ici_tensor_parallelism=2"], "num_simulated_devices=2 or"),  # fsdp's -1 fills: 2 devices run it
-    (["ici_tensor_parallelism=3"], "simulating 3 CPU devices would not run this config either: parameter "),  # heads
+    (["ici_tensor_parallelism=3"], "simulating 3 CPU devices would not run this config either: num_kv_heads=2 cannot be split 3 ways"),
     (["dcn_data_parallelism=2", "ici_fsdp_parallelism=4"],  # one process is one slice, whatever its devices
      "simulating 4 CPU devices would not run this config either: dcn degrees (dcn_data_parallelism=2)"),
 ])

@@ -17,7 +17,7 @@ from helpers import TINY, kill_and_rerun, read_metrics, tiny_config, train_comma
 from maxpar.core.config import Config, ConfigError
 from maxpar.io import checkpoint
 from maxpar.io.data.errors import DataError
-from maxpar.io.data.pipeline import POSITION_KEYS, make_datasets
+from maxpar.io.data.pipeline import POSITION_KEYS, POST_TRAINING_KEYS, make_datasets
 from maxpar.io.data.records import open_records
 from maxpar.io.data.text import resolve_files
 from maxpar.io.data.tokenizer import ByteTokenizer
@@ -407,7 +407,8 @@ def test_every_config_key_the_data_sources_read_is_checked_on_resume():
     sources = Path(open_records.__code__.co_filename).parent.glob("*.py")
     read = ({key for path in sources for key in re.findall(r"\bconfig\.(\w+)", path.read_text())}
             & {field.name for field in dataclasses.fields(Config)})
-    assert read and read <= set(checkpoint.MODEL_KEYS).union(*POSITION_KEYS.values(), {"dataset_mixture"})
+    checked = set(checkpoint.MODEL_KEYS).union(*POSITION_KEYS.values(), POST_TRAINING_KEYS, {"dataset_mixture"})
+    assert read and read <= checked
 
 
 def test_hf_resume_on_another_dataset_split_field_or_tokenizer_is_refused(tmp_path, capsys):

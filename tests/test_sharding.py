@@ -434,3 +434,12 @@ def test_zero_axis_joins_the_first_dimension_it_divides():
     assert spec((3, 5), None, None) == P(None, None)                             # nothing divides: as it was
     assert spec((), ) == P()
     assert spec((8,), "data") == P("data")                                       # data already splits it
+
+
+def test_an_uneven_split_names_the_model_key_behind_the_dimension():
+    """The logical axis of the dimension that does not split tells which key to change (issue 43)."""
+    assert _shardings_error("base.yml", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=4").startswith(
+        "num_kv_heads=2 cannot be split 4 ways: parameter .params['decoder']['layers']['attention']['key']")
+    assert "vocab_size=63 cannot be split 2 ways" in _shardings_error("base.yml", *FSDP4_TP2, "vocab_size=63")
+    message = _shardings_error("base.yml", "ici_fsdp_parallelism=8", "emb_dim=68")
+    assert message.startswith("emb_dim=68 cannot be split 8 ways") and "or another emb_dim" in message

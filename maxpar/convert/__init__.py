@@ -6,4 +6,5 @@ layout.py         one maxpar parameter <-> its HF tensors (slices, nn.Linear tra
 safetensors_io.py reading slices of, and writing shards of, safetensors checkpoints
 from_hf.py        HF checkpoint -> sharded arrays -> maxpar Orbax checkpoint
 to_hf.py          maxpar Orbax checkpoint -> config.json + safetensors
+tokenizer_files.py the export's tokenizer files (the byte tokenizer as a tokenizer.json)
 """

@@ -61,6 +61,13 @@ def _parser() -> argparse.ArgumentParser:
                             "max_position_embeddings and architecture are kept; its model keys must match")
     to_hf.add_argument("--config", type=storage.path, default=BASE_CONFIG,
                        help="maxpar base config (configs/base.yml)")
+    to_hf.add_argument("--tokenizer_path", default=None,
+                       help="the tokenizer to write beside the model (default: the checkpoint's tokenizer_path; "
+                            "'' = maxpar's byte tokenizer)")
+    to_hf.add_argument("--peft", action="store_true",
+                       help="a LoRA run's adapters as a PEFT adapter (adapter_config.json, adapter_model.safetensors) "
+                            "of the Hugging Face model its base came from (--hf_template: that model's directory, "
+                            "recorded as base_model_name_or_path); without it a LoRA run exports merged")
     return parser
 
 
@@ -79,13 +86,16 @@ def _convert(args: argparse.Namespace) -> None:
     """The conversion the command line asks for; bad input raises ConfigError."""
     if args.command == "from_hf":
         config = convert_from_hf(args.hf_path, args.out, args.overrides, args.config)
-        overrides = [f"load_parameters_path={storage.absolute(args.out)}", *training_overrides(config, args.config)]
-        (args.out / OVERRIDES_FILE).write_text("\n".join(overrides) + "\n", encoding="utf-8")
-        print(f"train from it with (also in {args.out / OVERRIDES_FILE}):\n"
-              f"  python -m maxpar.train configs/base.yml {' '.join(overrides)}")
+        load = f"load_parameters_path={storage.absolute(args.out)}"
+        (args.out / OVERRIDES_FILE).write_text("\n".join([load, *training_overrides(config, args.config)]) + "\n",
+                                               encoding="utf-8")
+        print(f"the checkpoint carries its model ({config.model_name or 'no preset: its own keys'}); train, sample "
+              f"or plan from it with load_parameters_path= alone:\n  python -m maxpar.train configs/base.yml {load}\n"
+              f"(the model's keys as key=value: {args.out / OVERRIDES_FILE})")
     else:
         convert_to_hf(args.checkpoint, args.out, args.config, architecture=args.architecture, dtype=args.dtype,
-                      max_shard_bytes=int(args.max_shard_size_mb * 2**20), template_path=args.hf_template)
+                      max_shard_bytes=int(args.max_shard_size_mb * 2**20), template_path=args.hf_template,
+                      tokenizer_path=args.tokenizer_path, peft=args.peft)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ canonical layout (maxpar/io/checkpoint.py), so any mesh and either layer layout 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -24,7 +25,7 @@ from maxpar.convert.hf_config import (ConversionError, architecture_of, model_ke
 from maxpar.convert.layout import maxpar_block
 from maxpar.convert.safetensors_io import TENSOR_FILES, HFTensors
 from maxpar.core import storage
-from maxpar.core.config import Config
+from maxpar.core.config import Config, parse_overrides, to_yaml
 from maxpar.core.mesh import build_mesh, local_mesh_shape
 from maxpar.io import checkpoint
 from maxpar.training.train_step import run_layout
@@ -74,9 +75,19 @@ def read_parameter(tensors: HFTensors, rule: TensorRule, leaf: jax.ShapeDtypeStr
     return jax.make_array_from_callback(leaf.shape, leaf.sharding, shard)
 
 
+def hf_tokenizer(hf_path: Path) -> str:
+    """The tokenizer file beside a Hugging Face checkpoint that maxpar reads (tokenizer.json, else a SentencePiece
+    tokenizer.model), as an absolute path; '' (the byte tokenizer) without one."""
+    for name in ("tokenizer.json", "tokenizer.model"):
+        if (hf_path / name).is_file():
+            return str(storage.absolute(hf_path / name))
+    return ""
+
+
 def convert_from_hf(hf_path: Path, out: Path, argv: Sequence[str], base_config: Path,
                     devices: Sequence[jax.Device] | None = None, log: Callable[[str], None] = print) -> Config:
-    """Convert the checkpoint in `hf_path` to OUT/checkpoints/0; returns the config it was written with.
+    """Convert the checkpoint in `hf_path` to OUT/checkpoints/0 (and its config to OUT/config.yml, as a run writes
+    it); returns the config it was written with, which the checkpoint carries (`maxpar.io.run_config`).
 
     `argv` are maxpar `key=value` overrides (model_name=, weight_dtype=, mesh degrees...); model keys
     among them must agree with config.json.
@@ -89,6 +100,8 @@ def convert_from_hf(hf_path: Path, out: Path, argv: Sequence[str], base_config: 
     with storage.local_directory(hf_path, TENSOR_FILES) as local, HFTensors(local) as tensors:  # safetensors maps files
         derived, dropped = without_absent_mtp(derived, tensors.names)
         config = resolve_config(derived, argv, base_config)
+        if "tokenizer_path" not in parse_overrides(argv):  # the checkpoint carries its tokenizer too
+            config = dataclasses.replace(config, tokenizer_path=hf_tokenizer(hf_path))
         for note in notes(hf) + dropped:
             log(f"maxpar.convert: note: {note}")
         leaves = parameter_targets(config, list(jax.devices() if devices is None else devices))
@@ -107,6 +120,7 @@ def convert_from_hf(hf_path: Path, out: Path, argv: Sequence[str], base_config: 
                 node = node.setdefault(parent, {})
             node[name] = read_parameter(tensors, rules[path], leaf)
     step_dir = checkpoint.save_parameters(out, params, config)
+    (out / "config.yml").write_text(to_yaml(config), encoding="utf-8")  # as a run directory has it
     count = sum(math.prod(leaf.shape) for leaf in leaves.values())
     log(f"maxpar.convert: {architecture.name} from {hf_path}: {count:,} parameters, {config.num_decoder_layers} "
         f"layers, {config.weight_dtype} -> {step_dir}")

@@ -15,16 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from maxpar.convert.architectures import ARCHITECTURES, REQUIRED, Architecture
-from maxpar.core.config import Config, ConfigError, load_config, parse_overrides, validate
-from maxpar.io.checkpoint import MODEL_KEYS
+from maxpar.core import storage
+from maxpar.core.config import (FUNCTION_KEYS, MODEL_KEYS, Config, ConfigError, load_config, parse_overrides,
+                                validate)
 
 DEFAULT_ROPE_THETA = 10000.0  # transformers' default when config.json names none
-# Keys that make the function the checkpoint computes: training must use the converted values.
-FUNCTION_KEYS = ("rope_theta", "rope_scaling_type", "rope_scaling_factor", "rope_low_freq_factor",
-                 "rope_high_freq_factor", "rope_original_max_position_embeddings", "normalization_layer_epsilon",
-                 "sliding_window", "num_experts_per_tok", "norm_topk_prob", "rope_yarn_beta_fast",
-                 "rope_yarn_beta_slow", "rope_yarn_mscale", "rope_yarn_mscale_all_dim", "routed_score_func",
-                 "routed_scaling_factor", "n_routing_groups", "topk_routing_group")
 # Llama 3.1+'s `llama3` RoPE scaling: config.json's field -> maxpar key.
 LLAMA3_ROPE_KEYS = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",
                     "high_freq_factor": "rope_high_freq_factor",
@@ -232,13 +227,15 @@ def model_keys(hf: dict[str, Any], architecture: Architecture) -> dict[str, Any]
 def resolve_config(derived: dict[str, Any], argv: Sequence[str], base_config: Path) -> Config:
     """The converted checkpoint's config: base_config + `argv` overrides + the `derived` model keys.
 
-    With `model_name=NAME` every derived key must equal the preset's value; without it, model keys
-    given on the command line must equal the derived ones. Either way a disagreement is a
+    With `model_name=NAME` every derived key must equal the preset's value; without it, the preset that is
+    exactly this model is named (`matching_preset`), and model keys given on the command line must equal the
+    derived ones. Either way a disagreement is a
     ConversionError naming each key with both values.
     """
     given = parse_overrides(argv)
     preset = given.get("model_name") or ""
-    config = load_config([str(base_config), *([] if "model_name" in given else ["model_name="]), *argv])
+    named = [] if "model_name" in given else [f"model_name={matching_preset(derived, base_config)}"]
+    config = load_config([str(base_config), *named, *argv])
     checked = list(derived) if preset else [key for key in derived if key in given]
     conflicts = [(key, derived[key], getattr(config, key)) for key in checked if getattr(config, key) != derived[key]]
     if conflicts:
@@ -250,6 +247,16 @@ def resolve_config(derived: dict[str, Any], argv: Sequence[str], base_config: Pa
     config = dataclasses.replace(config, **derived)
     validate(config)
     return config
+
+
+def matching_preset(derived: dict[str, Any], base_config: Path) -> str:
+    """The preset (configs/models/NAME.yml beside base_config) whose model is exactly the converted one, so that
+    the checkpoint's config names it (the run header, `maxpar.io.run_config`); '' when none is."""
+    for path in sorted((storage.path(base_config).parent / "models").glob("*.yml"), key=str):
+        preset = load_config([str(base_config), f"model_name={path.stem}"])
+        if all(getattr(preset, key) == value for key, value in derived.items()):
+            return path.stem
+    return ""
 
 
 def training_overrides(config: Config, base_config: Path) -> list[str]:
@@ -270,11 +277,12 @@ def _yaml(value: Any) -> str:
 
 
 def hf_config(config: Config, architecture: Architecture, dtype: str,
-              template: dict[str, Any] | None = None) -> dict[str, Any]:
+              template: dict[str, Any] | None = None, token_ids: dict[str, int] | None = None) -> dict[str, Any]:
     """config.json for `config`'s model under `architecture`, with tensors of `dtype`.
 
     `template` (e.g. the original model's config.json) supplies what maxpar does not model: token
-    ids, max_position_embeddings and the like. Its model keys must be this model's.
+    ids, max_position_embeddings and the like. Its model keys must be this model's. `token_ids` (bos_token_id...:
+    the tokenizer the model trained with) stand where the template names none.
     """
     # transformers writes num_nextn_predict_layers but saves no MTP layer: a template may claim one the model lacks.
     mtp_claimed = bool(template) and not config.mtp_num_layers and bool(template.get("num_nextn_predict_layers"))
@@ -303,4 +311,6 @@ def hf_config(config: Config, architecture: Architecture, dtype: str,
     for key, source in architecture.hf_defaults.items():
         result.setdefault(key, result[source])
     result.setdefault("max_position_embeddings", config.max_target_length)  # without a template: what it trained on
+    for key, value in (token_ids or {}).items():  # a template's own, null included, stand
+        result.setdefault(key, value)
     return result

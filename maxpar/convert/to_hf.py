@@ -15,15 +15,15 @@ from typing import Any
 
 import ml_dtypes  # noqa: F401  (bfloat16 for numpy)
 import numpy as np
-import tensorstore as ts
 
+from maxpar.convert.adapters import open_source, write_peft
 from maxpar.convert.architectures import ARCHITECTURES, Architecture, TensorRule, tensor_rules
 from maxpar.convert.hf_config import ConversionError, architecture_of, hf_config, read_hf_config
 from maxpar.convert.layout import hf_tensor
 from maxpar.convert.safetensors_io import write_safetensors
+from maxpar.convert.tokenizer_files import write_tokenizer
 from maxpar.core import storage
 from maxpar.core.config import Config, config_from_dict, load_config
-from maxpar.io import checkpoint
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 
@@ -51,24 +51,6 @@ def default_architecture(config: Config) -> Architecture:
     return ARCHITECTURES["MistralForCausalLM" if config.sliding_window else "LlamaForCausalLM"]
 
 
-def _leaf_paths(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """'a/b/c' -> leaf of a nested mapping (Orbax's metadata tree of the params item)."""
-    leaves = {}
-    for key, value in tree.items():
-        path = f"{prefix}{key}"
-        leaves.update(_leaf_paths(value, path + "/") if hasattr(value, "items") else {path: value})
-    return leaves
-
-
-def open_array(metadata: Any, use_zarr3: bool) -> ts.TensorStore:
-    """One array of an Orbax (OCDBT) checkpoint item, opened for reading slices."""
-    directory = str(metadata.directory)
-    base = directory if "://" in directory else Path(directory).absolute().as_uri()
-    spec = {"driver": "zarr3" if use_zarr3 else "zarr",
-            "kvstore": {"driver": "ocdbt", "base": base, "path": metadata.name}}
-    return ts.open(spec, open=True, read=True).result()
-
-
 HF_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
@@ -86,13 +68,18 @@ def hf_order(rules: dict[str, TensorRule], shapes: dict[str, tuple[int, ...]]
 
 def convert_to_hf(checkpoint_path: str, out: Path, base_config: Path, architecture: str | None = None,
                   dtype: str | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                  template_path: Path | None = None, log: Callable[[str], None] = print) -> Path:
-    """Write OUT/config.json and OUT/*.safetensors from the checkpoint at `checkpoint_path`.
+                  template_path: Path | None = None, log: Callable[[str], None] = print,
+                  tokenizer_path: str | None = None, peft: bool = False) -> Path:
+    """Write OUT/config.json, OUT/*.safetensors and the tokenizer's files from the checkpoint at `checkpoint_path`
+    (a LoRA run's: its adapters merged into its base); with `peft`, a LoRA run's adapters as a PEFT adapter instead
+    (maxpar.convert.adapters).
 
     `template_path`: a config.json, or a directory holding one, whose other keys (token ids,
     max_position_embeddings...) the output keeps; it also names the architecture unless `architecture` does.
+    `tokenizer_path`: the tokenizer to write (None: the one the checkpoint's run trained with; '' the byte one).
     """
-    step, saved, metadata = checkpoint.parameters_metadata("--checkpoint", checkpoint_path)
+    source = open_source("--checkpoint", checkpoint_path)
+    step, saved = source.step, source.saved
     config = saved_config(saved, base_config)
     template = None
     if template_path is not None:
@@ -104,8 +91,10 @@ def convert_to_hf(checkpoint_path: str, out: Path, base_config: Path, architectu
     else:
         arch = architecture_of(template, str(template_path)) if template else default_architecture(config)
     dtype = dtype or config.weight_dtype
-    arrays = _leaf_paths(metadata.tree)
-    shapes = {path: tuple(meta.shape) for path, meta in arrays.items()}
+    if peft:
+        base_model = str(template_path if template_path is None or template_path.is_dir() else template_path.parent)
+        return write_peft(source, arch, out, dtype, base_model if template_path else "", log)
+    shapes = source.arrays.shapes
     try:
         rules = tensor_rules(arch, shapes, config.num_decoder_layers, config.qk_rope_head_dim)
     except ValueError as e:
@@ -115,20 +104,20 @@ def convert_to_hf(checkpoint_path: str, out: Path, base_config: Path, architectu
     sizes = [(name, int(np.prod(rules[path].hf_shape(shapes[path]))) * targets[path].itemsize)
              for name, path, _ in entries]
     where = {name: (path, index) for name, path, index in entries}
-    stores: dict[str, ts.TensorStore] = {}
 
     def produce(name: str) -> np.ndarray:
         path, index = where[name]
-        if path not in stores:
-            stores[path] = open_array(arrays[path], metadata.use_zarr3)
-        entry = stores[path][index].read().result() if index else stores[path].read().result()
-        return hf_tensor(rules[path], np.asarray(entry)).astype(targets[path])
+        return hf_tensor(rules[path], source.arrays.read(path, index)).astype(targets[path])
 
     with storage.staged_directory(out) as directory:  # safetensors writes local files; a gs:// OUT gets them after
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / "config.json").write_text(json.dumps(hf_config(config, arch, dtype, template), indent=2) + "\n",
-                                               encoding="utf-8")
+        tokenizer = write_tokenizer(directory, config.tokenizer_path if tokenizer_path is None else tokenizer_path,
+                                    config.max_target_length)
+        hf = hf_config(config, arch, dtype, template, tokenizer.token_ids)
+        (directory / "config.json").write_text(json.dumps(hf, indent=2) + "\n", encoding="utf-8")
         files = write_safetensors(directory, sizes, produce, max_shard_bytes)
     log(f"maxpar.convert: step {step} of {checkpoint_path} -> {arch.name} in {out} ({len(entries)} tensors, "
-        f"{dtype}, {len(files)} safetensors file(s))")
+        f"{dtype}, {len(files)} safetensors file(s); tokenizer: {', '.join(tokenizer.files) or 'none'})")
+    if tokenizer.note:
+        log(f"maxpar.convert: note: {tokenizer.note}")
     return out

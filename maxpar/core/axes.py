@@ -57,11 +57,12 @@ class Logical(enum.StrEnum):
     REPEATS = "pipeline_repeats"            # a circular pipeline's R blocks per stage
     DENSE_LAYERS = "dense_layers"           # the stacked dense prefix (first_num_dense_layers): never the stages'
     LORA = "lora"                           # the low rank of multi-head latent attention's compressed q and kv
+    ADAPTER = "adapter"                     # the rank of a LoRA adapter (lora_rank): small, never split
 
 
 # Names configs/base.yml gives no rule: replicated unless a preset maps them (e.g. TP-transpose's mlp embed).
 UNSHARDED_BY_DEFAULT = frozenset({Logical.EMBED_ACT, Logical.HEAD_DIM_ACT, Logical.MLP_EMBED_ACT, Logical.HEAD_DIM,
-                                  Logical.NORM, Logical.REPEATS, Logical.LORA,
+                                  Logical.NORM, Logical.REPEATS, Logical.LORA, Logical.ADAPTER,
                                   Logical.DENSE_LAYERS})
 
 # The logical axes of the activations the model constrains.

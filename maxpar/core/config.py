@@ -27,9 +27,13 @@ from maxpar.core.axes import PHYSICAL_AXES, Logical, unknown_logical
 
 DTYPES = ("float32", "bfloat16", "float16")
 SYNTHETIC_FIRST_TOKEN = 3  # synthetic data skips ids 0-2, the byte tokenizer's pad, bos and eos
-ATTENTION = ("dot_product", "xla", "cudnn_flash", "cudnn_flash_causal", "blockwise")
+ATTENTION = ("dot_product", "xla", "cudnn_flash", "cudnn_flash_causal", "blockwise", "splash")
 ATTENTION_TYPES = ("gqa", "mla")
-MLA_ATTENTION = ("dot_product", "blockwise")  # the cores that take v with another head width than q and k
+MLA_ATTENTION = ("dot_product", "blockwise", "splash")  # the cores that take v with another head width than q and k
+# The block (flash-style) cores that run per device under the layout's shard_map: no seq x seq scores, and the
+# sequence may be split over `context` (context parallelism).
+BLOCK_ATTENTION = ("blockwise", "splash")
+SPLASH_LANES = 128  # the splash kernel's key blocks (and its query blocks, with segment ids) are multiples of this
 CONTEXT_STRATEGIES = ("all_gather", "ring")
 CUDNN_ATTENTION = ("cudnn_flash", "cudnn_flash_causal")
 QUANTIZATION = ("", "fp8")
@@ -39,6 +43,31 @@ FP8_SCALING = ("current", "delayed")
 
 class ConfigError(ValueError):
     """Bad configuration; the trainer prints it and exits with status 2."""
+
+
+# The model a checkpoint carries (docs/checkpoints.md#a-checkpoint-carries-its-model). MODEL_KEYS fix the parameter
+# tree and its dtype: every kind of load needs them equal. FUNCTION_KEYS change what the parameters compute but not
+# their shapes (RoPE, norms, routing, the attention window): a run may change them deliberately.
+MODEL_KEYS = ("emb_dim", "num_query_heads", "num_kv_heads", "head_dim", "mlp_dim", "num_decoder_layers",
+              "vocab_size", "weight_dtype", "logits_via_embedding", "qk_norm", "num_experts",
+              "moe_layer_interval", "first_num_dense_layers", "attention_type", "q_lora_rank", "kv_lora_rank",
+              "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mtp_num_layers", "moe_mlp_dim",
+              "num_shared_experts", "routed_bias")
+FUNCTION_KEYS = ("rope_theta", "rope_scaling_type", "rope_scaling_factor", "rope_low_freq_factor",
+                 "rope_high_freq_factor", "rope_original_max_position_embeddings", "normalization_layer_epsilon",
+                 "sliding_window", "num_experts_per_tok", "norm_topk_prob", "rope_yarn_beta_fast",
+                 "rope_yarn_beta_slow", "rope_yarn_mscale", "rope_yarn_mscale_all_dim", "routed_score_func",
+                 "routed_scaling_factor", "n_routing_groups", "topk_routing_group")
+# What a checkpoint carries: its preset's name, its model's keys, and the tokenizer its token ids belong to.
+CARRIED_KEYS = ("model_name", *MODEL_KEYS, *FUNCTION_KEYS, "tokenizer_path")
+
+
+@dataclasses.dataclass(frozen=True)
+class CarriedModel:
+    """The model of a checkpoint a run starts from (`maxpar.io.run_config` reads it): the CARRIED_KEYS it was
+    written with, and where they were read (for messages)."""
+    source: str
+    values: Mapping[str, Any]
 
 
 def _key(doc: str, *, min: float | None = None, max: float | None = None,
@@ -158,9 +187,14 @@ class Config:
     attention: str = _key("attention core: dot_product (einsums), xla (jax.nn.dot_product_attention), cudnn_flash "
                           "(cuDNN flash, GPU, packed documents as a bias), cudnn_flash_causal (causal only: "
                           "one document per row), blockwise (pure-JAX flash attention: blocks, online softmax, "
-                          "skipped masked blocks; needed for context parallelism)", choices=ATTENTION)
+                          "skipped masked blocks; context parallelism), splash (JAX's Pallas TPU splash attention "
+                          "kernel; TPU only; context parallelism with all_gather)", choices=ATTENTION)
     attention_block_size: int = _key("query/key block of attention=blockwise (capped at the local sequence, which "
                                      "it must divide); memory per head O(length x block)", min=1)
+    sa_block_q: int = _key("query block of attention=splash, every kernel (capped at the local sequence, which it "
+                           "must divide; a multiple of 128): MaxText's key", min=SPLASH_LANES)
+    sa_block_kv: int = _key("key/value block of attention=splash, every kernel (capped at the keys' sequence, which "
+                            "it must divide; a multiple of 128): MaxText's key", min=SPLASH_LANES)
     sliding_window: int = _key("attend only to this many most recent tokens, the current one included "
                                "(0 = all; Mistral; maxpar.convert sets it from config.json)", min=0)
     scan_layers: bool = _key("nn.scan over layers (stacked `layers` axis); faster compile")
@@ -273,6 +307,27 @@ class Config:
     dataset_mixture: tuple[MixtureSource, ...] = _key("weighted sources, mixed by tokens: a list of {name, weight, "
                                                       "and data keys (dataset_type, dataset_path, hf_path, ...)}; "
                                                       "[] = the single source of the keys above")
+    # Post-training (docs/post-training.md): SFT on conversations, DPO on preference pairs, LoRA adapters
+    use_sft: bool = _key("supervised fine-tuning: records are conversations (`messages`: role/content), formatted by "
+                         "the tokenizer's chat template, packed whole (dataset_type=grain jsonl or hf)")
+    sft_train_on_completion_only: bool = _key("use_sft: the loss on the assistant tokens only (false = on every "
+                                              "token of the conversation)")
+    chat_template_path: str = _key("a Jinja chat template file ('' = the tokenizer's own: chat_template in "
+                                   "tokenizer_config.json, or chat_template.jinja, beside tokenizer_path)")
+    use_dpo: bool = _key("direct preference optimization: records are pairs (prompt or messages, chosen, rejected); "
+                         "the reference model is the starting parameters, frozen")
+    dpo_beta: float = _key("use_dpo: beta of -log sigmoid(beta x (chosen - rejected log-ratio margin))", min=0)
+    dpo_label_smoothing: float = _key("use_dpo: the share of pairs assumed mislabeled (conservative DPO; 0 = plain "
+                                      "DPO)", min=0, max=0.49)
+    lora_rank: int = _key("LoRA adapters of this rank on the lora_target_roles projections, the base weights frozen "
+                          "(0 = off: every parameter is trained)", min=0)
+    lora_alpha: float = _key("LoRA scaling: an adapter adds lora_alpha / lora_rank x (x A) B", min=0)
+    lora_target_roles: tuple[str, ...] = _key("the parameter roles (maxpar/model/roles.py) that get adapters: query, "
+                                              "key, value, attention_out, mlp_gate, mlp_up, mlp_down, expert_gate, "
+                                              "expert_up, expert_down, shared_gate, shared_up, shared_down, query_a, "
+                                              "query_b, key_value_a, key_value_b")
+    lora_base_weight_dtype: str = _key("dtype of the frozen base weights under LoRA ('' = weight_dtype); e.g. "
+                                       "bfloat16 halves them", choices=("",) + DTYPES)
     # Sharding
     mesh_axes: tuple[str, ...] = _key("order of the physical mesh axes (a permutation of data, fsdp, tensor, expert, stage, "
                                   "context)")
@@ -328,6 +383,14 @@ class Config:
     # Planning (python -m maxpar.plan)
     hardware: str = _key("hardware profile configs/hardware/NAME.yml to plan for ('' = match the local devices)")
     num_devices: int = _key("devices to plan for (0 = the local device count)", min=0)
+    # Compiling for a TPU topology without one (libtpu; docs/tpu.md)
+    compile_topology: str = _key("'' = train; a TPU topology name (v5p-256 = 128 chips, v5e-256, v6e-256, v4-128, "
+                                 "tpu7x-64): compile the train step for it with XLA:TPU, print its per-chip memory, "
+                                 "collectives and the compiler's step estimate, and exit (0 fits, 1 does not)")
+    compile_topology_num_slices: int = _key("slices of compile_topology, joined by DCN (the dcn_* degrees)", min=1)
+    compiled_trainstep_file: str = _key("with compile_topology: write the compiled train step there (serialized "
+                                        "executable); without: train with the step loaded from there, which must "
+                                        "have been compiled for these devices ('' = compile as usual)")
 
     # ---- derived values: pure functions of the config ----
     @property
@@ -416,11 +479,16 @@ class ModelConfig:
     n_routing_groups: int
     topk_routing_group: int
     mtp_num_layers: int
+    lora_rank: int                # LoRA adapters (maxpar.model.lora): their rank, scaling and the roles adapted
+    lora_alpha: float
+    lora_target_roles: tuple[str, ...]
     # computation
     dtype: str
     weight_dtype: str
     attention: str
     attention_block_size: int     # the blockwise kernel's block without a context layout (one device)
+    sa_block_q: int               # the splash kernel's query block (capped at the local sequence)
+    sa_block_kv: int              # the splash kernel's key/value block (capped at the keys' sequence)
     quantization: str
     fp8_scaling: str
     fp8_amax_history_length: int
@@ -449,32 +517,76 @@ def _plain(value: Any) -> Any:
 
 # ---------------------------------------------------------------- loading
 
-def load_config(argv: Sequence[str]) -> Config:
+def load_config(argv: Sequence[str], carried: CarriedModel | None = None) -> Config:
     """`argv` = [CONFIG.yml, key=value, ...] -> validated Config.
 
     Precedence, lowest first: the root YAML (base.yml), the model preset named
-    by `model_name`, YAML files that extend the root via `base_config`, then
-    command-line overrides.
+    by `model_name`, the `carried` model, YAML files that extend the root via
+    `base_config`, then command-line overrides.
+
+    `carried`: the model of the checkpoint the run starts from, which replaces the root's defaults: its model_name
+    (unless the user names one) picks the preset, and its keys stand over the preset's. The user's YAMLs and
+    key=values may change its FUNCTION_KEYS and tokenizer_path; one of MODEL_KEYS that they, or a preset they
+    name, set to another value is a ConfigError naming the key and both values (the parameters would not load).
     """
     if not argv or "=" in argv[0]:
         raise ConfigError("usage: python -m maxpar.train CONFIG.yml [key=value ...] (first argument must be a YAML file)")
     chain = _yaml_chain(storage.path(argv[0]))
     overrides = ("command line", parse_overrides(argv[1:]))
-    layers = chain + [overrides]
-    for source, layer in layers:
+    for source, layer in chain + [overrides]:
         _check_known_keys(layer, source)
-    model_name = _merge([layer for _, layer in layers]).get("model_name", "")
-    model_layers = []
-    if model_name:
-        model_file = storage.path(chain[0][0]).parent / "models" / f"{model_name}.yml"
-        if not model_file.is_file():
-            available = sorted(p.stem for p in model_file.parent.glob("*.yml"))
-            raise ConfigError(f"model_name={model_name!r}: no file {model_file}; available: {', '.join(available)}")
-        model_layer = _read_yaml(model_file)
-        _check_known_keys(model_layer, str(model_file))
-        model_layers = [(str(model_file), model_layer)]
-    ordered = _defaults_for_saved(chain) + chain[:1] + model_layers + chain[1:] + [overrides]
+    user = chain[1:] + [overrides]  # what the user set over the root file's defaults
+    given = _merge([layer for _, layer in user])
+    if carried is not None and "model_name" not in given:  # the checkpoint's preset, if this maxpar still has it
+        name = carried.values.get("model_name") or ""
+        model_name = name if name and _preset_file(chain, name).is_file() else ""
+        carried_layers = [(carried.source, {**carried.values, "model_name": model_name})]
+    else:
+        model_name = _merge([layer for _, layer in chain + [overrides]]).get("model_name") or ""
+        carried_layers = [(carried.source, dict(carried.values))] if carried is not None else []
+    model_layers = _preset_layers(chain, model_name)
+    if carried is not None:
+        _check_known_keys(carried.values, carried.source)
+        named = [(f"from model_name={model_name}", model_layers[0][1])] if given.get("model_name") else []
+        _check_carried(carried, named + user)
+    ordered = _defaults_for_saved(chain) + chain[:1] + model_layers + carried_layers + chain[1:] + [overrides]
     return config_from_dict(_merge([layer for _, layer in ordered]))
+
+
+def _preset_file(chain: Sequence[tuple[str, dict[str, Any]]], model_name: str) -> epath.Path:
+    return storage.path(chain[0][0]).parent / "models" / f"{model_name}.yml"
+
+
+def _preset_layers(chain: Sequence[tuple[str, dict[str, Any]]], model_name: str) -> list[tuple[str, dict[str, Any]]]:
+    """[(file, keys)] of the preset `model_name` names, beside the root YAML ([] for '')."""
+    if not model_name:
+        return []
+    model_file = _preset_file(chain, model_name)
+    if not model_file.is_file():
+        available = sorted(p.stem for p in model_file.parent.glob("*.yml"))
+        raise ConfigError(f"model_name={model_name!r}: no file {model_file}; available: {', '.join(available)}")
+    model_layer = _read_yaml(model_file)
+    _check_known_keys(model_layer, str(model_file))
+    return [(str(model_file), model_layer)]
+
+
+def _check_carried(carried: CarriedModel, user: Sequence[tuple[str, Mapping[str, Any]]]) -> None:
+    """ConfigError when a layer of the user's (lowest first) sets one of MODEL_KEYS to another value than the
+    checkpoint's: the parameters could not load into that model."""
+    conflicts = []
+    for key in MODEL_KEYS:
+        setting = next(((source, layer[key]) for source, layer in reversed(user) if key in layer), None)
+        if key not in carried.values or setting is None:
+            continue
+        source, value = setting
+        if _coerce(key, value) != _coerce(key, carried.values[key]):
+            where = {"command line": "on the command line"}.get(source, source if source.startswith("from ")
+                                                                 else f"in {source}")
+            conflicts.append(f"{key}={value!r} {where}, {carried.values[key]!r} in the checkpoint")
+    if conflicts:
+        raise ConfigError(f"{carried.source} carries its model, which these settings contradict: "
+                          f"{'; '.join(conflicts)}. Drop them: the checkpoint's model is taken whole (only its "
+                          f"RoPE, norm, routing and tokenizer keys may be changed)")
 
 
 DEFAULTS = Path(__file__).resolve().parents[2] / "configs" / "base.yml"
@@ -744,6 +856,7 @@ def validate(config: Config) -> None:
     _validate_attention(config)
     _validate_mla(config)
     _validate_pipeline(config)
+    _validate_post_training(config)
     _validate_profiler(config)
     if storage.is_remote(config.local_checkpoint_directory):
         raise ConfigError(f"local_checkpoint_directory={config.local_checkpoint_directory!r}: must be a node-local "
@@ -752,6 +865,40 @@ def validate(config: Config) -> None:
     if config.load_parameters_path and config.load_full_state_path:
         raise ConfigError(f"load_parameters_path={config.load_parameters_path!r} and load_full_state_path="
                           f"{config.load_full_state_path!r}: set at most one (parameters only, or the full state)")
+
+
+def _validate_post_training(config: Config) -> None:
+    """SFT, DPO and LoRA against the other keys (the roles LoRA names are checked against the model when traced)."""
+    mode = "use_sft=true" if config.use_sft else "use_dpo=true" if config.use_dpo else ""
+    if config.use_sft and config.use_dpo:
+        raise ConfigError("use_sft=true and use_dpo=true: choose one (SFT first, then DPO from its checkpoint with "
+                          "load_parameters_path=)")
+    if mode:
+        if config.dataset_mixture:
+            raise ConfigError(f"{mode} with dataset_mixture: post-training reads one source of records; set "
+                              f"dataset_mixture=[]")
+        if config.dataset_type not in ("grain", "hf") or (config.dataset_type == "grain"
+                                                          and config.grain_file_type != "jsonl"):
+            raise ConfigError(f"{mode} with dataset_type={config.dataset_type}"
+                              + (f" grain_file_type={config.grain_file_type}" if config.dataset_type == "grain" else "")
+                              + ": its records are read from JSON Lines (dataset_type=grain grain_file_type=jsonl) "
+                                "or a Hugging Face dataset (dataset_type=hf, e.g. hf_path=parquet for Parquet files)")
+        if config.mtp_num_layers:
+            raise ConfigError(f"{mode} with mtp_num_layers={config.mtp_num_layers}: the MTP modules' loss is not "
+                              f"masked to the trained tokens; set mtp_num_layers=0")
+    if config.use_dpo and config.pipeline_schedule in EXPLICIT_BACKWARD:
+        raise ConfigError(f"use_dpo=true with pipeline_schedule={config.pipeline_schedule}: DPO's reference pass and "
+                          f"pair loss run under pipeline_schedule=gpipe or circular")
+    if config.lora_rank and config.pipeline_schedule in EXPLICIT_BACKWARD:
+        raise ConfigError(f"lora_rank={config.lora_rank} with pipeline_schedule={config.pipeline_schedule}: that "
+                          f"schedule computes every stage weight's gradient; LoRA runs pipeline_schedule=gpipe or "
+                          f"circular")
+    if not config.lora_rank and config.lora_base_weight_dtype:
+        raise ConfigError(f"lora_base_weight_dtype={config.lora_base_weight_dtype} needs lora_rank > 0 (it is the "
+                          f"dtype of LoRA's frozen base weights)")
+    if config.lora_rank and not config.lora_target_roles:
+        raise ConfigError(f"lora_rank={config.lora_rank} with lora_target_roles=[]: name the roles that get "
+                          f"adapters, e.g. [query, key, value, attention_out]")
 
 
 def _validate_profiler(config: Config) -> None:
@@ -830,8 +977,14 @@ def _validate_routing(config: Config) -> None:
 
 
 def _validate_attention(config: Config) -> None:
-    """What cuDNN flash attention supports, as far as the config alone can tell (devices: at setup)."""
+    """What the kernels (cuDNN flash, splash) support, as far as the config alone can tell (the sequence a device
+    holds and the devices: at setup)."""
     name = f"attention={config.attention}"
+    if config.attention == "splash":
+        for key in ("sa_block_q", "sa_block_kv"):
+            if getattr(config, key) % SPLASH_LANES:
+                raise ConfigError(f"{key}={getattr(config, key)}: the splash kernel's blocks are multiples of "
+                                  f"{SPLASH_LANES} (e.g. 512 or 1024)")
     if config.attention not in CUDNN_ATTENTION:
         return
     if config.dtype not in ("bfloat16", "float16"):

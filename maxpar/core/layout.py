@@ -20,11 +20,12 @@ import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from maxpar.core.axes import ATTN_KV, ATTN_Q, BATCH_INPUT, CONTEXT_AXIS, RESIDUAL, STAGE_AXIS, Logical
-from maxpar.core.config import CUDNN_ATTENTION, EXPLICIT_BACKWARD, AxisRule, Config, ConfigError
+from maxpar.core.config import (BLOCK_ATTENTION, CUDNN_ATTENTION, EXPLICIT_BACKWARD, SPLASH_LANES, AxisRule, Config,
+                                 ConfigError)
 from maxpar.core.mesh import MeshShape
 from maxpar.core.schedule import Schedule
-from maxpar.core.sharding import (check_divisible, constrain, entry_axes, mesh_axes, mesh_shardings, mesh_specs,
-                                  named_shardings, shard_optimizer_state, with_zero_axis)
+from maxpar.core.sharding import (constrain, entry_axes, mesh_axes, mesh_shardings, mesh_specs,
+                                  named_shardings, shard_optimizer_state, uneven_split, with_zero_axis)
 
 Axes = tuple[str, ...]
 
@@ -140,10 +141,11 @@ def expert_axes(rules: Sequence[AxisRule], mesh: MeshAxes, pipelined: bool) -> E
 
 @dataclasses.dataclass(frozen=True)
 class ContextLayout:
-    """attention=blockwise on a mesh: the context degree C (1: none), q's and k/v's live mesh axes (axes of
-    size 1 left out: shard_map would count them as varying), and how the C shards attend to each other:
+    """A block attention core (attention=blockwise or splash) on a mesh, which runs it per device under shard_map:
+    the context degree C (1: none), q's and k/v's live mesh axes (axes of size 1 left out: shard_map would count
+    them as varying), and how the C shards attend to each other:
     strategy (`all_gather` or `ring`), load balance (2C chunks, shard s holding chunks s and 2C-1-s), and the
-    block size (capped at a shard's length where it runs)."""
+    blockwise kernel's block size (capped at a shard's length where it runs; splash reads its sa_block_* keys)."""
 
     degree: int
     q_spec: PartitionSpec
@@ -173,10 +175,10 @@ class ModelLayout:
     """What the model needs of the layout while it is traced (hashable: a Flax module attribute).
 
     mesh: the mesh axes every shard_map of the model runs over; pipeline: how the layers are pipelined over the
-    stages (None: they run in order); experts: the MoE axes (None: dense); context: how attention=blockwise
-    splits over the mesh (None: another core, or one device); gather_lookup_table: whether the token lookup
-    gathers the table's embed shards first (a vocab-sharded table: each shard looks up its own rows) or runs on
-    them (the ids are gathered and the looked-up rows moved to their batch shards by an all-to-all, as MaxText's
+    stages (None: they run in order); experts: the MoE axes (None: dense); context: how the block attention core
+    (blockwise, splash) splits over the mesh (None: another core, or one device); gather_lookup_table: whether the
+    token lookup gathers the table's embed shards first (a vocab-sharded table: each shard looks up its own rows) or
+    runs on them (the ids are gathered and the looked-up rows moved to their batch shards by an all-to-all, as MaxText's
     partitioned lookup does: no table gather and no reduction of its gradient over the axes that shard its embed
     dim).
     """
@@ -376,9 +378,10 @@ def pipeline_layout(config: Config, schedule: Schedule, outer: ModelLayout, row_
 
 # ---------------------------------------------------------------- the run layout
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class TracedState:
-    """The abstract train state of a config (traced once, no devices): shapes and logical specs."""
+    """The abstract train state of a config (traced once, no devices): shapes and logical specs. Hashed by identity:
+    what is derived from it alone is computed once (the planner lays it out on many meshes)."""
 
     abstract: Any     # ShapeDtypeStructs of the TrainState
     specs: Any        # logical PartitionSpecs of the TrainState
@@ -486,7 +489,7 @@ def resolve_layout(config: Config, mesh: MeshShape, state: TracedState, *, check
     check_attention_sharding(config, rules, sizes)
     abstract_mesh = AbstractMesh(mesh.shape, mesh.axis_names)
     shardings = mesh_shardings(state.specs, abstract_mesh, rules)
-    check_divisible(state.abstract, shardings)
+    check_splits(config, state, shardings)
     update_specs = None
     if config.shard_optimizer_over_data:  # ZeRO-1: the moments, gradients and updates also split over data
         shardings = shard_optimizer_state(state.abstract, shardings)
@@ -500,6 +503,40 @@ def resolve_layout(config: Config, mesh: MeshShape, state: TracedState, *, check
     return RunLayout(config=config, mesh=mesh, batch=batch, input_axes=input_axes,
                      residual_axes=tuple(mesh_axes(RESIDUAL, rules)), model=model, state=state,
                      state_specs=jax.tree.map(lambda s: s.spec, shardings), update_specs=update_specs)
+
+
+# The config keys that size a weight's logical axis: what a message names when a degree does not divide it.
+SIZE_KEYS = {Logical.EMBED: ("emb_dim",), Logical.MLP_EMBED: ("emb_dim",), Logical.HEADS: ("num_query_heads",),
+             Logical.KV_HEADS: ("num_kv_heads",), Logical.VOCAB: ("vocab_size",), Logical.EXP: ("num_experts",),
+             Logical.MLP: ("mlp_dim", "moe_mlp_dim"), Logical.LORA: ("q_lora_rank", "kv_lora_rank"),
+             Logical.HEAD_DIM: ("head_dim", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
+             Logical.LAYERS: ("num_decoder_layers",), Logical.DENSE_LAYERS: ("first_num_dense_layers",),
+             Logical.REPEATS: ("num_pipeline_repeats",)}
+
+
+def size_keys(config: Config, logical: str | None, size: int) -> tuple[str, ...]:
+    """The config keys that may size a dimension of this logical axis: those of this size, else all of them."""
+    keys = SIZE_KEYS.get(logical, ())
+    return tuple(key for key in keys if getattr(config, key) == size) or keys
+
+
+def check_splits(config: Config, state: TracedState, shardings: Any) -> None:
+    """Every sharded dimension of the train state divides evenly by its mesh axes' degree; else a ConfigError naming
+    the model key behind the dimension (its logical axis tells which), the parameter and the mesh axes."""
+    split = uneven_split(state.abstract, shardings)
+    if split is None:
+        return
+    is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+    logical = tuple(jax.tree_util.tree_leaves(state.specs, is_leaf=is_spec)[split.index])
+    name = logical[split.dim] if split.dim < len(logical) else None
+    size = split.shape[split.dim]
+    keys = size_keys(config, name, size)
+    what = f"{keys[0]}={size}" if len(keys) == 1 else f"{' / '.join(keys) or 'a dimension'} of {size}"
+    raise ConfigError(
+        f"{what} cannot be split {split.degree} ways: parameter {split.name} of shape {split.shape} splits that "
+        f"dimension ({name or 'unnamed'}) over mesh axes {split.axes} of total degree {split.degree}. Choose "
+        f"ici_/dcn_*_parallelism degrees whose product over {split.axes} divides {size}"
+        + (f", or another {' / '.join(keys)}" if keys else "") + " (or other logical_axis_rules).")
 
 
 def gathers_lookup_table(rules: Sequence[AxisRule], sizes: dict[str, int], row_axes: Axes, pipelined: bool) -> bool:
@@ -643,11 +680,12 @@ def check_attention_sharding(config: Config, rules: Sequence[AxisRule], sizes: d
 
 
 def context_layout(config: Config, rules: Sequence[AxisRule], mesh: MeshAxes) -> ContextLayout | None:
-    """How attention=blockwise runs on this mesh (every context check here), or None (another core, one device)."""
+    """How the block attention core (blockwise, splash) runs on this mesh (every context check here), or None (another
+    core, one device)."""
     sizes = mesh.sizes
     degree = sizes.get(CONTEXT_AXIS, 1)
     check_context(config, degree, sizes.get(STAGE_AXIS, 1))
-    if config.attention != "blockwise" or math.prod(sizes.values()) == 1:
+    if config.attention not in BLOCK_ATTENTION or math.prod(sizes.values()) == 1:
         return None
     q_axes, kv_axes = mesh_axes(ATTN_Q, rules), mesh_axes(ATTN_KV, rules)
     residual_length = mesh_axes(RESIDUAL, rules)[1]
@@ -658,9 +696,9 @@ def context_layout(config: Config, rules: Sequence[AxisRule], mesh: MeshAxes) ->
                           f"with context parallelism is not supported yet")
     length_axes = tuple(a for a in q_axes[1] if sizes.get(a, 1) > 1)
     if length_axes not in ((), (CONTEXT_AXIS,)) or tuple(a for a in kv_axes[1] if sizes.get(a, 1) > 1) != length_axes:
-        raise ConfigError(f"attention=blockwise: the rules shard the attention length ({ATTN_Q[1]}) over "
+        raise ConfigError(f"attention={config.attention}: the rules shard the attention length ({ATTN_Q[1]}) over "
                           f"{list(q_axes[1]) or 'nothing'} and the keys' over {list(kv_axes[1]) or 'nothing'}; "
-                          f"blockwise attention splits the sequence over the `{CONTEXT_AXIS}` axis only "
+                          f"{config.attention} attention splits the sequence over the `{CONTEXT_AXIS}` axis only "
                           f"(logical_axis_rules)")
     return ContextLayout(degree=degree, q_spec=live_spec(q_axes, sizes), kv_spec=live_spec(kv_axes, sizes), mesh=mesh,
                          strategy=config.context_parallel_strategy, load_balance=config.context_parallel_load_balance,
@@ -668,19 +706,24 @@ def context_layout(config: Config, rules: Sequence[AxisRule], mesh: MeshAxes) ->
 
 
 def check_context(config: Config, degree: int, stages: int) -> None:
-    """Context parallelism and blockwise attention against the other keys and the mesh's context degree.
+    """Context parallelism and the block attention cores against the other keys and the mesh's context degree.
 
     The sequence is split into `degree` shards (2 x degree chunks with load balance) and every
-    shard into blocks of attention_block_size (capped at the shard).
+    shard into blocks of attention_block_size (blockwise) or sa_block_q (splash), capped at the shard.
     """
     length = config.max_target_length
     degree_keys = f"ici_context_parallelism={config.ici_context_parallelism} x dcn_context_parallelism=" \
                   f"{config.dcn_context_parallelism} = {degree}"
     if degree > 1:
-        if config.attention != "blockwise":
+        if config.attention not in BLOCK_ATTENTION:
             raise ConfigError(f"attention={config.attention} with {degree_keys} (context_parallel_strategy="
                               f"{config.context_parallel_strategy}): context parallelism runs attention=blockwise "
-                              f"only (it needs the global query/key offsets of each shard); set attention=blockwise")
+                              f"or splash only (they take the global query/key offsets of each shard); set "
+                              f"attention=blockwise (or splash on TPU)")
+        if config.attention == "splash" and config.context_parallel_strategy == "ring":
+            raise ConfigError(f"attention=splash with {degree_keys} and context_parallel_strategy=ring: the splash "
+                              f"kernel cannot carry its softmax state from hop to hop (its log-sum-exp output has "
+                              f"no gradient); use context_parallel_strategy=all_gather, or attention=blockwise")
         chunks = 2 * degree if config.context_parallel_load_balance else degree
         if length % chunks:
             why = (f"context_parallel_load_balance=true cuts it into 2 x {degree} = {chunks} chunks"
@@ -691,6 +734,11 @@ def check_context(config: Config, degree: int, stages: int) -> None:
             raise ConfigError(f"{degree_keys} with ici_stage_parallelism={config.ici_stage_parallelism}, "
                               f"dcn_stage_parallelism={config.dcn_stage_parallelism}: context parallelism with "
                               f"pipeline stages is not supported yet; use stage degree 1")
+    if config.attention in BLOCK_ATTENTION and stages > 1:
+        raise ConfigError(f"attention={config.attention} with ici_stage_parallelism={config.ici_stage_parallelism}, "
+                          f"dcn_stage_parallelism={config.dcn_stage_parallelism}: the block attention cores do not "
+                          f"run inside pipeline stages yet (their shard_map cannot nest in the pipeline loop's); use "
+                          f"attention=dot_product with pipeline stages")
     if config.attention == "blockwise":
         local = length // degree
         block = min(config.attention_block_size, local)
@@ -698,13 +746,35 @@ def check_context(config: Config, degree: int, stages: int) -> None:
             raise ConfigError(f"attention_block_size={config.attention_block_size} does not divide the "
                               f"{local} tokens each context shard holds (max_target_length={length} / context "
                               f"degree {degree}); use a divisor of {local}")
+    if config.attention == "splash":
+        check_splash_blocks(config, degree)
+
+
+def check_splash_blocks(config: Config, degree: int) -> None:
+    """The splash kernel's blocks, capped at the queries a context shard holds and at the (gathered) keys, must
+    divide them and be multiples of SPLASH_LANES."""
+    length = config.max_target_length
+    shard = f"max_target_length={length} / context degree {degree}" if degree > 1 else f"max_target_length={length}"
+    for key, tokens, what in (("sa_block_q", length // degree, f"queries ({shard})"),
+                              ("sa_block_kv", length, f"keys (max_target_length={length})")):
+        value = getattr(config, key)
+        block = min(value, tokens)
+        if tokens % block or block % SPLASH_LANES:
+            raise ConfigError(f"{key}={value}: the splash kernel cuts the {tokens} {what} into blocks of "
+                              f"min({key}, {tokens}) = {block}, which must divide them and be a multiple of "
+                              f"{SPLASH_LANES}; use a max_target_length that is a multiple of {SPLASH_LANES * degree} "
+                              f"and a {key} that divides its shard")
 
 
 def check_devices(config: Config, devices: Sequence[jax.Device]) -> None:
-    """What only the real devices can tell: cuDNN flash attention needs NVIDIA GPUs of enough capability."""
+    """What only the real devices can tell: splash attention needs TPUs, cuDNN flash attention NVIDIA GPUs of enough
+    capability."""
+    platforms = sorted({d.platform for d in devices})
+    if config.attention == "splash" and platforms != ["tpu"]:
+        raise ConfigError(f"attention=splash: the Pallas splash attention kernel needs TPU devices, these are "
+                          f"{', '.join(platforms)}; use attention=dot_product or attention=blockwise here")
     if config.attention not in CUDNN_ATTENTION:
         return
-    platforms = sorted({d.platform for d in devices})
     if platforms != ["gpu"]:
         raise ConfigError(f"attention={config.attention}: cuDNN flash attention needs GPU devices, these are "
                           f"{', '.join(platforms)}; use attention=dot_product or attention=xla here")

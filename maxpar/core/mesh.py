@@ -9,6 +9,7 @@ one process (a host), so that multi-process CPU/GPU jobs get a real DCN level.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 
@@ -29,12 +30,17 @@ class MeshShape:
     ici: tuple[int, ...]
     dcn: tuple[int, ...]
 
-    @property
+    @functools.cached_property
     def shape(self) -> tuple[int, ...]:
         return tuple(i * d for i, d in zip(self.ici, self.dcn))
 
+    @functools.cached_property
+    def sizes(self) -> dict[str, int]:
+        """Degree per axis name."""
+        return dict(zip(self.axis_names, self.shape))
+
     def degree(self, axis: str) -> int:
-        return self.shape[self.axis_names.index(axis)]
+        return self.sizes[axis]
 
     def describe(self) -> str:
         return " ".join(f"{a}={i}x{d}" if d > 1 else f"{a}={i}"
@@ -76,6 +82,20 @@ def resolve_mesh_shape(config: Config, num_devices: int, num_slices: int = 1) ->
     return MeshShape(names, tuple(ici[a] for a in names), tuple(dcn[a] for a in names))
 
 
+def degree_overrides(config: Config, ici: Mapping[str, int], dcn: Mapping[str, int], num_devices: int,
+                     num_slices: int) -> dict[str, int]:
+    """The ici_/dcn_*_parallelism keys that lay `config` out on these degrees per axis: at each level whose degrees
+    differ from those the config resolves to, the keys whose values differ (a -1 included: it may fill otherwise)."""
+    configured = resolve_mesh_shape(config, num_devices, num_slices)
+    keys: dict[str, int] = {}
+    for level, wanted, resolved, raw in (("ici", ici, configured.ici, config.ici_parallelism()),
+                                         ("dcn", dcn, configured.dcn, config.dcn_parallelism())):
+        if dict(zip(configured.axis_names, resolved)) != dict(wanted):
+            keys.update({f"{level}_{axis}_parallelism": degree for axis, degree in wanted.items()
+                         if raw[axis] != degree})
+    return keys
+
+
 def one_host_mesh(config: Config, mesh: MeshShape, platform: str) -> list[str]:
     """Degrees (and on a CPU the simulated devices) that lay the run's mesh out in one process, without stages.
 
@@ -108,6 +128,8 @@ def slice_granules(devices: Sequence[jax.Device]) -> tuple[int, bool]:
     if all(hasattr(d, "slice_index") for d in devices) and (
             devices[0].platform == "tpu" or len({d.slice_index for d in devices}) > 1):
         return len({d.slice_index for d in devices}), False
+    if devices[0].platform == "tpu":  # libtpu's one-slice topologies (compile_topology) have no slice_index
+        return 1, False
     return len({d.process_index for d in devices}), True
 
 

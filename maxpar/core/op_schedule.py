@@ -30,6 +30,7 @@ by about R for M >> S; a stage holds up to 2 (S - s - 1) + (R - 1) S + 1 block i
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 F, B, W = "F", "B", "W"
@@ -157,6 +158,10 @@ class OpSchedule:
 
     def ops(self) -> list[Op]:
         """Every op with its tick, by list-scheduling each stage's order (module docstring), sorted by tick."""
+        return list(self._table())
+
+    @functools.lru_cache(maxsize=256)  # the planner asks for the same few tables over and over
+    def _table(self) -> tuple[Op, ...]:
         s_count = self.num_stages
         pending = [self.stage_ops(s) for s in range(s_count)]
         done: dict[tuple[str, int, int], int] = {}
@@ -177,7 +182,7 @@ class OpSchedule:
                 done[key] = tick
                 table.append(op)
             tick += 1
-        return sorted(table, key=lambda op: (op.tick, op.stage))
+        return tuple(sorted(table, key=lambda op: (op.tick, op.stage)))
 
     @property
     def num_ticks(self) -> int:

@@ -7,9 +7,10 @@ them into mesh axes (`mesh_axes`, used by `maxpar.core.layout` to resolve every 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -28,10 +29,27 @@ def entry_axes(entry: None | str | Sequence[str]) -> Axes:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def _frozen(rules: Sequence[AxisRule]) -> tuple[AxisRule, ...]:
+    return tuple((name, axes if isinstance(axes, str) or axes is None else tuple(axes)) for name, axes in rules)
+
+
+@functools.lru_cache(maxsize=None)
+def _to_mesh_axes(logical: tuple[str | None, ...] | None, rules: tuple[AxisRule, ...]) -> PartitionSpec | None:
+    """flax's logical -> mesh PartitionSpec, which depends on the names and rules alone (not on the degrees), so it
+    is computed once: the planner lays out the same tensors on hundreds of candidate meshes."""
+    return nn.logical_to_mesh_axes(logical, list(rules))
+
+
+def logical_to_mesh_axes(logical: Sequence[str | None] | None, rules: Sequence[AxisRule]) -> PartitionSpec | None:
+    """The mesh PartitionSpec of an array with these logical axes (first applicable rule wins; a rule applies when
+    all its mesh axes are still free for the array)."""
+    return _to_mesh_axes(None if logical is None else tuple(logical), _frozen(rules))
+
+
 def mesh_axes(logical: Sequence[str | None], rules: Sequence[AxisRule]) -> list[Axes]:
     """The mesh axes of each dim of an array with these logical axes (first applicable rule wins;
     a rule applies when all its mesh axes are still free for the array)."""
-    spec = tuple(nn.logical_to_mesh_axes(tuple(logical), list(rules)))
+    spec = tuple(logical_to_mesh_axes(logical, rules))
     return [entry_axes(entry) for entry in spec + (None,) * (len(logical) - len(spec))]
 
 
@@ -46,7 +64,7 @@ def constrain(x: jax.Array, logical: Sequence[str | None], rules: Sequence[AxisR
         raise ValueError(f"unknown logical axis name(s) {unknown}: define them in maxpar.core.axes.Logical")
     if mesh is None:
         return x
-    spec = nn.logical_to_mesh_axes(tuple(logical), list(rules))
+    spec = logical_to_mesh_axes(logical, rules)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
@@ -57,13 +75,14 @@ def logical_specs(boxed_tree: Any) -> Any:
 
 def mesh_specs(logical_spec_tree: Any, rules: Sequence[AxisRule]) -> Any:
     """Mesh PartitionSpecs for a tree of logical PartitionSpecs."""
-    return jax.tree.map(lambda spec: nn.logical_to_mesh_axes(spec, list(rules)), logical_spec_tree,
+    frozen = _frozen(rules)
+    return jax.tree.map(lambda spec: _to_mesh_axes(tuple(spec), frozen), logical_spec_tree,
                         is_leaf=lambda s: isinstance(s, PartitionSpec))
 
 
 def mesh_shardings(logical_spec_tree: Any, mesh: Mesh, rules: Sequence[AxisRule]) -> Any:
     """NamedShardings for a tree of logical PartitionSpecs."""
-    return nn.logical_to_mesh_sharding(logical_spec_tree, mesh, list(rules))
+    return named_shardings(mesh_specs(logical_spec_tree, rules), mesh)
 
 
 def named_shardings(spec_tree: Any, mesh: Mesh | AbstractMesh) -> Any:
@@ -75,7 +94,7 @@ def named_shardings(spec_tree: Any, mesh: Mesh | AbstractMesh) -> Any:
 
 def batch_sharding(mesh: Mesh, rules: Sequence[AxisRule]) -> NamedSharding:
     """Sharding of [batch, length] input arrays."""
-    return NamedSharding(mesh, nn.logical_to_mesh_axes(BATCH_INPUT, list(rules)))
+    return NamedSharding(mesh, logical_to_mesh_axes(BATCH_INPUT, rules))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -98,18 +117,41 @@ def dim_degree(sharding: NamedSharding, axes: Sequence[str]) -> int:
     return math.prod(sharding.mesh.shape[a] for a in axes)
 
 
+class UnevenSplit(NamedTuple):
+    """A leaf dimension its sharding does not divide: the leaf's index among the tree's leaves, its path and shape,
+    which dimension, and the mesh axes splitting it with their total degree."""
+    index: int
+    path: Any
+    shape: tuple[int, ...]
+    dim: int
+    axes: Axes
+    degree: int
+
+    @property
+    def name(self) -> str:
+        return jax.tree_util.keystr(self.path)
+
+
+def uneven_split(abstract_tree: Any, shardings: Any) -> UnevenSplit | None:
+    """The first sharded dimension that does not divide evenly, or None."""
+    leaves = jax.tree_util.tree_leaves_with_path(abstract_tree)
+    for index, ((path, leaf), sharding) in enumerate(zip(leaves, jax.tree_util.tree_leaves(shardings))):
+        for dim, (size, axes) in enumerate(zip(leaf.shape, dim_axes(sharding, leaf.ndim))):
+            degree = dim_degree(sharding, axes)
+            if size % degree:
+                return UnevenSplit(index, path, tuple(leaf.shape), dim, axes, degree)
+    return None
+
+
 def check_divisible(abstract_tree: Any, shardings: Any) -> None:
     """Every sharded dimension must divide evenly; name the offender if not."""
-    leaves = jax.tree_util.tree_leaves_with_path(abstract_tree)
-    for (path, leaf), sharding in zip(leaves, jax.tree_util.tree_leaves(shardings)):
-        for dim, axes in zip(leaf.shape, dim_axes(sharding, leaf.ndim)):
-            degree = dim_degree(sharding, axes)
-            if dim % degree:
-                name = jax.tree_util.keystr(path)
-                raise ConfigError(
-                    f"parameter {name} of shape {tuple(leaf.shape)} cannot be split: dimension {dim} is sharded over "
-                    f"mesh axes {axes} of total degree {degree}. Change the model dims or the "
-                    f"ici_/dcn_*_parallelism degrees (or logical_axis_rules) so that {degree} divides {dim}.")
+    split = uneven_split(abstract_tree, shardings)
+    if split is not None:
+        size = split.shape[split.dim]
+        raise ConfigError(
+            f"parameter {split.name} of shape {split.shape} cannot be split: dimension {size} is sharded over "
+            f"mesh axes {split.axes} of total degree {split.degree}. Change the model dims or the "
+            f"ici_/dcn_*_parallelism degrees (or logical_axis_rules) so that {split.degree} divides {size}.")
 
 
 def _spec_entry(axes: Sequence[str]) -> None | str | tuple[str, ...]:

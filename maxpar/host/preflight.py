@@ -11,7 +11,7 @@ from pathlib import Path
 
 from maxpar.core import storage
 from maxpar.core.config import Config, ConfigError
-from maxpar.host.devices import simulate_cpu_devices
+from maxpar.host.devices import simulate_cpu_devices, with_collective_timeouts
 
 
 def check_output_directory(config: Config) -> None:
@@ -76,21 +76,30 @@ def remote_problem(value: str, error: Exception) -> str:
     return f"{type(error).__name__}: {text}"
 
 
+def _jax_started() -> bool:
+    from jax._src import xla_bridge  # the only way to ask whether the backends already started
+    return xla_bridge.backends_are_initialized()
+
+
 def apply_simulated_devices(config: Config) -> None:
     """num_simulated_devices=N: give this process N CPU devices, which must happen before JAX starts its backends.
 
     Refused where it cannot take effect: JAX already running (in-process callers set XLA_FLAGS themselves) or
     asked for another platform (JAX_PLATFORMS); it makes the run use the CPU even where accelerators exist.
+    Devices simulated by hand (XLA_FLAGS=--xla_force_host_platform_device_count=N) get the same collective
+    timeouts (maxpar.host.devices).
     """
     count = config.num_simulated_devices
     if not count:
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "--xla_force_host_platform_device_count=" in flags and not _jax_started():  # simulated by hand
+            os.environ["XLA_FLAGS"] = with_collective_timeouts(flags)
         return
     platforms = os.environ.get("JAX_PLATFORMS", "")
     if platforms not in ("", "cpu"):
         raise ConfigError(f"num_simulated_devices={count} simulates CPU devices, but JAX_PLATFORMS={platforms!r}; "
                           f"use num_simulated_devices=0 on accelerators")
-    from jax._src import xla_bridge  # the only way to ask whether the backends already started
-    if xla_bridge.backends_are_initialized():
+    if _jax_started():
         raise ConfigError(f"num_simulated_devices={count}: JAX has already started in this process, so its device "
                           f"count is fixed; set it before JAX starts (python -m maxpar.train ... does)")
     simulate_cpu_devices(count)

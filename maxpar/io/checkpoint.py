@@ -38,26 +38,20 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from etils import epath
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxpar.core import storage
-from maxpar.core.config import Config, ConfigError, model_config
+from maxpar.core.config import MODEL_KEYS, Config, ConfigError, model_config
 from maxpar.core.layout import RunLayout
 from maxpar.host import distributed
+from maxpar.io import logs
 from maxpar.io.data.pipeline import mixture_differences, position_keys
-from maxpar.model import stack
+from maxpar.model import lora, stack
 from maxpar.training.train_step import TrainState
 
 LAYOUT = "maxpar/stacked-layers/v1"
 ARRAY_ITEMS = ("params", "opt_state")
 HISTORIES = "fp8_meta"  # fp8_scaling=delayed: the amax histories (TrainState.fp8_meta), an item of their own
-
-# Keys that change the parameter tree or its dtype: every kind of load needs them equal.
-MODEL_KEYS = ("emb_dim", "num_query_heads", "num_kv_heads", "head_dim", "mlp_dim", "num_decoder_layers",
-              "vocab_size", "weight_dtype", "logits_via_embedding", "qk_norm", "num_experts",
-              "moe_layer_interval", "first_num_dense_layers", "attention_type", "q_lora_rank", "kv_lora_rank",
-              "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mtp_num_layers", "moe_mlp_dim",
-              "num_shared_experts", "routed_bias")
 
 Warn = Callable[[str], None]
 
@@ -82,6 +76,7 @@ def make_manager(run_dir: epath.PathLike, config: Config) -> ocp.CheckpointManag
     Leftover temporary directories of saves that were killed are removed on start; they never
     held a complete checkpoint.
     """
+    logs.tensorstore_credentials(run_dir)  # its C++ lines into the library log, not among the run's
     options = ocp.CheckpointManagerOptions(
         max_to_keep=config.max_checkpoints_to_keep or None,
         enable_async_checkpointing=config.async_checkpointing,
@@ -97,6 +92,7 @@ def read_only_manager(directory: epath.PathLike) -> ocp.CheckpointManager:
     """A manager that only reads `directory`, in this process alone: never writes or deletes there, and its
     restores end in no barrier with the other processes (Orbax's own do), so a process whose read fails never
     leaves its peers waiting in that barrier while it waits in `load_everywhere`'s agreement."""
+    logs.tensorstore_credentials(directory)
     me = jax.process_index()
     alone = ocp.options.MultiprocessingOptions(primary_host=None, active_processes={me},
                                                barrier_sync_key_prefix=f"maxpar_read_{me}")
@@ -181,7 +177,7 @@ class Saver:
         self.directory = epath.Path(manager.directory)
         self._in_flight: int | None = None  # an async save not yet seen to complete
         self._damaged = False  # a save failed: Orbax's listing and the step's directory need cleaning first
-        self._complete: int | None = None  # the newest step known complete, for the final error (no listing then)
+        self._complete = manager.latest_step()  # the newest step known complete: what this run resumed from, or None
 
     @classmethod
     def of(cls, manager: ocp.CheckpointManager, config: Config, warn: Warn = warn_stderr) -> Saver:
@@ -194,8 +190,6 @@ class Saver:
              wait: bool = False) -> None:
         """Save `step` (see `save`), retried while the policy allows; `wait`: return once it is complete.
         Raises SaveFailed when every attempt failed."""
-        if self._complete is None:
-            self._complete = self.manager.latest_step()  # what this run resumed from, or None
         failed = self._wait_for_in_flight()
         if failed is not None:
             self.warn(f"checkpoint step {failed[0]} to {self.directory} failed ({failed[1]}); it is never "
@@ -213,6 +207,13 @@ class Saver:
             self._complete = step
         else:
             self._in_flight = step
+
+    def newest_complete(self) -> int | None:
+        """The newest step known complete, without waiting: not a save still being written (an async save that has
+        finished counts), None before any. What a stop at once (a second Ctrl-C) leaves to resume from."""
+        if self._in_flight is not None and not self.manager.is_saving_in_progress():
+            return self._in_flight
+        return self._complete
 
     def _wait_for_in_flight(self) -> tuple[int, str] | None:
         """(step, why) when the async save in flight failed; None when it completed or there was none."""
@@ -277,10 +278,19 @@ class Target:
         return jax.device_put(stack.from_canonical(restored, model_config(self.config)), getattr(self.shardings, item))
 
     def state(self, step: int, params: Any, opt_state: Any, fp8_meta: Any = None) -> Any:
-        """The restored train state; fp8_meta None: empty amax histories (`empty_histories`)."""
+        """The restored train state; fp8_meta None: empty amax histories (`empty_histories`). Its frozen parameters
+        (maxpar.training.trainable) are not in checkpoints: they stay abstract here, for the caller to read from
+        where the run started (`load_parameters`)."""
         step_array = jax.device_put(np.asarray(step, np.int32), self.shardings.step)
         return self.abstract_state.replace(step=step_array, params=params, opt_state=opt_state,
                                            fp8_meta=self.empty_histories() if fp8_meta is None else fp8_meta)
+
+    def of_item(self, item: str) -> Target:
+        """This target with its `item` tree (e.g. the frozen parameters) in place of the parameters: what
+        `load_parameters` reads a checkpoint's parameters into."""
+        return dataclasses.replace(self, abstract_state=self.abstract_state.replace(
+            params=getattr(self.abstract_state, item)), shardings=self.shardings.replace(
+            params=getattr(self.shardings, item)))
 
     def empty_histories(self) -> Any:
         """All-zero fp8 amax histories in this run's shardings, as a new run starts with ({} without delayed
@@ -291,10 +301,10 @@ class Target:
 
 def state_from_params(params: Any, tx: optax.GradientTransformation, target: Target) -> Any:
     """A step-0 train state around loaded parameters, with fresh optimizer state and amax histories
-    (fine-tuning)."""
+    (fine-tuning); no frozen parameters yet (the trainer adds them)."""
     def build(p):
         return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p))
-    state = jax.jit(build, out_shardings=target.shardings.replace(fp8_meta={}))(params)
+    state = jax.jit(build, out_shardings=target.shardings.replace(fp8_meta={}, frozen={}))(params)
     return state.replace(fp8_meta=target.empty_histories())
 
 
@@ -410,13 +420,14 @@ def _saved_arrays(metadata: Any, step_dir: epath.Path, item: str, where: str) ->
 
 
 def _check_structure(manager: ocp.CheckpointManager, step: int, target: Target, items: Sequence[str],
-                     where: str) -> None:
+                     where: str, cast_params: bool = False) -> None:
     """Raise IncompatibleCheckpoint when an intact item's arrays differ from this config's, ValueError when damaged.
 
     Called after the model keys of the checkpoint's config were found equal to this config's, which fix the
     parameter tree: a params item that lists only some of this config's arrays (each with the right shape and
     dtype, none extra) has lost part of its metadata, which is damage. The optimizer state's tree also depends
-    on optimizer settings (clipping on or off), so any difference there is an incompatibility.
+    on optimizer settings (clipping on or off), so any difference there is an incompatibility. cast_params: the
+    parameters restore into another floating dtype too (LoRA's frozen base in lora_base_weight_dtype).
     """
     metadata = manager.item_metadata(step)
     for item in items:
@@ -424,7 +435,7 @@ def _check_structure(manager: ocp.CheckpointManager, step: int, target: Target, 
         expected = target.on_disk(item)
         # The optimizer state restores into this run's optimizer_state_dtype (a cast); the parameters'
         # dtype is weight_dtype, a model key checked before.
-        lines = structure_differences(saved, expected, cast_floats=item == "opt_state")
+        lines = structure_differences(saved, expected, cast_floats=item == "opt_state" or cast_params)
         if lines and item == "params" and _is_strict_subset(saved, expected):
             raise ValueError(f"its {item}/_METADATA lists only {len(_array_table(saved))} of the "
                              f"{len(_array_table(expected))} arrays its config implies")
@@ -674,9 +685,11 @@ def _load_from(key: str, value: str, target: Target, items: Sequence[str], warn:
             where = f"{key}={value!r} (step {s})"
             _, saved_config = _read_json_items(manager, s)
             check_config(saved_config, target.config, MODEL_KEYS, where,
-                         "Loading needs the same model shape; everything else may change.")
+                         "Loading needs the same model shape; everything else may change. The checkpoint carries "
+                         "its model: the commands take it from there when no model key or model_name= is given "
+                         "(maxpar.io.run_config.load_run_config).")
             restored = _with_histories(manager, s, target, items)
-            _check_structure(manager, s, target, restored, where)
+            _check_structure(manager, s, target, restored, where, cast_params=True)
             return StepRead(s, None, restored)
 
         found = first_usable(steps, (check, lambda checked: read_step_arrays(manager, target, checked)),
@@ -695,10 +708,47 @@ def load_full_state(value: str, target: Target, warn: Warn = warn_stderr) -> Any
     return target.state(read.step, arrays["params"], arrays["opt_state"], arrays.get(HISTORIES))
 
 
-def load_parameters(value: str, target: Target, warn: Warn = warn_stderr) -> Any:
-    """Only the parameters of another run's checkpoint (for fine-tuning)."""
-    read = _load_from("load_parameters_path", value, target, ("params",), warn)
-    return _in_memory(target, read.arrays)["params"]
+def load_parameters(value: str, target: Target, warn: Warn = warn_stderr, key: str = "load_parameters_path") -> Any:
+    """Only the model parameters of another run's checkpoint (for fine-tuning). A LoRA run's checkpoint holds its
+    adapters only: they are merged into its own starting parameters (read the same way, so a chain of LoRA runs
+    merges in order)."""
+    return target.in_memory("params", _canonical_parameters(key, value, target, warn))
+
+
+def _canonical_parameters(key: str, value: str, target: Target, warn: Warn) -> Any:
+    """`load_parameters`' parameters in the canonical layout, in the target's shardings."""
+    _, saved, _ = parameters_metadata(key, value)
+    if not saved.get("lora_rank"):
+        return _load_from(key, value, target, ("params",), warn).arrays["params"]
+    where = f"{key}={value!r}"
+    check_config(saved, target.config, MODEL_KEYS, where, "Loading needs the same model shape; everything else may "
+                                                          "change.")
+    base_path = saved.get("load_parameters_path") or ""
+    if not base_path:
+        raise ConfigError(f"{where} is a LoRA run (lora_rank={saved['lora_rank']}) that started from a seeded "
+                          f"initialization, not from a checkpoint: there are no base weights its adapters belong to")
+    base = _canonical_parameters(f"{where}'s load_parameters_path", base_path, target, warn)
+    adapters = _read_adapters(key, value, base)
+    factor = saved["lora_alpha"] / saved["lora_rank"]
+    shardings = jax.tree.map(lambda a: a.sharding, base)
+    return jax.jit(lambda b, a: lora.merge_adapters(lora.with_adapters(b, a), factor), out_shardings=shardings)(
+        base, adapters)
+
+
+def _read_adapters(key: str, value: str, like: Any) -> Any:
+    """A LoRA checkpoint's adapters (its params item, canonical layout), replicated on the mesh of `like`'s arrays:
+    they are small."""
+    mesh = jax.tree.leaves(like)[0].sharding.mesh
+    directory, _ = resolve_source(key, value)
+    step, _, metadata = parameters_metadata(key, value)
+    manager = read_only_manager(directory)
+    try:
+        abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype,
+                                                               sharding=NamedSharding(mesh, PartitionSpec())),
+                                metadata.tree if hasattr(metadata, "tree") else metadata)
+        return manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))["params"]
+    finally:
+        manager.close()
 
 
 # ---------------------------------------------------------------- parameters-only checkpoints (maxpar.convert)

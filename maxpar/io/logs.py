@@ -90,3 +90,51 @@ def log_unraisable(unraisable: "sys.UnraisableHookArgs") -> None:
     logging.getLogger("unraisable").warning(
         "%s: %r", unraisable.err_msg or "Exception ignored in", unraisable.object,
         exc_info=(unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback))
+
+
+@contextlib.contextmanager
+def native_stderr_logged(logger: str) -> Iterator[None]:
+    """Within: what native code writes to the process's stderr (file descriptor 2) is captured, and logged as INFO
+    records of `logger` on the way out (so into the library log within `library_logs`). Python's own writes to
+    sys.stderr in the meantime are captured too: keep it around a short call of one library."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            for line in capture.read().decode(errors="replace").splitlines():
+                if line.strip():
+                    logging.getLogger(logger).info("%s", line)
+
+
+_TENSORSTORE_AUTHENTICATED = False
+
+
+def tensorstore_credentials(directory: str | os.PathLike) -> None:
+    """Have TensorStore choose its Cloud Storage credentials now, once per process, its lines in the library log.
+
+    Why: TensorStore's C++ prints its choice ('Using GOOGLE_AUTH_TOKEN_FOR_TESTING', 'Using credentials at ...') on
+    stderr at INFO, which its Python module sends to stderr on purpose (no flag or variable of it changes that), at
+    the first request of the process, from whatever thread makes it: a gs:// run's first checkpoint save would print
+    it among maxpar's lines. So the first request is made here, under `native_stderr_logged`: one read of an object
+    that need not exist, with one retry at most (a bucket that cannot be reached is reported by what needs it)."""
+    global _TENSORSTORE_AUTHENTICATED
+    if _TENSORSTORE_AUTHENTICATED or not storage.is_remote(directory):
+        return
+    _TENSORSTORE_AUTHENTICATED = True
+    import tensorstore as ts
+    storage.use_emulator()
+    bucket, _, prefix = str(directory).removeprefix("gs://").partition("/")
+    context = ts.Context({"gcs_request_retries": {"max_retries": 1, "initial_delay": "0.1s", "max_delay": "0.1s"}})
+    with native_stderr_logged("tensorstore"):
+        try:
+            store = ts.KvStore.open({"driver": "gcs", "bucket": bucket}, context=context).result()
+            store.read(f"{prefix.rstrip('/')}/.maxpar-credentials-probe".lstrip("/")).result()
+        except Exception as e:  # any failure: the save or read that needs the bucket says what is wrong
+            logging.getLogger("tensorstore").info("credentials probe of gs://%s: %s", bucket, e)
+

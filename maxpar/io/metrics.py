@@ -26,6 +26,7 @@ PEAK_BF16_FLOPS = {
     "TPU v5": 459e12,        # v5p reports itself as "TPU v5"
     "TPU v6 lite": 918e12,   # v6e (Trillium)
     "TPU v6e": 918e12,
+    "TPU7x": 1153.5e12,      # Ironwood: 2307 TFLOP/s per chip, whose two TensorCores are two devices
     "A100": 312e12,
     "H100": 989e12,          # SXM
     "H100 PCIe": 756e12,
@@ -42,6 +43,8 @@ METRIC_KEYS = ("step", "loss", "eval_loss", "learning_rate", "grad_norm", "step_
                # multi-token prediction (null without it): the MTP modules' mean cross-entropy
                "mtp_loss")
 PER_SOURCE = ("tokens/", "eval_loss/")  # a dataset_mixture's figures per source: tokens/NAME, eval_loss/NAME
+# use_dpo's reward figures (maxpar/training/dpo.py metrics), in training and on the held-out pairs: only in its rows
+DPO_KEYS = ("dpo_", "eval_dpo_")
 
 
 def peak_flops(device_kind: str, configured: float = 0.0) -> float | None:
@@ -175,7 +178,7 @@ class MetricsWriter:
         if not self.enabled:
             return
         record = {**{key: row.get(key) for key in METRIC_KEYS},
-                  **{key: value for key, value in row.items() if key.startswith(PER_SOURCE)}}
+                  **{key: value for key, value in row.items() if key.startswith(PER_SOURCE + DPO_KEYS)}}
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
         for key, value in record.items():

@@ -20,8 +20,11 @@ recent `sliding_window` positions (Mistral), GQA, softmax in float32, q pre-scal
 - blockwise: pure-JAX flash attention (maxpar/model/blockwise.py): blocks of
   `attention_block_size`, online softmax, masked blocks skipped, a recomputing custom VJP;
   on a mesh with a `context` axis it runs context-parallel (maxpar/model/context_parallel.py).
+- splash: JAX's Pallas TPU splash attention kernel (maxpar/model/splash.py): blocks of `sa_block_q` x
+  `sa_block_kv`, masked blocks skipped, no scores kept; per device under shard_map on a mesh, context-parallel
+  with the all_gather strategy. TPU only.
 
-The device and sharding checks of the cuDNN choices are in `maxpar.core.layout`.
+The device and sharding checks of the cuDNN and splash choices are in `maxpar.core.layout`.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import jax.numpy as jnp
 from maxpar.core.config import CUDNN_ATTENTION, ModelConfig
 from maxpar.core.layout import ContextLayout
 from maxpar.model.context_parallel import context_attention
+from maxpar.model.splash import splash_core
 
 Array = jax.Array
 
@@ -129,11 +133,13 @@ def attend(q: Array, k: Array, v: Array, segment_ids: Array, choice: str, window
            config: ModelConfig | None = None, context: ContextLayout | None = None) -> Array:
     """The attention core named by `choice` (a value of `config.attention`); `window` 0 = no sliding window.
 
-    blockwise runs over the context shards of the layout's `context`, which holds the context-parallel
-    choices (None: no mesh, the whole arrays in blocks of `config.attention_block_size`).
+    blockwise and splash run per device over the layout's `context`, which holds the batch, head and
+    context-parallel splits (None: no mesh, the whole arrays in the config's blocks).
     """
     if choice == "blockwise":
         return context_attention(q, k, v, segment_ids, config, context)
+    if choice == "splash":
+        return splash_core(q, k, v, segment_ids, window, config, context)
     if choice == "dot_product":
         return einsum_attention(q, k, v, segment_ids, window)
     if choice == "xla":

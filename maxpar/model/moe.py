@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxpar.core.axes import RESIDUAL, Logical
+from maxpar.model import lora
 from maxpar.model.context_parallel import sequence_layout
 from maxpar.model.layers import Mlp, ModelModule, amax_history, kernel
 from maxpar.model.matmul import PROJECTION
@@ -55,6 +56,9 @@ class MoeBlock(ModelModule):
         w_gate = kernel(self, "wi_gate", (n, e, m), (Logical.EXP, Logical.EMBED, Logical.MLP), (1,))
         w_up = kernel(self, "wi_up", (n, e, m), (Logical.EXP, Logical.EMBED, Logical.MLP), (1,))
         w_down = kernel(self, "wo", (n, m, e), (Logical.EXP, Logical.MLP, Logical.EMBED), (1,))
+        # LoRA adapters of the experts' weights (maxpar.model.lora): merged before the dispatch
+        w_gate, w_up, w_down = (lora.adapted_weight(self, name, w)
+                                for name, w in (("wi_gate", w_gate), ("wi_up", w_up), ("wo", w_down)))
         bias = (self.param(ROUTING_BIAS, nn.with_logical_partitioning(nn.initializers.zeros, (None,)), (n,),
                            jnp.float32),) if cfg.routed_bias else ()
         shared = (Mlp(cfg, self.layout, width=cfg.num_shared_experts * m, name="shared_experts")

@@ -19,6 +19,7 @@ abstract twins) between a run's layout and the canonical one, so checkpoint code
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -97,7 +98,12 @@ def layer_stack(unit: type[nn.Module], length: int, repeats: int = 1, collection
 
 def _unit(key: Any) -> tuple[str, int] | None:
     """(stack name, index) of an unrolled unit's entry name, else None."""
-    match = _UNROLLED.fullmatch(str(key))
+    return _unit_of_name(str(key))
+
+
+@functools.lru_cache(maxsize=None)
+def _unit_of_name(name: str) -> tuple[str, int] | None:
+    match = _UNROLLED.fullmatch(name)
     return (match[1], int(match[2])) if match else None
 
 

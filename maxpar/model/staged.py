@@ -125,6 +125,14 @@ def head_fn(config: ModelConfig, layout: ModelLayout | None, loss_fn: LossFn,
     return run
 
 
+def loss_segments(batch: Batch) -> Array:
+    """The segment ids the loss head counts targets by: a post-training batch's are zeroed where its `loss_mask` is
+    (the head's loss counts the targets of non-zero segments; the blocks attend by the real ids)."""
+    if "loss_mask" not in batch:
+        return batch["segment_ids"]
+    return jnp.where(batch["loss_mask"] != 0, batch["segment_ids"], 0)
+
+
 def embed(config: ModelConfig, layout: ModelLayout, table: Array, tokens: Array) -> Array:
     """The token lookup, as `Transformer` does it (a pipelined run gathers the table's embed shards first)."""
     table = layout.constrain(table, (Logical.VOCAB, None)) if layout.gather_lookup_table else table
@@ -166,7 +174,7 @@ def staged_grads(config: ModelConfig, layout: ModelLayout, schedule: OpSchedule,
                       gathered=pipe.executor_shardings(run.gathered) if run.gathered else None)
     out = one_f_one_b(block_fn(config, run.inner, layers), head_fn(config, run.inner, loss_fn, mtp_weight),
                       stage_params, head, x, (batch["positions"], batch["segment_ids"]),
-                      (batch["targets"], batch["segment_ids"], *mtp_head_side(batch, config.mtp_num_layers)),
+                      (batch["targets"], loss_segments(batch), *mtp_head_side(batch, config.mtp_num_layers)),
                       schedule=schedule, mesh=layout.mesh.abstract(), stage_axes=pipe.stage_axes,
                       batch_axes=run.batch_axes, block_objective=block_objective, placement=place)
     (d_prefix,) = pull_prefix(out.x)

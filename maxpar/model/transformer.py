@@ -87,6 +87,17 @@ def token_lookup(table: Array, ids: Array, dtype: Any) -> Array:
     return jnp.take(table, ids, axis=0).astype(dtype)
 
 
+def embedding_init(cfg: ModelConfig) -> nn.initializers.Initializer:
+    """The token table's initializer. Untied: std 1, so the residual stream starts at unit scale. Tied
+    (logits_via_embedding): the table is also the output projection, and the final norm hands it unit-scale
+    features, so std 1 gives logits of std sqrt(emb_dim) and a first loss far above ln(vocab) (~200 at
+    emb_dim 1024). It gets std 1/sqrt(emb_dim) instead, the fan-in variance of the untied `output`, so tied and
+    untied models start at the same logit scale, near ln(vocab). HF's Qwen3/Gemma (std 0.02 for every weight)
+    start there too; MaxText divides tied logits by sqrt(emb_dim), which would change imported models' arithmetic.
+    The input side needs no unit scale: the first layer's pre-norm rescales it."""
+    return nn.initializers.normal(stddev=cfg.emb_dim ** -0.5 if cfg.logits_via_embedding else 1.0)
+
+
 def output_logits(cfg: ModelConfig, x: Array, out: Array) -> Array:
     """float32 logits of the normed final hidden state: x times the output projection [emb, vocab], or times
     the embedding table [vocab, emb] transposed when logits_via_embedding (also `maxpar.model.staged`'s head)."""
@@ -155,7 +166,7 @@ class Transformer(ModelModule):
                  mtp_tokens: Sequence[Array] | None = None) -> Array | tuple[Array, list[Array]]:
         cfg, layout, dt, wdt = self.config, self.layout, self.dtype, self.weight_dtype
         table = self.param("token_embedding", nn.with_logical_partitioning(
-            nn.initializers.normal(stddev=1.0), (Logical.VOCAB, Logical.EMBED)), (cfg.vocab_size, cfg.emb_dim), wdt)
+            embedding_init(cfg), (Logical.VOCAB, Logical.EMBED)), (cfg.vocab_size, cfg.emb_dim), wdt)
         gather_table = layout is None or layout.gather_lookup_table  # maxpar.core.layout.ModelLayout says why
         lookup_table = self.constrain(table, (Logical.VOCAB, None)) if gather_table else table
 

@@ -17,8 +17,12 @@ import jax
 from maxpar.core.config import Config, ConfigError, load_config
 from maxpar.core.layout import TracedState
 from maxpar.core.mesh import num_slices_for, resolve_mesh_shape
+from maxpar.host.devices import cpu_unless_accelerators
 from maxpar.host.preflight import apply_simulated_devices
-from maxpar.plan import report, verify
+from maxpar.host.topology import TopologySpec, libtpu_installed, topology_devices, topology_for_hardware
+from maxpar.io.logs import tool_log_path
+from maxpar.io.run_config import load_run_config
+from maxpar.plan import compile_report, report, verify
 from maxpar.plan.hardware import available, default_num_slices, hardware_for_device_kind, load_hardware
 from maxpar.plan.layout import Layout
 from maxpar.plan.predict import Plan, Target, make_plan, plan_layout
@@ -90,6 +94,20 @@ def resolve_target(config: Config, local_kind: str | None, local_count: int | No
     return Target(hardware=hardware, num_devices=num_devices, num_slices=slices, note=note)
 
 
+def tpu_topology(config: Config, verifying: bool) -> TopologySpec | None:
+    """The TPU topology --verify compiles for instead of the local devices: a TPU hardware target with a device
+    count, and libtpu installed (XLA:TPU itself, so no conversion of the prediction applies)."""
+    if not (verifying and config.hardware and config.num_devices and libtpu_installed()):
+        return None
+    hardware = load_hardware(config.hardware)
+    if hardware.platform != "tpu":
+        return None
+    slices = config.num_slices if config.num_slices != -1 else default_num_slices(hardware, config.num_devices)
+    if config.num_devices % slices:
+        raise ConfigError(f"num_devices={config.num_devices} does not split into num_slices={slices}")
+    return topology_for_hardware(config.hardware, config.num_devices // slices)
+
+
 def local_devices(config: Config, verifying: bool) -> tuple[list[jax.Device] | None, tuple]:
     """The local devices and their (kind, count, slices): looked at only when --verify compiles on them or the
     config leaves the target to them."""
@@ -121,7 +139,8 @@ def planned(config: Config, target: Target, state: TracedState, recommending: bo
 def verified(config: Config, target: Target, devices: list[jax.Device], plan: Plan, layout: Layout,
              dump_hlo: str | None) -> tuple[dict[str, object], list[str]]:
     """(--verify's result, its text): the plan held against the train step compiled on the local devices."""
-    verify.check_verifiable(resolve_mesh_shape(config, target.num_devices, target.num_slices))
+    if devices[0].platform != "tpu":  # XLA:TPU compiles one slice's program with its DCN transfers: any mesh
+        verify.check_verifiable(resolve_mesh_shape(config, target.num_devices, target.num_slices))
     compiled = verify.compile_train_step(config, devices)
     text = []
     if dump_hlo:
@@ -130,21 +149,50 @@ def verified(config: Config, target: Target, devices: list[jax.Device], plan: Pl
     return result, [*text, "\n" + report.render_verify(result)]
 
 
+def compile_candidates(rest: list[str], best: list[dict[str, object]], devices: list[jax.Device],
+                       target: Target) -> None:
+    """Beside each recommended mesh, what XLA:TPU makes of it on the target's topology: its peak memory per chip
+    and the compiler's estimated step (with scanned layers, one pass of the layer loop: `loop_body_once`)."""
+    for candidate in best:
+        config = load_config([*rest, *str(candidate["overrides"]).split()])
+        try:
+            compiled = verify.compile_train_step(config, devices)
+        except (ConfigError, jax.errors.JaxRuntimeError) as e:
+            candidate["compiled"] = {"error": str(e).splitlines()[0][:300]}
+            continue
+        compiled_report = compile_report.build_report(config, compiled, "", target.hardware)
+        cost = compiled_report.cost
+        candidate["compiled"] = {"peak_bytes": compiled_report.memory.peak, "fits": compiled_report.fits,
+                                 "estimated_step_s": cost.seconds if cost else None,
+                                 "loop_body_once": bool(cost and cost.loop_body_once),
+                                 "compile_seconds": compiled.compile_seconds}
+
+
 def run(argv: Sequence[str]) -> tuple[dict[str, object], str, int]:
     """(JSON result, human text, exit status) of one invocation."""
     flags, rest = parse_flags(argv)
     if not rest:
         raise ConfigError(USAGE)
-    config = load_config(rest)
-    apply_simulated_devices(config)  # num_simulated_devices=N: before the local devices are looked at
-    devices, local = local_devices(config, flags["verify"])
-    target = resolve_target(config, *local)
+    run_config = load_run_config(rest)  # a load_parameters_path=DIR plans the checkpoint's model
+    config = run_config.config
+    cpu_unless_accelerators()  # before JAX starts: no libtpu warnings where there is no TPU
+    topology = tpu_topology(config, flags["verify"])
+    if topology is None:
+        apply_simulated_devices(config)  # num_simulated_devices=N: before the local devices are looked at
+        devices, local = local_devices(config, flags["verify"])
+        target = resolve_target(config, *local)
+    else:
+        target = resolve_target(config, None, None, None)
+        devices = topology_devices(topology, target.num_slices, tool_log_path("plan"))
     state = trace_state(config)
     plan, layout, result, first = planned(config, target, state, flags["recommend"] and not flags["verify"])
-    text, status = [first], 0
+    text, status = [*([run_config.note] if run_config.note else []), first], 0
     if flags["recommend"]:
         result["recommendations"] = recommend(config, target, state, top=flags["top"])
         text.append(report.render_recommendations(result["recommendations"]))
+        if topology is not None:  # --recommend --verify on a TPU target: XLA:TPU compiles each candidate
+            compile_candidates(rest, result["recommendations"]["best"], devices, target)
+            text.append(report.render_compiled_candidates(result["recommendations"]["best"], topology.name))
         if "error" in result and not result["recommendations"]["best"]:
             status = 2
     if flags["verify"]:

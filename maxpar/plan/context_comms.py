@@ -1,4 +1,5 @@
-"""Predicted collectives of context-parallel attention, as `maxpar.model.context_parallel` writes them.
+"""Predicted collectives of context-parallel attention, as `maxpar.model.context_parallel` (and, for the
+all_gather strategy, `maxpar.model.splash`) writes them.
 
 Attention runs in a `jax.shard_map`, so these are the collectives written there, per layer
 and microbatch:
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from maxpar.core.config import BLOCK_ATTENTION
 from maxpar.plan.comms import BACKWARD, FORWARD, Comm, hierarchical
 from maxpar.plan.layout import Layout
 from maxpar.plan.model_math import dtype_bytes, kv_widths, layer_split, regathers_in_backward, tp_degrees
@@ -91,7 +93,7 @@ def predict_context_comms(layout: Layout, tokens_per_shard: float, microbatches:
     tokens per batch shard, all context shards together)."""
     config = layout.config
     degree = layout.context_degree
-    if degree == 1 or config.attention != "blockwise":
+    if degree == 1 or config.attention not in BLOCK_ATTENTION:
         return []
     local_tokens = tokens_per_shard / degree
     k_width, v_width = kv_widths(config, tp_degrees(layout))

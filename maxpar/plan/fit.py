@@ -23,7 +23,8 @@ from maxpar.plan.predict import plan_batch
 from maxpar.training.train_step import layout_check, trace_state
 
 GB = 1e9
-PARTS = (("params", "parameters"), ("optimizer", "optimizer state"), ("gradients", "gradients"),
+PARTS = (("params", "parameters"), ("reference", "DPO reference model"), ("optimizer", "optimizer state"),
+         ("gradients", "gradients"),
          ("activations", "activations"), ("gathered_weights", "gathered weights"))
 
 

@@ -45,16 +45,6 @@ class Hardware:
         return self.dcn_bandwidth_per_host / self.devices_per_host
 
     @property
-    def ici_intensity(self) -> float:
-        """FLOPs per byte of one ICI axis (the seed's C / W_ici: 2550 on v5p)."""
-        return self.peak_flops / self.ici_bandwidth
-
-    @property
-    def dcn_intensity(self) -> float:
-        """FLOPs per byte a device can move over DCN."""
-        return self.peak_flops / self.dcn_bandwidth_per_device
-
-    @property
     def hbm_intensity(self) -> float:
         """FLOPs per byte of HBM traffic (below this per-device batch a matmul is memory-bound)."""
         return self.peak_flops / self.hbm_bandwidth

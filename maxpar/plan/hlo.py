@@ -4,6 +4,16 @@ Why text: `compiled.as_text()` is what XLA actually runs after SPMD
 partitioning, so its collectives are the ground truth that `--verify` holds the
 predictions against. Everything here is pure string -> data parsing; mapping a
 replica group to mesh axes only needs the mesh's axis names and sizes.
+
+XLA:TPU's programs differ from XLA:CPU's in three ways read here: collectives are
+asynchronous `*-start`/`*-done` pairs (counted once, at the start); a matmul whose
+operand is all-gathered or whose result is reduce-scattered becomes a "collective
+matmul", a loop (`windowed_dot_general_body_ag` / `_rs`) of collective-permutes that
+pass shards around the ring between partial matmuls, with its first or last permute
+peeled out of the loop: those permutes are the all-gather or reduce-scatter they stand
+for (`Collective.stands_for`, matched through the matmul's op_name); and its loops carry
+no `known_trip_count`, so trip counts are read from the loop condition
+(`counter < N`, the counter's start and step traced to constants).
 """
 
 from __future__ import annotations
@@ -62,16 +72,17 @@ class Collective:
     unknown_trip_count: bool = False
     moving_fraction: float = 1.0        # collective-permute: share of the program's devices that send elsewhere
     every_branch: bool = False          # in a conditional's branch counted as if every branch ran (a bound)
+    stands_for: str = ""                # a collective matmul's permute: the all-gather / reduce-scatter it does
+    dcn: bool = False                   # XLA:TPU's multi-slice transfer between slices (its groups are slices)
+
+    @property
+    def logical_kind(self) -> str:
+        """The collective this one does: its kind, or for a collective matmul's permute the one it stands for."""
+        return self.stands_for or self.kind
 
     @property
     def group_size(self) -> int:
         return max((len(g) for g in self.groups), default=1)
-
-
-def element_bytes(dtype: str) -> float:
-    if dtype not in ELEMENT_BYTES:
-        raise ValueError(f"unknown HLO element type {dtype!r}")
-    return ELEMENT_BYTES[dtype]
 
 
 def shape_bytes(type_text: str) -> tuple[int, str]:
@@ -127,6 +138,81 @@ def _attr(text: str, key: str) -> str | None:
 def _trip_count(line: str) -> int | None:
     m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
     return int(m.group(1)) if m else None
+
+
+_COMPARE = re.compile(r"compare\(%([\w.\-]+(?:#\d+)?), %([\w.\-]+(?:#\d+)?)\), direction=(LT|LE|GT|GE)")
+_TUPLE_INDEX = re.compile(r"get-tuple-element\(%[\w.\-]+\), index=(\d+)")
+
+
+def _definitions(comps) -> dict[str, str]:
+    """Instruction name -> its line, over the module (XLA keeps instruction names unique in a module)."""
+    defs = {}
+    for _, _, lines in comps:
+        for line in lines:
+            m = _INSTRUCTION.match(line)
+            if m:
+                defs[m.group("name")] = line
+    return defs
+
+
+def _constant(name: str, defs: dict[str, str], depth: int = 0) -> int | None:
+    """The integer a scalar instruction is, through copies and bitcasts; None if it is not a constant."""
+    m = _INSTRUCTION.match(defs.get(name, ""))
+    if not m or depth > 8:
+        return None
+    if m.group("op") == "constant":
+        value = re.match(r"\s*(-?\d+)\)", m.group("args"))
+        return int(value.group(1)) if value else None
+    if m.group("op") in ("copy", "bitcast", "convert"):
+        operands = _OPERAND.findall(m.group("args"))
+        return _constant(operands[0], defs, depth + 1) if operands else None
+    return None
+
+
+def _tuple_operand(name: str, index: int, defs: dict[str, str]) -> str | None:
+    m = _INSTRUCTION.match(defs.get(name, ""))
+    if not m or m.group("op") != "tuple":
+        return None
+    operands = _OPERAND.findall(m.group("args"))
+    return operands[index] if index < len(operands) else None
+
+
+def inferred_trip_count(while_line: str, comps_by_name: dict[str, list[str]], defs: dict[str, str]) -> int | None:
+    """Trips of a loop without `known_trip_count` (XLA:TPU prints none): its condition `counter < N` (or <=),
+    the counter's start from the loop's initial tuple and its step from the body's result, all constants."""
+    cond = re.search(r"condition=%([\w.\-]+)", while_line)
+    body = re.search(r"body=%([\w.\-]+)", while_line)
+    init = re.search(r"\bwhile\(%([\w.\-]+)\)", while_line)
+    if not (cond and body and init):
+        return None
+    root = next((line for line in comps_by_name.get(cond.group(1), []) if line.lstrip().startswith("ROOT")), "")
+    compare = _COMPARE.search(root)
+    if not compare:
+        return None
+    lhs, rhs, direction = compare.groups()
+    # `%param#0` (newer HLO text) or a get-tuple-element of the loop's parameter
+    index_of = {n: re.search(r"#(\d+)$", n) or _TUPLE_INDEX.search(defs.get(n, "")) for n in (lhs, rhs)}
+    if index_of[lhs] and _constant(rhs, defs) is not None and direction in ("LT", "LE"):
+        index, limit = int(index_of[lhs].group(1)), _constant(rhs, defs)
+    elif index_of[rhs] and _constant(lhs, defs) is not None and direction in ("GT", "GE"):
+        index, limit, direction = int(index_of[rhs].group(1)), _constant(lhs, defs), direction.replace("G", "L")
+    else:
+        return None
+    start_name = _tuple_operand(init.group(1), index, defs)
+    start = _constant(start_name, defs) if start_name else None
+    body_root = next((line for line in comps_by_name.get(body.group(1), []) if line.lstrip().startswith("ROOT")), "")
+    root_name = _INSTRUCTION.match(body_root)
+    next_name = _tuple_operand(root_name.group("name"), index, defs) if root_name else None
+    step_line = _INSTRUCTION.match(defs.get(next_name or "", ""))
+    step = None
+    if step_line and step_line.group("op") == "add":
+        for operand in _OPERAND.findall(step_line.group("args")):
+            if _constant(operand, defs) is not None:
+                step = _constant(operand, defs)
+    if start is None or not step or step < 0:
+        return None
+    span = limit - start + (1 if direction == "LE" else 0)
+    return max(0, -(-span // step))
 
 
 def _iota(text: str) -> np.ndarray:
@@ -249,12 +335,15 @@ def _multipliers(comps, branch_runs: Mapping[int, Sequence[float]]
     entries: dict[str, float] = {}  # loop body -> how often its loop is entered per step
     unknown: set[str] = set()
     bound: set[str] = set()
+    defs, by_name = _definitions(comps), {name: lines for name, _, lines in comps}
     for name, _, lines in reversed(comps):
         mult = multiplier.get(name)
         if mult is None:
             continue
         for line in lines:
             trips = _trip_count(line)
+            if trips is None and " while(" in line:
+                trips = inferred_trip_count(line, by_name, defs)
             for key, callee in _CALLEE.findall(line):
                 factor = 1
                 if key in ("body", "condition"):
@@ -287,13 +376,67 @@ def _groups_and_moving(kind: str, line: str, num_partitions: int) -> tuple[tuple
     return groups, len({s for s, t in groups if s != t}) / max(num_partitions, len(groups), 1)
 
 
+_WINDOWED_BODY = re.compile(r"windowed_dot_general_body_(ag|rs)")
+
+
+def collective_matmuls(comps) -> dict[str, str]:
+    """op_name of each matmul XLA:TPU turned into a collective matmul -> the collective its permutes do
+    ('all-gather' for an `_ag` loop, 'reduce-scatter' for `_rs`; a matmul with loops of both kinds is left out)."""
+    kinds: dict[str, set[str]] = {}
+    for _, _, lines in comps:
+        for line in lines:
+            body = re.search(r"\bbody=%([\w.\-]+)", line)
+            windowed = _WINDOWED_BODY.search(body.group(1)) if body and " while(" in line else None
+            op_name = re.search(r'op_name="([^"]*)"', line) if windowed else None
+            if op_name:
+                kinds.setdefault(op_name.group(1), set()).add(
+                    "all-gather" if windowed.group(1) == "ag" else "reduce-scatter")
+    return {name: kind.pop() for name, kind in kinds.items() if len(kind) == 1}
+
+
+_EINSUM = re.compile(r"/([a-z]+),([a-z]+)->([a-z]+)/dot_general$")
+
+
+def unrolled_collective_matmul(op_name: str) -> str:
+    """The collective a permute of an unrolled collective matmul does (XLA:TPU unrolls the loop of a small one, so
+    no `windowed_dot_general_body` names it), read from its matmul's einsum in the op_name: one that sums over the
+    batch ('b' in both operands, not in the result: a weight's gradient) reduce-scatters its result; any other
+    all-gathers its weight operand. '' when the op_name names no einsum."""
+    m = _EINSUM.search(op_name)
+    if not m:
+        return ""
+    lhs, rhs, out = m.groups()
+    return "reduce-scatter" if "b" in lhs and "b" in rhs and "b" not in out else "all-gather"
+
+
+_MEGASCALE = re.compile(r'_xla_megascale_transfer_type="([A-Z_]+)"')
+
+
+def module_partitions(hlo_text: str) -> int | None:
+    """The partitions one program runs on (`num_partitions=` of the module); on a multi-slice TPU one slice's."""
+    m = re.search(r"\bnum_partitions=(\d+)", hlo_text[:20000])
+    return int(m.group(1)) if m else None
+
+
+def _megascale(line: str, op: str, num_slices: int) -> tuple[str, tuple] | None:
+    """(collective kind, slice groups) of an XLA:TPU multi-slice transfer: a host-transfer `send` to the
+    megascale runtime (`_xla_megascale_transfer_type="ALL_REDUCE"`) that the runtime runs across the slices."""
+    m = _MEGASCALE.search(line) if op == "send" else None
+    if not m:
+        return None
+    return m.group(1).lower().replace("_", "-"), (tuple(range(num_slices)),)
+
+
 def collectives(hlo_text: str, num_partitions: int,
-                branch_runs: Mapping[int, Sequence[float]] | None = None) -> list[Collective]:
+                branch_runs: Mapping[int, Sequence[float]] | None = None, num_slices: int = 1) -> list[Collective]:
     """All collectives of a compiled module with their per-step execution counts (see `_multipliers` for
-    `branch_runs`: how often a loop's conditional runs each branch, averaged over the devices)."""
+    `branch_runs`: how often a loop's conditional runs each branch, averaged over the devices). On a multi-slice
+    TPU the module is one slice's program: `num_partitions` its devices, and its transfers between the
+    `num_slices` slices are collectives with `dcn` set, each slice one member of their group."""
     comps = _split_computations(hlo_text)
     symbols, provenance = _symbols(comps)
     multiplier, unknown, bound = _multipliers(comps, branch_runs or {})
+    matmuls = collective_matmuls(comps)
     found = []
     for name, _, lines in comps:
         for line in lines:
@@ -302,19 +445,27 @@ def collectives(hlo_text: str, num_partitions: int,
                 continue
             op = m.group("op")
             kind = op[:-6] if op.endswith("-start") else op
-            if kind not in COLLECTIVE_KINDS or op.endswith("-done"):
+            megascale = _megascale(line, op, num_slices)
+            if megascale:
+                kind = megascale[0]
+            elif kind not in COLLECTIVE_KINDS or op.endswith("-done"):
                 continue
             op_name = re.search(r'op_name="([^"]*)"', line)
             op_name = op_name.group(1) if op_name else ""
             operands = tuple(Operand(*shape_bytes(symbols.get(operand, "")), provenance.get(operand, op_name))
                              for operand in _OPERAND.findall(m.group("args").split(")")[0]))
+            if megascale:  # send(data, token): the data only
+                operands = tuple(o for o in operands if o.dtype not in ("token", "none"))[:1]
             dtypes = {o.dtype for o in operands}
-            groups, moving = _groups_and_moving(kind, line, num_partitions)
+            groups, moving = (megascale[1], 1.0) if megascale else _groups_and_moving(kind, line, num_partitions)
             found.append(Collective(
                 name=m.group("name"), kind=kind, dtype=dtypes.pop() if len(dtypes) == 1 else "mixed",
                 operand_bytes=sum(o.nbytes for o in operands), groups=groups, count=multiplier.get(name, 0),
                 computation=name, op_name=op_name, operands=operands, unknown_trip_count=name in unknown,
-                moving_fraction=moving, every_branch=name in bound))
+                moving_fraction=moving, every_branch=name in bound,
+                stands_for=(matmuls.get(op_name) or unrolled_collective_matmul(op_name))
+                if kind == "collective-permute" else "",
+                dcn=megascale is not None))
     return found
 
 
@@ -402,12 +553,15 @@ def while_loops(hlo_text: str) -> list[tuple[str, int | None, int]]:
         op = m.group("op") if m else ""
         return (op[:-6] if op.endswith("-start") else op) in COLLECTIVE_KINDS
     direct = {name: sum(1 for line in lines if is_collective(line)) for name, _, lines in comps}
+    defs, by_name = _definitions(comps), {name: lines for name, _, lines in comps}
     found = []
     for _, _, lines in comps:
         for line in lines:
             body = re.search(r"\bbody=%([\w.\-]+)", line)
             if body and " while(" in line:
-                found.append((body.group(1), _trip_count(line), direct.get(body.group(1), 0)))
+                trips = _trip_count(line)
+                trips = trips if trips is not None else inferred_trip_count(line, by_name, defs)
+                found.append((body.group(1), trips, direct.get(body.group(1), 0)))
     return found
 
 

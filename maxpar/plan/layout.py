@@ -10,6 +10,7 @@ trainer would reject is rejected with the same message). The model is traced onc
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterable
 
@@ -23,7 +24,7 @@ from maxpar.core.mesh import MeshShape
 from maxpar.core.schedule import Schedule
 from maxpar.core.sharding import entry_axes
 from maxpar.model import stack
-from maxpar.model.roles import Block, ParamRole, param_role, path_keys
+from maxpar.model.roles import Block, ParamRole, declared_axes, param_role, path_keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +32,7 @@ class Tensor:
     """One leaf of the train state with its per-dimension mesh axes."""
 
     path: str
-    group: str                          # params | optimizer | step
+    group: str                          # params (trained) | frozen (LoRA's base, DPO's reference) | optimizer | step
     role: ParamRole | None              # what a parameter is for (maxpar.model.roles); None for other leaves
     shape: tuple[int, ...]
     dtype: str
@@ -156,7 +157,7 @@ class Layout:
     @property
     def context_axes(self) -> tuple[str, ...]:
         """The mesh axes context parallelism splits the sequence over (none without it): the length axes of
-        blockwise attention's q."""
+        the block attention core's q (blockwise, splash)."""
         context = self.run.model.context
         return entry_axes(context.q_spec[1]) if context and context.degree > 1 else ()
 
@@ -176,7 +177,17 @@ class Layout:
         return tuple(self.run.model.pipeline.manual) if self.run.pipelined else ()
 
     def params(self, block: Block | None = None) -> list[Tensor]:
-        return [t for t in self.tensors if t.group == "params" and (block is None or t.block == block)]
+        """The weights the model runs with: the trained ones, and under LoRA the frozen base they adapt."""
+        groups = ("params", "frozen") if self.config.lora_rank else ("params",)
+        return [t for t in self.tensors if t.group in groups and (block is None or t.block == block)]
+
+    def trained(self) -> list[Tensor]:
+        """The weights with gradients and optimizer state (under LoRA its adapters only)."""
+        return [t for t in self.tensors if t.group == "params"]
+
+    def reference(self) -> list[Tensor]:
+        """DPO's reference model without LoRA: a frozen copy of the weights (none otherwise)."""
+        return [] if self.config.lora_rank else [t for t in self.tensors if t.group == "frozen"]
 
     def param(self, role: ParamRole) -> Tensor | None:
         """The (first) parameter with this role, if the model has one."""
@@ -186,12 +197,41 @@ class Layout:
 def _declared_role(path: tuple, logical: tuple[str | None, ...]) -> ParamRole:
     """A parameter's role, checked against the logical axes the model declares for it (`maxpar.model.roles`)."""
     keys = path_keys(path)
-    role = param_role(keys)
+    role, declared = param_role(keys), declared_axes(keys)
     per_layer = tuple(n for n in logical if n not in (Logical.LAYERS, Logical.DENSE_LAYERS, Logical.REPEATS))
-    if role is None or per_layer != role.axes:
+    if role is None or per_layer != declared:
         raise ValueError(f"parameter {'/'.join(keys)} with logical axes {per_layer} is not declared in "
-                         f"maxpar.model.roles (declared: {role and role.axes}); the planner reads parameters by role")
+                         f"maxpar.model.roles (declared: {declared}); the planner reads parameters by role")
     return role
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+    """What the planner reads of one train-state leaf that no mesh changes."""
+    path: str
+    group: str
+    role: ParamRole | None
+    shape: tuple[int, ...]
+    dtype: str
+    logical: tuple[str | None, ...]
+    unrolled: bool  # in an unrolled layer unit (scan_layers=false): one slice per layer
+
+
+@functools.lru_cache(maxsize=8)
+def _leaves(state: TracedState) -> tuple[_Leaf, ...]:
+    """The train state's leaves, once per traced state: `--recommend` lays them out on hundreds of meshes."""
+    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
+    leaves = []
+    for (path, leaf), logical in zip(jax.tree_util.tree_leaves_with_path(state.abstract),
+                                     jax.tree_util.tree_leaves(state.specs, is_leaf=is_spec)):
+        name = jax.tree_util.keystr(path)
+        group = ("params" if name.startswith(".params") else "frozen" if name.startswith(".frozen")
+                 else "optimizer" if name.startswith(".opt_state") else "step")
+        logical_names = tuple(logical) + (None,) * (len(leaf.shape) - len(logical))
+        role = _declared_role(path[1:], logical_names) if group in ("params", "frozen") else None
+        leaves.append(_Leaf(name, group, role, tuple(leaf.shape), str(leaf.dtype), logical_names,
+                            stack.in_unrolled_unit(path)))
+    return tuple(leaves)
 
 
 def build_layout(config: Config, mesh: MeshShape, state: TracedState) -> Layout:
@@ -199,18 +239,11 @@ def build_layout(config: Config, mesh: MeshShape, state: TracedState) -> Layout:
     the batch may be one the trainer would refuse (`predict.plan_batch` says so)."""
     run = resolve_layout(config, mesh, state, check_batch=False)
     is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
-    leaves = jax.tree_util.tree_leaves_with_path(state.abstract)
     tensors = []
-    for (path, leaf), logical, spec in zip(leaves, jax.tree_util.tree_leaves(state.specs, is_leaf=is_spec),
-                                           jax.tree_util.tree_leaves(run.state_specs, is_leaf=is_spec)):
-        name = jax.tree_util.keystr(path)
-        group = "params" if name.startswith(".params") else "optimizer" if name.startswith(".opt_state") else "step"
+    for leaf, spec in zip(_leaves(state), jax.tree_util.tree_leaves(run.state_specs, is_leaf=is_spec)):
         padded = tuple(spec) + (None,) * (len(leaf.shape) - len(spec))
-        mesh_axes = tuple(entry_axes(e) for e in padded)
-        logical_names = tuple(logical) + (None,) * (len(leaf.shape) - len(logical))
-        role = _declared_role(path[1:], logical_names) if group == "params" else None
-        tensors.append(Tensor(path=name, group=group, role=role, shape=tuple(leaf.shape),
-                              dtype=str(leaf.dtype), logical=logical_names, mesh_axes=mesh_axes,
-                              layered=Logical.LAYERS in logical_names or stack.in_unrolled_unit(path)
-                              or (Logical.DENSE_LAYERS in logical_names and not run.pipelined)))
+        tensors.append(Tensor(path=leaf.path, group=leaf.group, role=leaf.role, shape=leaf.shape, dtype=leaf.dtype,
+                              logical=leaf.logical, mesh_axes=tuple(entry_axes(e) for e in padded),
+                              layered=Logical.LAYERS in leaf.logical or leaf.unrolled
+                              or (Logical.DENSE_LAYERS in leaf.logical and not run.pipelined)))
     return Layout(run=run, tensors=tuple(tensors))

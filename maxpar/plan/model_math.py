@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from maxpar.core.axes import Logical
-from maxpar.core.config import EXPLICIT_BACKWARD, Config
+from maxpar.core.config import BLOCK_ATTENTION, EXPLICIT_BACKWARD, Config
 from maxpar.core.layout import TracedState
 from maxpar.core.op_schedule import held_inputs
 from maxpar.io.metrics import attention_head_widths, matmul_params, parameter_counts, training_flops_per_token
@@ -109,7 +109,7 @@ def activation_bytes_per_token(config: Config, layout: Layout) -> dict[str, floa
     (q, k, v, attention output, gate, up: `projections`; the down projection's output only
     feeds the residual sum) and the layer input; `full` keeps only the layer input.
 
-    attention=blockwise keeps no probabilities: its custom VJP saves the float32
+    attention=blockwise or splash keeps no probabilities: their custom VJPs save the float32
     log-sum-exp per query and head instead (no seq term). Context parallelism splits
     every token's activations over `context` (the residual through tp["length"]), and
     the all_gather strategy keeps the gathered k, v of the whole sequence per layer.
@@ -122,7 +122,7 @@ def activation_bytes_per_token(config: Config, layout: Layout) -> dict[str, floa
     q, kv, out = attention_widths(config, tp)
     latents, saved_latents = mla_latent_widths(config, tp)
     heads, m, s = config.num_query_heads / tp["heads"], config.mlp_dim / tp["mlp"], config.max_target_length
-    if config.attention == "blockwise":
+    if config.attention in BLOCK_ATTENTION:
         gathered = kv * a * (cp - 1) if config.context_parallel_strategy == "all_gather" else 0.0
         none = ((q + kv + out + latents + 3 * m) * a + heads * 4 + gathered + 2 * 4) / cp + 4 * e * a
     else:
@@ -353,16 +353,17 @@ def memory_per_device(config: Config, layout: Layout, tokens_per_microbatch: flo
     masked_ragged_dot: see `moe_activation_bytes_per_token` (verify sets it on XLA:CPU).
     """
     params = sum(layout.local_bytes(t) for t in layout.params())
-    optimizer = sum(layout.local_bytes(t) for t in layout.tensors if t.group != "params")
-    gradients = params
+    reference = sum(layout.local_bytes(t) for t in layout.reference())  # DPO's frozen copy (not under LoRA)
+    optimizer = sum(layout.local_bytes(t) for t in layout.tensors if t.group in ("optimizer", "step"))
+    gradients = sum(layout.local_bytes(t) for t in layout.trained())  # under LoRA the adapters' only
     if config.gradient_accumulation_steps > 1:  # float32 accumulators, sharded like the parameters
-        gradients += sum(layout.local_bytes(t) / dtype_bytes(t.dtype) * 4 for t in layout.params())
+        gradients += sum(layout.local_bytes(t) / dtype_bytes(t.dtype) * 4 for t in layout.trained())
     saved, working = layer_activation_bytes(config, layout, tokens_per_microbatch, masked_ragged_dot)
     logits = (tokens_per_microbatch * config.vocab_size / tp_degrees(layout)["vocab"] / layout.context_degree
               * 4 * 2)  # f32 logits and their gradient, split over the sequence too under context parallelism
     # The MTP modules' backward pass runs first and ends before the stack's: not alive with its working set.
     activations = saved + logits + max(working, mtp_activation_bytes(config, layout, tokens_per_microbatch))
     gathered = gathered_weight_bytes(config, layout)
-    total = params + optimizer + gradients + activations + gathered
-    return {"params": params, "gradients": gradients, "optimizer": optimizer, "activations": activations,
-            "gathered_weights": gathered, "total": total}
+    total = params + reference + optimizer + gradients + activations + gathered
+    return {"params": params, "reference": reference, "gradients": gradients, "optimizer": optimizer,
+            "activations": activations, "gathered_weights": gathered, "total": total}

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from maxpar.core.axes import Physical
-from maxpar.core.config import EXPLICIT_BACKWARD, Config, ConfigError
+from maxpar.core.config import BLOCK_ATTENTION, EXPLICIT_BACKWARD, Config, ConfigError
 from maxpar.core.layout import TracedState, batch_shape
 from maxpar.core.mesh import MeshShape, resolve_mesh_shape
 from maxpar.core.op_schedule import OpSchedule
@@ -44,9 +44,9 @@ PHASES = (FORWARD, BACKWARD)
 FULL_SCORES = ("the {attention} core computes the full seq x seq attention score matrix and masks it: the chip does "
                "twice the causal attention FLOPs that MFU counts (more with a sliding window, whose MFU counts only "
                "the keys inside it)")
-BLOCKWISE_SCORES = ("blockwise attention skips the score blocks above the causal diagonal (and outside a sliding "
-                    "window) and computes the partly visible ones whole: the chip does (1 + block / span) times the "
-                    "attention FLOPs that MFU counts, span = seq (or the window)")
+BLOCK_SCORES = ("{attention} attention skips the score blocks above the causal diagonal (and outside a sliding "
+                "window) and computes the partly visible ones whole: the chip does (1 + block / span) times the "
+                "attention FLOPs that MFU counts, span = seq (or the window), block = {block}")
 ASSUMPTIONS = (
     "matmuls run at the profile's peak dense bf16 FLOP/s (roofline): step time is a lower bound, MFU an upper bound",
     "each collective overlaps the compute of its own phase (forward or backward); collectives on different mesh "
@@ -114,12 +114,20 @@ def comm_bandwidth(comm: Comm, hardware: Hardware, shares: dict[str, float]) -> 
 
 def attention_overwork(config: Config) -> float:
     """Attention FLOPs the chip executes beyond those MFU counts, as a fraction of them (see FULL_SCORES,
-    BLOCKWISE_SCORES)."""
-    if config.attention != "blockwise":
+    BLOCK_SCORES)."""
+    if config.attention not in BLOCK_ATTENTION:
         return 1.0
     length = config.max_target_length
     span = config.sliding_window if 0 < config.sliding_window < length else length
-    return min(min(config.attention_block_size, length) / span, 1.0)
+    return min(attention_block(config) / span, 1.0)
+
+
+def attention_block(config: Config) -> int:
+    """The score block a block attention core computes whole on the diagonal: blockwise's square block, or the
+    larger of splash's query and key blocks (the partly visible blocks of a causal row are about that wide)."""
+    block = config.attention_block_size if config.attention == "blockwise" else max(config.sa_block_q,
+                                                                                     config.sa_block_kv)
+    return min(block, config.max_target_length)
 
 
 FP8 = ("quantization=fp8: the layer stack's projection and dense-MLP matmuls (forward, both gradients, and a "
@@ -129,7 +137,8 @@ FP8 = ("quantization=fp8: the layer stack's projection and dense-MLP matmuls (fo
 
 
 def assumptions(config: Config) -> list[str]:
-    scores = BLOCKWISE_SCORES if config.attention == "blockwise" else FULL_SCORES.format(attention=config.attention)
+    scores = (BLOCK_SCORES.format(attention=config.attention, block=attention_block(config))
+              if config.attention in BLOCK_ATTENTION else FULL_SCORES.format(attention=config.attention))
     return [*ASSUMPTIONS, scores, *([FP8] if config.quantization == "fp8" else [])]
 
 
@@ -174,7 +183,7 @@ def hbm_seconds(layout: Layout, microbatches: int, hardware: Hardware) -> dict[s
         reads = pipe.num_iterations / pipe.num_repeats if pipe and t.layered else 1.0  # a block per iteration
         weights += t.size / kept * dtype_bytes(config.dtype) * reads
     state = sum(layout.local_bytes(t) for t in layout.tensors)
-    grads = sum(layout.local_bytes(t) for t in layout.params())
+    grads = sum(layout.local_bytes(t) for t in layout.trained())
     return {FORWARD: weights * microbatches / hardware.hbm_bandwidth,
             BACKWARD: 2 * weights * microbatches / hardware.hbm_bandwidth,
             "optimizer": (2 * state + grads) / hardware.hbm_bandwidth}

@@ -74,8 +74,9 @@ def _memory(plan: dict[str, Any]) -> list[str]:
     whole = plan["state_bytes"]
     return [
         "memory per device",
-        table(["", "bytes"], [[k, human_bytes(mem[k])] for k in ("params", "gradients", "optimizer", "activations",
-                                                                 "gathered_weights", "total")]),
+        table(["", "bytes"], [[k, human_bytes(mem[k])] for k in ("params", "reference", "gradients", "optimizer",
+                                                                 "activations", "gathered_weights", "total")
+                              if k != "reference" or mem[k]]),
         f"  {'fits in' if mem['fits'] else 'DOES NOT FIT in'} {human_bytes(mem['hbm_bytes'])} of HBM",
         f"  one copy of the state, summed over its shards: params {human_bytes(whole['params'])} "
         f"({whole['params_per_parameter']:.3g} bytes per parameter), optimizer {human_bytes(whole['optimizer'])} "
@@ -122,9 +123,12 @@ def _time(plan: dict[str, Any]) -> list[str]:
     ]
 
 
+RULES_SOURCE = '"How to Scale Your Model" (Austin et al., the scaling book)'  # rooflines.py's closed forms
+
+
 def _rules_of_thumb(plan: dict[str, Any]) -> list[str]:
     r = plan["rules_of_thumb"]
-    return ["the seeds' rules of thumb for this hardware and model", table(["", "value"], [
+    return [f"rules of thumb from {RULES_SOURCE} for this hardware and model", table(["", "value"], [
         ["ICI intensity C/W (FLOPs per byte)", f"{r['ici_intensity_flops_per_byte']:,.0f}"],
         [f"FSDP/DP critical batch per device ({r['torus_axes']} torus axes)",
          f"{r['fsdp_critical_batch_per_device']:,.0f}"],
@@ -150,14 +154,33 @@ def render_plan(plan: dict[str, Any]) -> str:
 
 def render_recommendations(rec: dict[str, Any]) -> str:
     out = ["", f"recommended meshes for {rec['num_devices']:,} x {rec['hardware']} "
-               f"({rec['searched']} candidates searched, {rec['feasible']} fit and shard the batch; "
-               "ranked by predicted step time)"]
+               f"({rec['searched']:,} of {rec['space']:,} candidates planned in {rec['search_s']:.1f} s, "
+               f"{rec['feasible']} fit and shard the batch; ranked by predicted step time)"]
     if not rec["best"]:
         out.append("  none: " + rec["why_none"])
         return "\n".join(out)
     rows = [[str(i + 1), seconds(b["step_time_s"]), f"{b['mfu']:.1%}", human_bytes(b["memory_total_bytes"]),
              b["bound"], b["overrides"]] for i, b in enumerate(rec["best"])]
     out.append(table(["#", "step", "MFU", "memory/device", "bound", "overrides"], rows))
+    return "\n".join(out)
+
+
+def render_compiled_candidates(best: list[dict[str, Any]], topology: str) -> str:
+    """The recommended meshes' predictions beside XLA:TPU's compile of each for `topology`."""
+    out = ["", f"the recommended meshes compiled by XLA:TPU for {topology} (per chip; the compiler's step estimate "
+               f"counts a scanned layer loop's body once: scan_layers=false for the whole step)"]
+    rows = []
+    for i, b in enumerate(best):
+        c = b.get("compiled", {})
+        if "error" in c:
+            rows.append([str(i + 1), seconds(b["step_time_s"]), "-", human_bytes(b["memory_total_bytes"]), "-",
+                         c["error"][:60]])
+            continue
+        step = "-" if c.get("estimated_step_s") is None else (
+            seconds(c["estimated_step_s"]) + (" (one layer pass)" if c["loop_body_once"] else ""))
+        rows.append([str(i + 1), seconds(b["step_time_s"]), step, human_bytes(b["memory_total_bytes"]),
+                     human_bytes(c["peak_bytes"]), "fits" if c["fits"] else "DOES NOT FIT"])
+    out.append(table(["#", "predicted step", "compiler's step", "predicted memory", "compiled peak", "HBM"], rows))
     return "\n".join(out)
 
 

@@ -152,6 +152,15 @@ def _gradient(w: WeightMoves) -> dict:
     return dict(phase=BACKWARD, dtype=w.dtype, scales=False, tensor=w.tensor.name)
 
 
+def in_weight_dtype(w: WeightMoves) -> WeightMoves:
+    """A weight's gradient as the batch axes reduce it: in the weight's own dtype. The matmul's partial product
+    is in the compute dtype, but the cast back to the weight's dtype comes first: XLA:TPU reduce-scatters (its
+    collective matmuls accumulate the partial sums) and all-reduces float32 gradients of float32 weights
+    (llama3-8b FSDP(8) on v5p compiled by libtpu 0.0.50.1)."""
+    scale = dtype_bytes(w.tensor.dtype) / dtype_bytes(w.dtype)
+    return dataclasses.replace(w, dtype=w.tensor.dtype, size=w.size * scale, full=w.full * scale)
+
+
 def sequence_gradient_reduction(layout: Layout, w: WeightMoves, microbatches: int) -> list[Comm]:
     """A weight applied to sequence shards sums their partial gradients: the partitioner all-reduces the whole
     gradient over them, separately from (and before) the batch axes' reduction."""
@@ -192,6 +201,7 @@ def matmul_gradient_reduction(layout: Layout, w: WeightMoves, loop: StageLoop, m
     """FSDP reduce-scatter of the gradient onto the weight's shards, then DP all-reduce of the shard (a pipeline
     reduces a stacked weight's per iteration over the axes it does not run per replica). `pieces`: partial
     gradients reduced one by one (a tied table's two: the partitioner reduces each where it is made)."""
+    w = in_weight_dtype(w)
     t, grad = w.tensor, _gradient(w)
     looped = microbatches * (loop.per_iteration if t.layered and not loop.once else 1.0)
     comms = hierarchical(layout, "FSDP gradient reduce-scatter", w.gather, "reduce-scatter", w.full,

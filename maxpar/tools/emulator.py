@@ -1,15 +1,26 @@
 """gcp-storage-emulator (the `test` extra) as a GCS JSON-API server on loopback that TensorStore can use, which can be
-stopped and started again on the same port: for the tests (tests/gcs.py) and the checkpoint benchmark's bucket tier."""
+stopped and started again on the same port: for the tests (tests/gcs.py), the checkpoint benchmark's bucket tier, and
+users (docs/storage.md):
+
+    python -m maxpar.tools.emulator --port 9023 --bucket my-bucket [--data_dir DIR]
+
+runs it in the foreground until Ctrl-C and prints the variable to export in the shells that use it.
+"""
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
+import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from maxpar.core import storage
+from maxpar.io import logs
 
 # The emulator as a server TensorStore can use: its media downloads lack the `x-goog-generation` header that GCS sends
 # and TensorStore's OCDBT reads ("Malformed StorageGeneration" otherwise), so the launcher adds it.
@@ -41,9 +52,9 @@ class Server:
     """The emulator as a process that can be stopped and started again on the same port (a storage outage). With a
     `data_dir` its objects are kept on disk there and survive a restart; without, they are in memory."""
 
-    def __init__(self, bucket: str, log: Path, data_dir: Path | None = None):
+    def __init__(self, bucket: str, log: Path, data_dir: Path | None = None, port: int = 0):
         self.bucket, self.log, self.data_dir = bucket, log, data_dir
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
 
@@ -68,3 +79,48 @@ class Server:
             self.process.kill()
             self.process.wait()
             self.process = None
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m maxpar.tools.emulator", description=(
+        "A GCS JSON-API server on loopback (gcp-storage-emulator, with the object generation headers TensorStore's "
+        "checkpoints need), until Ctrl-C."))
+    parser.add_argument("--port", type=int, default=9023, help="port on 127.0.0.1 (0 = a free one)")
+    parser.add_argument("--bucket", default="my-bucket", help="the bucket it starts with")
+    parser.add_argument("--data_dir", type=Path, help="keep the objects on disk there (default: in memory)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+    if importlib.util.find_spec("gcp_storage_emulator") is None:
+        print("maxpar.tools.emulator: gcp-storage-emulator is not installed: bash install.sh test (or pip install "
+              "gcp-storage-emulator)", file=sys.stderr)
+        return 1
+    log = logs.tool_log_path("emulator")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("", encoding="utf-8")
+    server = Server(args.bucket, log, args.data_dir, args.port)
+    try:
+        url = server.start()
+    except (RuntimeError, OSError) as e:
+        print(f"maxpar.tools.emulator: {e}", file=sys.stderr)
+        return 1
+    where = f"objects in {args.data_dir}" if args.data_dir else "objects in memory"
+    print(f"maxpar: GCS emulator on {url}, bucket {args.bucket} ({where}; its log: {log}). In the shells that use "
+          f"it:\n  export {storage.EMULATOR}={url}\nthen gs://{args.bucket}/... paths reach it, e.g. "
+          f"base_output_directory=gs://{args.bucket}/runs. Ctrl-C stops it.", flush=True)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))  # `kill PID` stops the server too
+    try:
+        status = server.process.wait()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.stop()
+    print(f"maxpar.tools.emulator: the server exited with status {status}; see {log}", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

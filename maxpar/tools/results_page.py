@@ -289,7 +289,8 @@ TITLES = {"bench_moe": "Mixture of experts by EP degree", "bench_pipeline": "Pip
           "fp8_gemm_check": "Do fp8 matmuls become fp8 GEMMs on the GPU?",
           "moe_balance": "Expert load: aux-loss-free bias, auxiliary loss, none",
           "fp8_300": "fp8 against bfloat16: held-out loss after 300 steps",
-          "bench_gpu_fp8": "fp8 against bfloat16, maxpar against MaxText, on one GPU"}
+          "bench_gpu_fp8": "fp8 against bfloat16, maxpar against MaxText, on one GPU",
+          "post_training": "Post-training end to end: SFT then DPO with LoRA, and what LoRA saves"}
 
 
 def other_section(records: Sequence[Record], shown: set[str]) -> str:

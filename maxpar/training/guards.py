@@ -9,13 +9,14 @@ collective, fail on the lost heartbeat instead of waiting forever); it never tou
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -44,6 +45,18 @@ class Preempted(Exception):
         self.step, self.saved, self.signum = step, saved, signum
 
 
+def second_interrupt_words(checkpointing: bool, newest: int | None) -> str:
+    """What a second Ctrl-C leaves: the newest complete checkpoint, when there is one (a save it cuts short is never
+    used)."""
+    if not checkpointing:
+        return "second interrupt: stopped at once; nothing was saved (enable_checkpointing=false)"
+    if newest is None:
+        return ("second interrupt: stopped at once, before any checkpoint was complete (a save cut short is never "
+                "used): a rerun starts from the beginning")
+    return (f"second interrupt: stopped at once; checkpoint step {newest} is intact (a save cut short is never used). "
+            f"Rerun the same command to resume from it.")
+
+
 class PreemptionWatch:
     """Notices SIGTERM and SIGINT (Ctrl-C) so that the loop stops between steps instead of dying mid-step.
 
@@ -56,9 +69,12 @@ class PreemptionWatch:
     nothing (the stop is already under way). The previous handlers are restored on exit.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, newest_checkpoint: Callable[[], int | None] | None = None) -> None:
+        """`newest_checkpoint`: the newest complete checkpoint's step (None: none yet); not given: checkpointing
+        is off. A second Ctrl-C says which step a rerun resumes from."""
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}
+        self._newest_checkpoint = newest_checkpoint
 
     def __enter__(self) -> PreemptionWatch:
         if threading.current_thread() is not threading.main_thread():
@@ -74,8 +90,9 @@ class PreemptionWatch:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if signum == signal.SIGINT and self.signum == signal.SIGINT:
-            print("\nmaxpar: second interrupt: stopped at once; the newest complete checkpoint is intact (a save cut "
-                  "short is never used). Rerun the same command to resume from it.", file=sys.stderr, flush=True)
+            newest = self._newest_checkpoint() if self._newest_checkpoint else None
+            print(f"\nmaxpar: {second_interrupt_words(self._newest_checkpoint is not None, newest)}", file=sys.stderr,
+                  flush=True)
             os._exit(INTERRUPTED_EXIT_STATUS)
         if self.signum is None:
             self.signum = signum
@@ -158,6 +175,15 @@ class LossCheck:
 STUCK_EXIT_STATUS = 3
 
 
+@dataclasses.dataclass(frozen=True)
+class SlowStepNote:
+    """A line said once when a step has run `after_s` seconds without finishing: what may come of it (an abort
+    that maxpar cannot catch, say), before it comes. The run goes on."""
+
+    after_s: float
+    text: str
+
+
 class StepWatchdog:
     """Ends this process when no training step finishes within `timeout_s` seconds of the previous one.
 
@@ -165,17 +191,19 @@ class StepWatchdog:
     process that is alive but stuck (a deadlock in input code, a collective that never completes)
     keeps heartbeating, and without this its peers would wait in their next collective forever.
     Armed by the first `progress()` (after compilation, which may take long); `timeout_s=0` turns it off.
+    `note`, if given, is said once when a step runs past its `after_s`, whatever `timeout_s` is.
     """
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, note: SlowStepNote | None = None) -> None:
         self._timeout_s = timeout_s
+        self._note, self._noted = note, False
         self._last: float | None = None
         self._step = 0
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> StepWatchdog:
-        if self._timeout_s > 0:
+        if self._timeout_s > 0 or self._note:
             self._thread = threading.Thread(target=self._watch, name="maxpar-step-watchdog", daemon=True)
             self._thread.start()
         return self
@@ -187,10 +215,21 @@ class StepWatchdog:
         """Step `step` (with its eval and save) finished: the clock starts again."""
         self._step, self._last = step, time.monotonic()
 
+    def _poll_s(self) -> float:
+        limits = [limit for limit in (self._timeout_s, self._note.after_s if self._note else 0) if limit > 0]
+        return min(min(limits) / 10, 5.0)
+
     def _watch(self) -> None:
-        while not self._done.wait(min(self._timeout_s / 10, 5.0)):
+        while not self._done.wait(self._poll_s()):
             last = self._last
-            if last is not None and time.monotonic() - last > self._timeout_s:
+            if last is None:
+                continue
+            waited = time.monotonic() - last
+            if self._note and not self._noted and waited > self._note.after_s:
+                self._noted = True
+                print(f"maxpar: step {self._step + 1} has run {waited:.0f} s without finishing; {self._note.text}",
+                      file=sys.stderr, flush=True)
+            if self._timeout_s > 0 and waited > self._timeout_s:
                 print(f"maxpar: no training step finished in {self._timeout_s:g} s after step {self._step}; this "
                       f"process is stuck, so it stops (exit status {STUCK_EXIT_STATUS}) rather than leave the "
                       f"others waiting. Raise step_timeout_s if steps really take this long; the newest "

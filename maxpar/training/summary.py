@@ -78,9 +78,9 @@ def newest_checkpoint(run_dir: epath.Path) -> epath.Path | None:
 
 
 def summary_lines(run_dir: epath.Path, totals: RunTotals, rows: Sequence[dict[str, Any]], curve: epath.Path | str,
-                  sampling: Sequence[str]) -> list[str]:
-    """The end-of-run report: steps, time, throughput, final losses, where the checkpoint and metrics are, and the
-    command that samples from it (with the `sampling_overrides`)."""
+                  sampling: Sequence[str], *, checkpointing: bool = True) -> list[str]:
+    """The end-of-run report: steps, time, throughput, final losses, where the checkpoint and metrics are (or why
+    there is none), and the command that samples from it (with the `sampling_overrides`)."""
     trained = totals.last_step - totals.first_step
     if trained > 0:
         rate = trained * totals.tokens_per_step / totals.train_s if totals.train_s > 0 else 0.0
@@ -98,12 +98,20 @@ def summary_lines(run_dir: epath.Path, totals: RunTotals, rows: Sequence[dict[st
         lines.append(f"  {losses}")
         lines += source_lines(last, evals[-1] if evals else None)
     checkpoint = newest_checkpoint(run_dir)
-    lines.append(f"  checkpoint: {checkpoint if checkpoint else 'none (enable_checkpointing=false)'}")
+    lines.append(f"  checkpoint: {checkpoint or no_checkpoint_words(checkpointing, trained)}")
     if checkpoint and (run_dir / "config.yml").exists():
         lines.append(f"  sample from it: {generate_command(run_dir, checkpoint, sampling)}")
     metrics = run_dir / "metrics.jsonl"
     lines.append(f"  metrics: {metrics if metrics.exists() else 'none'}; loss curve: {curve}")
     return lines
+
+
+def no_checkpoint_words(checkpointing: bool, trained: int) -> str:
+    """Why a run has no checkpoint to show: checkpointing is off, or it trained no step (steps=0, or a run already
+    at its last step before any save)."""
+    if not checkpointing:
+        return "none (enable_checkpointing=false)"
+    return "none (no step was trained, so none was saved)" if trained <= 0 else "none written"
 
 
 def source_lines(last: dict[str, Any], last_eval: dict[str, Any] | None) -> list[str]:
@@ -154,7 +162,8 @@ def room_to_write(config: Config) -> list[str]:
     return [f"max_new_tokens={room}"] if 0 < room < config.max_new_tokens else []
 
 
-def finish_run(run_dir: epath.Path, totals: RunTotals, title: str, sampling: Sequence[str]) -> list[str]:
+def finish_run(run_dir: epath.Path, totals: RunTotals, title: str, sampling: Sequence[str], *,
+               checkpointing: bool = True) -> list[str]:
     """Draw RUN/loss_curve.png (when there are losses) and return the summary lines (`sampling`: the
     `sampling_overrides` of the command they end with)."""
     rows = read_rows(run_dir / "metrics.jsonl")
@@ -165,4 +174,4 @@ def finish_run(run_dir: epath.Path, totals: RunTotals, title: str, sampling: Seq
             curve = run_dir / LOSS_CURVE
         except (ImportError, OSError) as e:  # a broken install or an unwritable run directory: the run still finished
             curve = f"not drawn ({type(e).__name__}: {e})"
-    return summary_lines(run_dir, totals, rows, curve, sampling)
+    return summary_lines(run_dir, totals, rows, curve, sampling, checkpointing=checkpointing)

@@ -25,10 +25,17 @@ from maxpar.model.moe import MOE_STATS, load_max_over_mean, moe_totals, routed_c
 from maxpar.model.mtp import MTP, mtp_inputs, mtp_loss_sum, with_mtp_targets
 from maxpar.model.staged import staged_value_and_grad
 from maxpar.model.transformer import stacked_layers
+from maxpar.training import dpo, trainable
 from maxpar.training.optimizer import learning_rate_schedule, make_optimizer
 
 Batch = dict[str, jax.Array]
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions")
+LOSS_MASK = "loss_mask"  # post-training batches (use_sft, use_dpo): 1 on the targets the loss counts
+
+
+def batch_keys(config: Config) -> tuple[str, ...]:
+    """The [rows, length] int32 arrays of a batch of this run."""
+    return BATCH_KEYS + ((LOSS_MASK,) if config.use_sft or config.use_dpo else ())
 
 
 @flax.struct.dataclass
@@ -39,15 +46,19 @@ class TrainState:
     # fp8_scaling=delayed: the projections' amax histories (the model's FP8_META collection), updated by the step
     # from what it observed, not by the optimizer; {} otherwise.
     fp8_meta: Any = flax.struct.field(default_factory=dict)
+    # The starting parameters the step never updates (LoRA's base, DPO's reference: maxpar.training.trainable);
+    # {} otherwise. Not checkpointed: a restart reads them from load_parameters_path again.
+    frozen: Any = flax.struct.field(default_factory=dict)
 
 
 def init_state(model: nn.Module, tx: optax.GradientTransformation, config: Config, rng: jax.Array) -> TrainState:
-    """Parameters, optimizer state and empty fp8 amax histories, still boxed with their logical axes."""
+    """Trained and frozen parameters (`trainable.split`), optimizer state and empty fp8 amax histories, still boxed
+    with their logical axes."""
     tokens = jnp.zeros((1, config.max_target_length), jnp.int32)
     variables = model.init(rng, tokens, tokens, tokens)
-    params = variables["params"]
+    params, frozen = trainable.split(variables["params"], config)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                      fp8_meta=variables.get(FP8_META, {}))
+                      fp8_meta=variables.get(FP8_META, {}), frozen=frozen)
 
 
 def trace_state(config: Config, tx: optax.GradientTransformation | None = None) -> TracedState:
@@ -57,8 +68,10 @@ def trace_state(config: Config, tx: optax.GradientTransformation | None = None) 
     """
     tx = make_optimizer(config) if tx is None else tx
     boxed = jax.eval_shape(partial(init_state, Transformer(model_config(config)), tx, config), jax.random.key(0))
+    trainable.check_lora_targets(trainable.policy(boxed.params, boxed.frozen, config), config)
     specs = logical_specs(boxed)
-    return TracedState(abstract=nn.unbox(boxed), specs=specs, stack_specs=stacked_layers(specs.params))
+    model_specs = trainable.policy(specs.params, specs.frozen, config)  # what a pipeline splits into stages
+    return TracedState(abstract=nn.unbox(boxed), specs=specs, stack_specs=stacked_layers(model_specs))
 
 
 def run_layout(config: Config, mesh: MeshShape, tx: optax.GradientTransformation | None = None, *,
@@ -75,16 +88,28 @@ def layout_check(config: Config, tx: optax.GradientTransformation | None = None,
     return lambda mesh: resolve_layout(config, mesh, traced(), check_batch=check_batch)
 
 
-def create_state(model: nn.Module, tx: optax.GradientTransformation, layout: RunLayout, mesh: Mesh) -> TrainState:
-    """Initialize directly into the sharded layout: no device ever holds the full model."""
+def create_state(model: nn.Module, tx: optax.GradientTransformation, layout: RunLayout, mesh: Mesh,
+                 with_frozen: bool = True) -> TrainState:
+    """Initialize directly into the sharded layout: no device ever holds the full model. with_frozen=False: no
+    frozen parameters (never computed), for a caller that reads them from a checkpoint."""
     config = layout.config
-    init = jax.jit(lambda rng: nn.unbox(init_state(model, tx, config, rng)),
-                   out_shardings=layout.state_shardings(mesh))
-    return init(jax.random.key(config.seed))
+    shardings = layout.state_shardings(mesh)
+
+    def init(rng: jax.Array) -> TrainState:
+        state = nn.unbox(init_state(model, tx, config, rng))
+        return state if with_frozen else state.replace(frozen={})
+    return jax.jit(init, out_shardings=shardings if with_frozen else shardings.replace(frozen={}))(
+        jax.random.key(config.seed))
+
+
+def loss_mask(batch: Batch) -> jax.Array:
+    """The targets the loss counts: a post-training batch's `loss_mask` (SFT's assistant tokens, DPO's responses),
+    else every real (non-padding) one."""
+    return batch[LOSS_MASK] != 0 if LOSS_MASK in batch else batch["segment_ids"] != 0
 
 
 def _cross_entropy(logits: jax.Array, batch: Batch) -> tuple[jax.Array, jax.Array]:
-    mask = batch["segment_ids"] != 0
+    mask = loss_mask(batch)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     return jnp.sum(jnp.where(mask, losses, 0.0)), jnp.sum(mask).astype(jnp.float32)
 
@@ -163,7 +188,19 @@ def _staged_grad_fn(model: nn.Module, config: Config) -> Callable:
     return run
 
 
-def _grads(params: Any, fp8_meta: Any, model: nn.Module, batch: Batch, config: Config
+def step_objective(model: nn.Module, config: Config, frozen: Any) -> Callable:
+    """(trained params, fp8_meta, batch) -> (what the gradient is taken of, the metric sums): the run's objective,
+    chosen in one place. DPO's pair loss against the frozen reference (maxpar.training.dpo), else `objective`; the
+    model runs on the trained parameters joined to the frozen ones as `trainable.policy` says (LoRA)."""
+    if config.use_dpo:
+        return lambda params, fp8_meta, batch: dpo.objective(
+            trainable.policy(params, frozen, config), trainable.reference(frozen), fp8_meta, batch, model=model,
+            config=config, balance=partial(moe_sums, config=config))
+    return lambda params, fp8_meta, batch: objective(trainable.policy(params, frozen, config), fp8_meta, batch,
+                                                     model=model, config=config)
+
+
+def _grads(params: Any, fp8_meta: Any, model: nn.Module, batch: Batch, config: Config, frozen: Any = None
            ) -> tuple[Any, Any, dict[str, jax.Array]]:
     """Gradient of the summed objective, the amaxes the fp8 matmuls observed (the amax histories' cotangents:
     maxpar.model.fp8) and the metric sums, accumulated over microbatches with a scan (the amaxes by max)."""
@@ -171,7 +208,8 @@ def _grads(params: Any, fp8_meta: Any, model: nn.Module, batch: Batch, config: C
     if config.pipeline_schedule in EXPLICIT_BACKWARD:  # the schedule runs the backward itself: maxpar.model.staged
         grad_fn = _staged_grad_fn(model, config)
     else:
-        grad_fn = jax.value_and_grad(partial(objective, model=model, config=config), argnums=(0, 1), has_aux=True)
+        grad_fn = jax.value_and_grad(step_objective(model, config, {} if frozen is None else frozen), argnums=(0, 1),
+                                     has_aux=True)
     if config.gradient_accumulation_steps == 1:
         (_, sums), (grads, seen) = grad_fn(params, fp8_meta, batch)
         return grads, seen, sums
@@ -216,7 +254,7 @@ def train_step(state: TrainState, batch: Batch, *, model: nn.Module, tx: optax.G
     update_shardings: with shard_optimizer_over_data (ZeRO-1), the shardings of gradients and updates (the
     layout's `update_specs` on the step's mesh).
     """
-    grads, seen, sums = _grads(state.params, state.fp8_meta, model, batch, config)
+    grads, seen, sums = _grads(state.params, state.fp8_meta, model, batch, config, state.frozen)
     count = jnp.maximum(sums["tokens"], 1.0)
     grads = jax.tree.map(lambda g: g / count.astype(g.dtype), grads)
     if update_shardings is not None:
@@ -234,14 +272,19 @@ def train_step(state: TrainState, batch: Batch, *, model: nn.Module, tx: optax.G
         "tokens": count,
         **moe_metrics(sums, count),
         **({"mtp_loss": sums["mtp_sum"] / count} if "mtp_sum" in sums else {}),
+        **dpo.metrics(sums, count),
     }
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
-                      fp8_meta=update_histories(state.fp8_meta, seen)), metrics
+                      fp8_meta=update_histories(state.fp8_meta, seen), frozen=state.frozen), metrics
 
 
-def eval_step(params: Any, batch: Batch, *, model: nn.Module) -> dict[str, jax.Array]:
+def eval_step(params: Any, frozen: Any, batch: Batch, *, model: nn.Module, config: Config) -> dict[str, jax.Array]:
+    """The loss sums of one held-out batch (DPO's: its pairs' loss and reward sums)."""
     batch = reorder_batch(batch, model.layout)
-    loss_sum, count = loss_sum_and_count(params, model, batch)
+    policy = trainable.policy(params, frozen, config)
+    if config.use_dpo:
+        return dpo.objective(policy, trainable.reference(frozen), {}, batch, model=model, config=config)[1]
+    loss_sum, count = loss_sum_and_count(policy, model, batch)
     return {"loss_sum": loss_sum, "tokens": count}
 
 
@@ -262,7 +305,7 @@ def lower_train_step(model: nn.Module, tx: optax.GradientTransformation, layout:
                          shardings)
     rows, length = layout.batch.global_rows, layout.config.max_target_length
     batch = {key: jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=layout.input_sharding(mesh))
-             for key in BATCH_KEYS}
+             for key in batch_keys(layout.config)}
     return jit_train_step(model, tx, layout, mesh).lower(state, batch)
 
 
@@ -272,6 +315,8 @@ def compile_train_step(model: nn.Module, tx: optax.GradientTransformation, layou
 
 
 def jit_eval_step(model: nn.Module, layout: RunLayout, mesh: Mesh):
-    return jax.jit(partial(eval_step, model=model),
-                   in_shardings=(layout.state_shardings(mesh).params, layout.input_sharding(mesh)),
+    """(params, frozen, batch) -> `eval_step`'s sums, with the layout's shardings."""
+    shardings = layout.state_shardings(mesh)
+    return jax.jit(partial(eval_step, model=model, config=layout.config),
+                   in_shardings=(shardings.params, shardings.frozen, layout.input_sharding(mesh)),
                    out_shardings=replicated(mesh))

@@ -17,6 +17,7 @@ from typing import Any
 from maxpar.core import storage
 from maxpar.core.config import Config, ConfigError
 from maxpar.io.data.errors import reading
+from maxpar.io.data.records import Record
 from maxpar.io.data.text import resolve_files
 
 TEXT_BUILDERS = ("arrow", "csv", "json", "parquet", "text")  # the `datasets` packaged builders of tabular files
@@ -47,6 +48,39 @@ class HfTexts(Sequence[str]):
             raise ConfigError(f"dataset_text_field={self._field!r}: {self._where}, row {index} holds a "
                               f"{type(text).__name__}, not text")
         return text
+
+
+class HfRecords(Sequence[Record]):
+    """Every row of a `datasets.Dataset` as a whole dict (a post-training conversation or pair)."""
+
+    def __init__(self, dataset: Any, where: str):
+        self._dataset = dataset
+        self._where = where
+
+    def __len__(self) -> int:
+        return len(self._dataset)
+
+    def __getitem__(self, index: int) -> Record:  # type: ignore[override]
+        where = f"{self._where}, row {index}"
+        with reading("dataset_type=hf", where):
+            return Record(dict(self._dataset[int(index)]), where)
+
+
+def open_hf_records(config: Config) -> tuple[HfRecords, HfRecords | None]:
+    """(training rows, the named eval split's rows or None) of the config's `hf_*` keys, as whole records."""
+    splits = _load(config)
+    where = f"hf_path={config.hf_path!r}"
+    if not isinstance(splits, dict):
+        if config.hf_eval_split:
+            raise ConfigError(f"hf_eval_split={config.hf_eval_split!r}: {where} is a single dataset without splits; "
+                              f"set hf_eval_split='' to hold out eval_fraction of its rows")
+        return HfRecords(splits, where), None
+    for key, name in (("hf_train_split", config.hf_train_split), ("hf_eval_split", config.hf_eval_split)):
+        if name and name not in splits:
+            raise ConfigError(f"{key}={name!r}: {where} has no such split; its splits: {', '.join(splits)}")
+    train = HfRecords(splits[config.hf_train_split], f"{where}, split {config.hf_train_split!r}")
+    named_eval = config.hf_eval_split
+    return train, HfRecords(splits[named_eval], f"{where}, split {named_eval!r}") if named_eval else None
 
 
 def open_hf(config: Config) -> tuple[HfTexts, HfTexts | None]:

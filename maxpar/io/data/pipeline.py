@@ -9,11 +9,13 @@ from typing import Any
 import grain
 
 from maxpar.core.config import Config, ConfigError, source_config
+from maxpar.io.data.conversations import open_post_training
 from maxpar.io.data.hf import open_hf
 from maxpar.io.data.mixture import Notify, Source, mixture_batches
 from maxpar.io.data.records import open_records
 from maxpar.io.data.synthetic import synthetic_batches
-from maxpar.io.data.text import FileTexts, Subset, document_batches, resolve_files, split_files
+from maxpar.io.data.text import (FilePart, FileTexts, Subset, document_batches, record_shards, resolve_files,
+                                  split_files)
 from maxpar.io.data.tokenizer import load_tokenizer
 
 # The config keys that give a saved data position (each lane's document count and packer remainder) its meaning,
@@ -32,9 +34,15 @@ POSITION_KEYS = {
 }
 
 
+# Post-training records (maxpar.io.data.conversations): what a record is, how it is tokenized (hence packed) and
+# which of its tokens carry the loss.
+POST_TRAINING_KEYS = ("use_sft", "use_dpo", "chat_template_path", "sft_train_on_completion_only")
+
+
 def position_keys(config: Config) -> tuple[str, ...]:
     """The keys whose values a checkpoint's data position needs unchanged (a mixture's sources apart)."""
-    return POSITION_KEYS["mixture" if config.dataset_mixture else config.dataset_type]
+    keys = POSITION_KEYS["mixture" if config.dataset_mixture else config.dataset_type]
+    return keys + POST_TRAINING_KEYS if config.use_sft or config.use_dpo else keys
 
 
 def mixture_differences(saved: Mapping[str, Any], config: Config) -> list[tuple[str, Any, Any]]:
@@ -75,11 +83,26 @@ def corpus(config: Config) -> tuple[Sequence[str], Sequence[str]]:
         except ValueError as e:
             raise ConfigError(f"dataset_path={config.dataset_path!r}: {e}") from None
         if config.dataset_type == "text":
-            train_files, eval_files = split_files(files, config.eval_fraction, config.seed)
-            return FileTexts(train_files), FileTexts(eval_files)
+            return _text_corpus(config, files)
         documents = open_records(config.grain_file_type, files, config.dataset_text_field, config.dataset_path)
     train_ids, eval_ids = split_files(range(len(documents)), config.eval_fraction, config.seed)
     return Subset(documents, train_ids), Subset(documents, eval_ids)
+
+
+def _text_corpus(config: Config, files: Sequence[str]) -> tuple[Sequence[str], Sequence[str]]:
+    """(training, eval) documents of text files: whole files held out, or a single file's tail (`FilePart`). Record
+    shards are refused: dataset_type=text would train on their JSON (or binary) as text."""
+    shards = record_shards(files)
+    if shards:
+        raise ConfigError(f"dataset_path={config.dataset_path!r} matches {shards[1]} record shards ({shards[0]}), "
+                          f"which dataset_type=text would train on as raw text, JSON syntax and all; use "
+                          f"dataset_type=grain grain_file_type={shards[1]} (the text is the dataset_text_field, "
+                          f"default 'text')")
+    if len(files) == 1 and config.eval_fraction > 0:
+        return (FilePart(files[0], config.eval_fraction, tail=False),
+                FilePart(files[0], config.eval_fraction, tail=True))
+    train_files, eval_files = split_files(files, config.eval_fraction, config.seed)
+    return FileTexts(train_files), FileTexts(eval_files)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,12 +152,16 @@ def open_datasets(config: Config, *, global_rows: int, eval_rows: int, shard_ind
     if tokenizer.vocab_size > config.vocab_size:
         raise ConfigError(f"vocab_size={config.vocab_size} is smaller than the tokenizer's vocabulary "
                           f"({tokenizer.vocab_size}); set vocab_size >= {tokenizer.vocab_size}")
+    if config.use_sft or config.use_dpo:
+        train, evaluation, description = open_post_training(config, tokenizer, global_rows=global_rows,
+                                                            eval_rows=eval_rows, share=share)
+        return Datasets(train, evaluation, description)
     if config.dataset_mixture:
         return _open_mixture(config, tokenizer, global_rows=global_rows, eval_rows=eval_rows, share=share,
                              notify=notify)
     train_docs, eval_docs = corpus(config)
     train = document_batches(train_docs, tokenizer, global_batch_rows=global_rows, seed=config.seed, **share)
-    description = describe_corpus(config, len(train_docs), len(eval_docs), tokenizer.vocab_size)
+    description = describe_corpus(config, train_docs, eval_docs, tokenizer.vocab_size)
     if not len(eval_docs):
         return Datasets(train, None, description)
     return Datasets(train, lambda: document_batches(eval_docs, tokenizer, global_batch_rows=eval_rows,
@@ -152,7 +179,7 @@ def _open_mixture(config: Config, tokenizer: Any, *, global_rows: int, eval_rows
             raise type(e)(f"dataset_mixture source {source.name!r}: {e}") from None
         sources.append((Source(source.name, source.weight, train_docs), eval_docs))
         lines.append(f"{source.name} (weight {source.weight:g}) "
-                     + describe_documents(source_config(config, source), len(train_docs), len(eval_docs)))
+                     + describe_documents(source_config(config, source), train_docs, eval_docs))
 
     def evaluation(eval_docs: Sequence[str]) -> Callable[[], grain.IterDataset] | None:
         if not len(eval_docs):
@@ -166,17 +193,21 @@ def _open_mixture(config: Config, tokenizer: Any, *, global_rows: int, eval_rows
     return Datasets(train, None, description, tuple(SourceData(s.name, s.weight, evaluation(e)) for s, e in sources))
 
 
-def describe_corpus(config: Config, train_documents: int, eval_documents: int, vocab_size: int) -> str:
+def describe_corpus(config: Config, train_docs: Sequence[str], eval_docs: Sequence[str], vocab_size: int) -> str:
     """Where a text, grain or hf run's documents come from, how many it trains and evaluates on, and its tokenizer."""
-    return f"{describe_documents(config, train_documents, eval_documents)}; {describe_tokenizer(config, vocab_size)}"
+    return f"{describe_documents(config, train_docs, eval_docs)}; {describe_tokenizer(config, vocab_size)}"
 
 
 def describe_tokenizer(config: Config, vocab_size: int) -> str:
     return f"tokenizer {config.tokenizer_path or 'byte-level'} ({vocab_size:,} tokens)"
 
 
-def describe_documents(config: Config, train_documents: int, eval_documents: int) -> str:
-    """Where a text, grain or hf source's documents come from, and how many it trains and evaluates on."""
+def describe_documents(config: Config, train_docs: Sequence[str], eval_docs: Sequence[str]) -> str:
+    """Where a text, grain or hf source's documents come from, and how many it trains and evaluates on (a single
+    text file: which part of it)."""
+    if isinstance(eval_docs, FilePart):
+        return (f"text file {config.dataset_path}: its first {1 - eval_docs.fraction:.0%} for training, its last "
+                f"{eval_docs.fraction:.0%} (from a line start) for eval")
     if config.dataset_type == "text":
         source, unit = f"text files {config.dataset_path}", "files"
     elif config.dataset_type == "grain":
@@ -185,4 +216,4 @@ def describe_documents(config: Config, train_documents: int, eval_documents: int
         source, unit = f"Hugging Face dataset {config.hf_path or config.hf_data_files}", "rows"
         source += f" (split {config.hf_train_split}" + (f", eval split {config.hf_eval_split})"
                                                         if config.hf_eval_split else ")")
-    return f"{source}: {train_documents:,} {unit} for training, {eval_documents:,} for eval"
+    return f"{source}: {len(train_docs):,} {unit} for training, {len(eval_docs):,} for eval"

@@ -20,7 +20,7 @@ import bisect
 import collections
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -57,13 +57,47 @@ class JsonlTexts(Sequence[str]):
         where = f"{path}, record {local + 1}"
         with reading("grain_file_type=jsonl", f"{where} (byte {offset})"):
             line = storage.read_range(path, offset, end).split(b"\n", 1)[0]
-        try:
-            record = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"grain_file_type=jsonl: {where} is not a JSON object: {e}") from None
-        if not isinstance(record, dict):
-            raise ConfigError(f"grain_file_type=jsonl: {where} is a JSON {type(record).__name__}, not an object")
+        record = _json_object(line, where)
         return _field_text(record, self._field, where, sorted(record))
+
+
+class Record(NamedTuple):
+    """One record as a whole (a post-training conversation or pair), with where it is, for messages."""
+
+    data: dict[str, Any]
+    where: str
+
+
+class JsonlRecords(Sequence[Record]):
+    """Every non-blank line of JSONL shards as a whole JSON object (read on demand, like `JsonlTexts`)."""
+
+    def __init__(self, shards: Sequence[str]):
+        self._shards = tuple(shards)
+        self._offsets = [_line_offsets(path) for path in self._shards]
+        self._starts = np.cumsum([0] + [len(o) - 1 for o in self._offsets]).tolist()
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def __getitem__(self, index: int) -> Record:  # type: ignore[override]
+        shard = bisect.bisect_right(self._starts, index) - 1
+        local = index - self._starts[shard]
+        path, offset, end = self._shards[shard], int(self._offsets[shard][local]), int(self._offsets[shard][local + 1])
+        where = f"{path}, record {local + 1}"
+        with reading("grain_file_type=jsonl", f"{where} (byte {offset})"):
+            line = storage.read_range(path, offset, end).split(b"\n", 1)[0]
+        return Record(_json_object(line, where), where)
+
+
+def _json_object(line: bytes, where: str) -> dict[str, Any]:
+    """A JSONL line as an object, or a ConfigError naming the record."""
+    try:
+        record = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"grain_file_type=jsonl: {where} is not a JSON object: {e}") from None
+    if not isinstance(record, dict):
+        raise ConfigError(f"grain_file_type=jsonl: {where} is a JSON {type(record).__name__}, not an object")
+    return record
 
 
 def _line_offsets(path: str) -> np.ndarray:

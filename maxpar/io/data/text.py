@@ -120,6 +120,47 @@ class FileTexts(Sequence[str]):
             return read_text(self._files[index])
 
 
+def tail_start(text: str, fraction: float) -> int:
+    """Where the held-out tail of a single file's text begins: at the first line start from (1 - fraction) of its
+    characters on, so the tail is about `fraction` of the text in whole lines (at that point itself when no line
+    starts after it)."""
+    cut = int(len(text) * (1.0 - fraction))
+    newline = text.find("\n", cut)
+    return newline + 1 if 0 <= newline < len(text) - 1 else cut
+
+
+class FilePart(Sequence[str]):
+    """One text file's head or held-out tail (`tail_start`) as its only document: a corpus of a single file has no
+    whole file to hold out, so the last `fraction` of its text is evaluated on instead (nanoGPT's split)."""
+
+    def __init__(self, file: str, fraction: float, tail: bool):
+        self.file, self.fraction, self.tail = file, fraction, tail
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, index: int) -> str:  # type: ignore[override]
+        if index not in (0, -1):
+            raise IndexError(index)
+        text = FileTexts([self.file])[0]
+        cut = tail_start(text, self.fraction)
+        return text[cut:] if self.tail else text[:cut]
+
+
+# Suffixes of record shards (dataset_type=grain's grain_file_type), which dataset_type=text would read as raw text.
+RECORD_SUFFIXES = {".jsonl": "jsonl", ".parquet": "parquet", ".arrayrecord": "arrayrecord",
+                   ".array_record": "arrayrecord"}
+
+
+def record_shards(files: Sequence[str]) -> tuple[str, str] | None:
+    """(a file, its grain_file_type) for the first of `files` named like a record shard; None when none is."""
+    for file in files:
+        kind = RECORD_SUFFIXES.get(os.path.splitext(file)[1].lower())
+        if kind:
+            return file, kind
+    return None
+
+
 class Subset(Sequence[str]):
     """The documents of `documents` at `indices` (a train or eval split of a record corpus)."""
 
@@ -161,9 +202,13 @@ class _LaneDocuments:
         """The pass over the documents that the lane's m-th document belongs to (each pass reshuffles)."""
         return (self._lane + m * self._lanes) // len(self._documents)
 
-    def __call__(self, m: int) -> dict[str, np.ndarray]:
+    def document(self, m: int) -> Any:
+        """The lane's m-th document as `documents` holds it."""
         epoch, position = divmod(self._lane + m * self._lanes, len(self._documents))
-        return document_features(self._documents[int(self._permutation(epoch)[position])], self._tokenizer)
+        return self._documents[int(self._permutation(epoch)[position])]
+
+    def __call__(self, m: int) -> dict[str, np.ndarray]:
+        return document_features(self.document(m), self._tokenizer)
 
 
 class _JsonSafeState(grain.IterDataset):

@@ -170,6 +170,25 @@ def load_hf(path: str) -> HFTokenizer:
     return HFTokenizer(tok, vocab_size, pad, bos, eos)
 
 
+def _char_offsets(text: str, byte_spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """UTF-8 byte spans of `text` as character spans."""
+    char_of = [i for i, ch in enumerate(text) for _ in ch.encode("utf-8")] + [len(text)]
+    return [(char_of[start], char_of[end - 1] + 1 if end > start else char_of[start]) for start, end in byte_spans]
+
+
+def encode_with_offsets(tokenizer: Tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """(ids, each token's character span [start, end) in `text`): `encode` with where each token came from, so that
+    a span of the text (an assistant turn) can be found among the tokens."""
+    if isinstance(tokenizer, HFTokenizer):
+        encoding = tokenizer.tokenizer.encode(text, add_special_tokens=False)
+        return list(encoding.ids), [tuple(span) for span in encoding.offsets]
+    if isinstance(tokenizer, SentencePieceTokenizer):
+        pieces = tokenizer.processor.encode_as_immutable_proto(text).pieces
+        return [p.id for p in pieces], _char_offsets(text, [(p.begin, p.end) for p in pieces])
+    ids = tokenizer.encode(text)  # the byte tokenizer: one token per UTF-8 byte
+    return ids, _char_offsets(text, [(i, i + 1) for i in range(len(ids))])
+
+
 def load_tokenizer(path: str) -> Tokenizer:
     """Picks the tokenizer from the path; every failure is a ValueError.
 

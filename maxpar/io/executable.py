@@ -1,0 +1,77 @@
+"""`compiled_trainstep_file`: a compiled train step kept on disk, so that a run starts without compiling.
+
+The file holds JAX's serialized executable (`jax.experimental.serialize_executable`), its argument and result
+trees, and what it was compiled for: device kind and count, platform, mesh, topology name and the config. A run
+loads it only when its own devices are of that kind and number; anything else is one line naming both. The
+file is a pickle of an executable: load only files you made (JAX's own warning for serialized executables).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+from etils import epath
+
+from maxpar.core import storage
+from maxpar.core.config import ConfigError
+
+FORMAT = "maxpar-compiled-train-step/1"
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledFor:
+    """What a serialized train step was compiled for."""
+
+    platform: str
+    device_kind: str
+    num_devices: int
+    mesh: str           # the run layout's mesh, e.g. "fsdp=64x2"
+    topology: str       # compile_topology's name, or "local" for the devices of the process that compiled it
+    config_yaml: str    # the config it was compiled from
+
+    def describe(self) -> str:
+        where = f"{self.topology}: " if self.topology != "local" else ""
+        return f"{where}{self.num_devices} {self.device_kind} device(s), mesh {self.mesh}"
+
+
+def save_executable(compiled: Any, path: str, compiled_for: CompiledFor) -> epath.Path:
+    """Write `compiled` (a jax.stages.Compiled) with its provenance to `path` (local or gs://)."""
+    from jax.experimental import serialize_executable
+    payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+    target = storage.path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(pickle.dumps({"format": FORMAT, "compiled_for": dataclasses.asdict(compiled_for),
+                                     "payload": payload, "in_tree": in_tree, "out_tree": out_tree}))
+    return target
+
+
+def read_header(path: str) -> tuple[CompiledFor, dict[str, Any]]:
+    """(what the file was compiled for, its contents); ConfigError when it is missing or not such a file."""
+    source = storage.path(path)
+    key = "compiled_trainstep_file"
+    if not source.exists():
+        raise ConfigError(f"{key}={path!r}: no such file (write one with compile_topology=NAME {key}=PATH)")
+    try:
+        contents = pickle.loads(source.read_bytes())
+    except Exception as e:  # unpickling raises many kinds
+        raise ConfigError(f"{key}={path!r}: not a compiled train step ({type(e).__name__}: {e})") from None
+    if not isinstance(contents, dict) or contents.get("format") != FORMAT:
+        raise ConfigError(f"{key}={path!r}: not a maxpar compiled train step ({FORMAT})")
+    return CompiledFor(**contents["compiled_for"]), contents
+
+
+def load_executable(path: str, devices: Sequence[Any], mesh_description: str) -> Any:
+    """The train step of `path`, loaded onto `devices`, whose kind, number and mesh must be the ones it was
+    compiled for."""
+    compiled_for, contents = read_header(path)
+    here = CompiledFor(devices[0].platform, devices[0].device_kind, len(devices), mesh_description, "local", "")
+    if (compiled_for.device_kind, compiled_for.num_devices, compiled_for.mesh) != (
+            here.device_kind, here.num_devices, here.mesh):
+        raise ConfigError(f"compiled_trainstep_file={path!r} was compiled for {compiled_for.describe()}; this run "
+                          f"has {here.describe()}: compile it for these devices, or set compiled_trainstep_file=''")
+    from jax.experimental import serialize_executable
+    return serialize_executable.deserialize_and_load(contents["payload"], contents["in_tree"], contents["out_tree"],
+                                                     backend=devices[0].client, execution_devices=list(devices))
