@@ -40,6 +40,7 @@ FAST = {
     "test_data", "test_devices", "test_run_messages",
     "test_logs", "test_mesh", "test_mixture", "test_moe", "test_op_schedule", "test_optimizer", "test_optimizers",
     "test_pipeline_schedule", "test_plan", "test_plan_hlo", "test_results_page", "test_topology", "test_tpu_hlo",
+    "test_fp8_dots",
 }
 
 

@@ -325,15 +325,20 @@ def jit_train_step(model: nn.Module, tx: optax.GradientTransformation, layout: R
                    out_shardings=(shardings, replicated(mesh)), donate_argnums=0)
 
 
-def compile_train_step(model: nn.Module, tx: optax.GradientTransformation, layout: RunLayout, mesh: Mesh) -> Any:
-    """The train step compiled ahead of time for the layout's state and global batch on `mesh`."""
+def lower_train_step(model: nn.Module, tx: optax.GradientTransformation, layout: RunLayout, mesh: Mesh) -> Any:
+    """The train step lowered for the layout's state and global batch on `mesh` (its program, before XLA)."""
     shardings = layout.state_shardings(mesh)
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), layout.state.abstract,
                          shardings)
     rows, length = layout.batch.global_rows, layout.config.max_target_length
     batch = {key: jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=layout.input_sharding(mesh))
              for key in batch_keys(layout.config)}
-    return jit_train_step(model, tx, layout, mesh).lower(state, batch).compile()
+    return jit_train_step(model, tx, layout, mesh).lower(state, batch)
+
+
+def compile_train_step(model: nn.Module, tx: optax.GradientTransformation, layout: RunLayout, mesh: Mesh) -> Any:
+    """The train step compiled ahead of time for the layout's state and global batch on `mesh`."""
+    return lower_train_step(model, tx, layout, mesh).compile()
 
 
 def jit_eval_step(model: nn.Module, layout: RunLayout, mesh: Mesh):
