@@ -29,6 +29,7 @@ from maxpar.core import storage
 from maxpar.core.config import Config, ConfigError, model_config
 from maxpar.core.mesh import build_mesh, local_mesh_shape
 from maxpar.host import preflight
+from maxpar.host.devices import cpu_unless_accelerators
 from maxpar.io import checkpoint, logs
 from maxpar.io.data.tokenizer import Tokenizer, load_tokenizer
 from maxpar.io.run_config import load_run_config
@@ -219,6 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = run_config.config
         if run_config.note:  # stderr: stdout holds the continuations alone
             print(run_config.note, file=sys.stderr, flush=True)
+        cpu_unless_accelerators()  # before JAX starts: no libtpu warnings where there is no TPU
         preflight.apply_simulated_devices(config)  # a run's num_simulated_devices=N: before JAX starts
         prompts = [*args.prompt, *(read_prompts(args.prompts_file) if args.prompts_file else [])]
         with logs.library_logs(logs.tool_log_path("generate"), config.log_level, mode="w"):

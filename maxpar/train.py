@@ -532,6 +532,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         run_config = load_run_config(argv)  # with the model of a checkpoint it starts from
         config = run_config.config
+        host_devices.cpu_unless_accelerators()  # before JAX starts: libtpu's warnings where there is no TPU
         if config.compile_topology:  # compile for a TPU topology, report and exit: no local devices used
             preflight.check_output_directory(config)
             return compile_topology(config, run_directory(config))

@@ -28,7 +28,6 @@ LAYERS = [
     ["maxpar.train"],  # the loop: checks the planner's memory fit before it runs
     ["maxpar.convert", "maxpar.generate", "maxpar.tools"],  # above the loop
     ["launch"],
-    ["maxpar"],  # the package itself (maxpar/__init__.py), imported first by every entry point: the start-up
 ]
 UNITS = {unit: layer for layer, units in enumerate(LAYERS) for unit in units}
 
@@ -59,9 +58,7 @@ def imports(path: Path) -> set[str]:
 
 
 def unit_of(module: str) -> str | None:
-    """The most specific unit holding `module`; the package's own unit holds its __init__.py alone."""
-    return max((u for u in UNITS if module == u or (u != "maxpar" and module.startswith(u + "."))), key=len,
-               default=None)
+    return max((u for u in UNITS if module == u or module.startswith(u + ".")), key=len, default=None)
 
 
 def within(module: str, groups: list[str]) -> bool:

@@ -99,7 +99,7 @@ def cpu_unless_accelerators() -> str | None:
     process, and on a machine without TPU chips libtpu prints warnings and errors on stderr before JAX falls back
     to the CPU. Where neither a TPU chip nor a GPU is present the CPU is the only backend that can start, so
     JAX_PLATFORMS=cpu changes nothing but that noise: set it then, unless the user chose platforms. Returns the
-    value set, or None. maxpar/__init__.py calls it before JAX starts its backends (compiling for a topology still works: it needs no
+    value set, or None. Call before JAX starts its backends (compiling for a topology still works: it needs no
     TPU backend)."""
     if "JAX_PLATFORMS" in os.environ or importlib.util.find_spec("libtpu") is None:
         return None

@@ -17,6 +17,7 @@ import jax
 from maxpar.core.config import Config, ConfigError, load_config
 from maxpar.core.layout import TracedState
 from maxpar.core.mesh import num_slices_for, resolve_mesh_shape
+from maxpar.host.devices import cpu_unless_accelerators
 from maxpar.host.preflight import apply_simulated_devices
 from maxpar.host.topology import TopologySpec, libtpu_installed, topology_devices, topology_for_hardware
 from maxpar.io.logs import tool_log_path
@@ -174,6 +175,7 @@ def run(argv: Sequence[str]) -> tuple[dict[str, object], str, int]:
         raise ConfigError(USAGE)
     run_config = load_run_config(rest)  # a load_parameters_path=DIR plans the checkpoint's model
     config = run_config.config
+    cpu_unless_accelerators()  # before JAX starts: no libtpu warnings where there is no TPU
     topology = tpu_topology(config, flags["verify"])
     if topology is None:
         apply_simulated_devices(config)  # num_simulated_devices=N: before the local devices are looked at
