@@ -1,11 +1,12 @@
 """Regression: quantization=fp8 trains the default model to the held-out loss of the same run in bfloat16.
 
-    python end_to_end/fp8.py [--steps 300] [--tolerance 0.02] [--recipes current,delayed] [key=value ...]
+    python end_to_end/fp8.py [--steps 300] [--tolerance 0.02] [--recipes current,delayed] [--record DIR] [key=value ...]
     python end_to_end/fp8.py --gemm-check     # on a GPU: do the fp8 matmuls compile to cuBLASLt fp8 GEMMs?
 
 The first form runs `python -m maxpar.train configs/base.yml` once in dtype=bfloat16, then once per fp8 scaling
 recipe (--recipes: fp8_scaling=current, delayed; same seed, data and steps), prints the final held-out losses,
-each recipe's ratio to bfloat16's and the load average, and PASSes when every ratio is within --tolerance of 1.
+each recipe's ratio to bfloat16's and the load average, and PASSes when every ratio is within --tolerance of 1;
+`--record DIR` also writes them as an `fp8_300` record (`maxpar.tools.records`; named for the default step count).
 
 `--gemm-check` compiles the fp8 forward and backward of each projection shape of the benchmark model on the
 first device and counts the compiled program's cuBLASLt fp8 GEMM calls (`__cublas$lt$matmul$f8`): 3 per
@@ -23,10 +24,14 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+import time
 from preamble import prepare  # end_to_end/preamble.py: this script's folder is sys.path[0]
 from verdict import exit_with  # end_to_end/verdict.py: this script's folder is sys.path[0]
 
 REPO = prepare(devices=None)
+
+from maxpar.tools import records  # noqa: E402
+
 FP8_GEMM = "__cublas$lt$matmul$f8"
 
 
@@ -40,6 +45,7 @@ def final_eval_loss(out: Path, name: str, overrides: list[str]) -> float:
 
 
 def compare_training(args: argparse.Namespace) -> int:
+    load_start, started = records.load_average(), time.perf_counter()
     common = [f"steps={args.steps}", "dtype=bfloat16", *args.overrides]
     with tempfile.TemporaryDirectory() as out:
         bf16 = final_eval_loss(Path(out), "bf16", common)
@@ -50,6 +56,14 @@ def compare_training(args: argparse.Namespace) -> int:
     losses = ", ".join(f"fp8 {recipe} {ratio * bf16:.4f} (ratio {ratio:.4f})" for recipe, ratio in ratios.items())
     print(f"held-out loss after {args.steps} steps: bfloat16 {bf16:.4f}, {losses} (load average {load})")
     failed = [f"{recipe} {ratio:.4f}" for recipe, ratio in ratios.items() if abs(ratio - 1) > args.tolerance]
+    if args.record:
+        figures = {"steps": args.steps, "bf16_eval_loss": round(bf16, 4),
+                   **{f"fp8_{recipe}_eval_loss": round(ratio * bf16, 4) for recipe, ratio in ratios.items()},
+                   **{f"fp8_{recipe}_ratio": round(ratio, 4) for recipe, ratio in ratios.items()},
+                   "tolerance": args.tolerance, "pass": not failed, "wall_s": round(time.perf_counter() - started)}
+        command = ["python", "end_to_end/fp8.py", f"--steps={args.steps}", f"--recipes={','.join(args.recipes)}",
+                   *args.overrides]
+        print(f"record: {records.write_record(args.record, 'fp8_300', command, figures, load_start)}")
     if failed:
         print(f"FAIL: fp8/bf16 held-out loss ratios not within {args.tolerance:.0%} of 1: {', '.join(failed)}")
         return 1
@@ -111,6 +125,7 @@ def main() -> int:
     parser.add_argument("--recipes", type=lambda text: text.split(","), default=["current", "delayed"],
                         help="fp8_scaling recipes to compare with bfloat16, comma-separated")
     parser.add_argument("--gemm-check", action="store_true", help="only check the GPU's fp8 GEMM rewrite")
+    records.add_record_option(parser)
     parser.add_argument("overrides", nargs="*", help="key=value config overrides for both runs")
     args = parser.parse_args()
     return gemm_check() if args.gemm_check else compare_training(args)

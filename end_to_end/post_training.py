@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from preamble import prepare  # end_to_end/preamble.py: this script's folder is sys.path[0]
 
-REPO = prepare(devices=None, tests=False)
+REPO = prepare(devices=None)
 
 import argparse  # noqa: E402
 import math  # noqa: E402

@@ -36,7 +36,7 @@ from typing import Any
 from preamble import prepare  # end_to_end/preamble.py: this script's folder is sys.path[0]
 from verdict import exit_with  # end_to_end/verdict.py
 
-REPO = prepare(devices=None, tests=False)
+REPO = prepare(devices=None)
 
 from maxpar.tools import records  # noqa: E402
 

@@ -165,8 +165,8 @@ def setup_run(config: Config, devices: Sequence[jax.Device] | None = None) -> Ru
     data = open_datasets(config, global_rows=layout.batch.global_rows, eval_rows=layout.batch.microbatch_rows,
                          shard_index=block_index, shard_count=block_count, notify=tqdm.write)
     model = Transformer(model_config(config), layout.model)
-    return RunSetup(layout, devices, mesh, model, make_optimizer(config), data.train, data.eval, data.description,
-                    data.sources)
+    return RunSetup(layout, devices, mesh, model, make_optimizer(config, layout), data.train, data.eval,
+                    data.description, data.sources)
 
 
 def accumulation_words(steps: int, microbatch_rows: int) -> str:
@@ -382,10 +382,12 @@ def _train(config: Config, devices: Sequence[jax.Device] | None, run_dir: epath.
             when = cadence(config, has_eval_data=eval_fn is not None, checkpointing=manager is not None)
             timer, losses = StepTimer(), LossCheck(enabled=config.stop_on_nan)
             in_flight = StepsInFlight()  # a stop requested now waits for about one step, not for all dispatched
+            skipped_before = skipped_counts(state.opt_state)  # the updates skipped before the last row (or start)
 
             def log_step(step: int, metrics: dict[str, Any], state: Any = None, late: bool = False) -> dict[str, Any]:
-                """Read, evaluate (given the `state`) and write one metrics row. A row read `late` ends the timer's
-                window where the step ended: the next step is already running."""
+                """Read, evaluate (given the `state`) and write one metrics row, and a line for the updates skipped
+                since the previous row. A row read `late` ends the timer's window where the step ended: the next step
+                is already running."""
                 row = _metrics_row(run, step, jax.device_get(metrics), timer.per_step(), peak)
                 if late:
                     timer.restart()
@@ -394,6 +396,10 @@ def _train(config: Config, devices: Sequence[jax.Device] | None, run_dir: epath.
                 writer.write(row)
                 bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
                 log(_format_row(row))
+                skipped = _skipped_words(skipped_before, row, config.skip_step_on_spike_factor)
+                if skipped:
+                    log(skipped)
+                skipped_before.update({key: row[key] for key in SKIPPED_COUNTS})
                 return row
 
             lagging: tuple[int, Any] | None = None  # a step read late (Due.read_late): read after the next dispatch
@@ -411,7 +417,7 @@ def _train(config: Config, devices: Sequence[jax.Device] | None, run_dir: epath.
                 if lagging:  # the previous step, read now that this one is queued
                     losses.check(manager)
                     row, lagging = log_step(*lagging, late=True), None
-                losses.add(step, metrics["loss"])
+                losses.add(step, metrics["loss"], metrics["grad_norm"])
                 timer.tick()
                 bar.update(1)
                 due = when.after(step, stop=preemption.requested(step))
@@ -462,8 +468,32 @@ def _metrics_row(run: RunSetup, step: int, metrics: dict[str, Any], step_time_s:
             "learning_rate": float(metrics["learning_rate"]), "eval_loss": None,
             **throughput(run.config, tokens_per_step=run.shape.tokens_per_step, step_time_s=step_time_s,
                          num_devices=len(run.devices), peak=peak),
-            **{key: float(value) for key, value in metrics.items() if key.startswith(("moe_", "mtp_", "dpo_"))},
+            **{key: float(value) for key, value in metrics.items()
+               if key.startswith(("moe_", "mtp_", "z_loss", "dpo_"))},
+            **{key: int(metrics[key]) for key in SKIPPED_COUNTS},
             **_source_tokens(run, metrics)}
+
+
+SKIPPED_COUNTS = ("skipped_nonfinite", "skipped_spikes")  # the run's skipped updates so far, by cause
+
+
+def skipped_counts(opt_state: Any) -> dict[str, int]:
+    """The SKIPPED_COUNTS a (restored) train state's bad-step guard holds."""
+    guard = jax.device_get(opt_state.guard)
+    return {"skipped_nonfinite": int(guard.skipped_nonfinite), "skipped_spikes": int(guard.skipped_spikes)}
+
+
+def _skipped_words(before: dict[str, int], row: dict[str, Any], spike_factor: float) -> str:
+    """A line for the updates skipped since `before` (the counts at the previous row) ('' when none)."""
+    new = {key: row[key] - before[key] for key in SKIPPED_COUNTS}
+    if not any(new.values()):
+        return ""
+    causes = [f"{new['skipped_nonfinite']} with a NaN/Inf loss or gradient norm"] if new["skipped_nonfinite"] else []
+    if new["skipped_spikes"]:
+        causes.append(f"{new['skipped_spikes']} with a loss over {spike_factor:g} x its running average")
+    total = sum(row[key] for key in SKIPPED_COUNTS)
+    return (f"  skipped {sum(new.values())} update(s) by step {row['step']} ({'; '.join(causes)}): their batches "
+            f"were used up, nothing else moved; {total} skipped in this run")
 
 
 def _format_row(row: dict[str, Any]) -> str:
@@ -478,8 +508,13 @@ def _format_row(row: dict[str, Any]) -> str:
         parts += [f"balance {row['moe_load_balance_loss']:.3f}", f"dropped {row['moe_dropped_fraction']:.1%}"]
     if row.get("mtp_loss") is not None:
         parts.append(f"mtp_loss {row['mtp_loss']:.4f}")
+    if row.get("z_loss") is not None:
+        parts.append(f"z_loss {row['z_loss']:.3f}")
     if row.get("dpo_reward_accuracy") is not None:
         parts.append(f"reward accuracy {row['dpo_reward_accuracy']:.2f} margin {row['dpo_reward_margin']:.3f}")
+    skipped = sum(row.get(key, 0) for key in SKIPPED_COUNTS)
+    if skipped:
+        parts.append(f"skipped {skipped}")
     return "  ".join(parts)
 
 

@@ -63,8 +63,9 @@ if "MAXPAR_TESTS_SHARED_DIR" not in os.environ:  # set: a worker of this session
 FAST = {
     "test_activations", "test_architecture", "test_attention", "test_blockwise", "test_cadence", "test_chat",
     "test_data", "test_devices", "test_run_messages", "test_test_cost",
-    "test_logs", "test_mesh", "test_mixture", "test_moe", "test_op_schedule", "test_optimizer",
+    "test_logs", "test_mesh", "test_mixture", "test_moe", "test_op_schedule", "test_optimizer", "test_optimizers",
     "test_pipeline_schedule", "test_plan", "test_plan_hlo", "test_results_page", "test_topology", "test_tpu_hlo",
+    "test_fp8_dots",
 }
 
 
@@ -80,13 +81,12 @@ DEV_TIER_MAX_CPU_S = 6.0
 
 def recorded_costs(figure: str) -> dict[str, float]:
     """CPU seconds by test module (figure "cpu_s_by_module", keys test_x.py) or by test ("cpu_s_by_test", keys
-    pytest's node ids) in the newest test_cost record that has them (`python -m maxpar.tools.test_cost --record
-    docs/results` writes one); {} when none does."""
-    for path in sorted(RESULTS.glob("test_cost-*.json"), reverse=True):  # the names sort by date
-        costs = json.loads(path.read_text(encoding="utf-8"))["figures"].get(figure)
-        if costs:
-            return costs
-    return {}
+    pytest's node ids), each from the newest test_cost record that has it (`python -m maxpar.tools.test_cost --record
+    docs/results` writes one, for the whole suite or the modules it ran); {} when none does."""
+    costs: dict[str, float] = {}
+    for path in sorted(RESULTS.glob("test_cost-*.json")):  # the names sort by date: newer ones overwrite
+        costs.update(json.loads(path.read_text(encoding="utf-8"))["figures"].get(figure) or {})
+    return costs
 
 
 def recorded_as_costly(items: list[pytest.Item], costs: dict[str, float], limit: float) -> list[pytest.Item]:

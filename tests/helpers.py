@@ -19,22 +19,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from maxpar.core.config import Config
-from maxpar.tools.testbed import (MICRO, REPO, compilation_cache_env, kill_and_rerun, logged_steps,  # noqa: F401
-                                   micro_config, read_metrics, start_training, train_command, wait_for_step,
-                                   wait_until, write_corpus)
-
-
-def layout_on(config: Config, devices=None, tx=None):
-    """(run layout, mesh) of `config` on `devices` (default: all), resolved and bound as the trainer does."""
-    import jax
-
-    from maxpar.core.mesh import build_mesh, local_mesh_shape
-    from maxpar.training.train_step import run_layout
-
-    devices = list(jax.devices() if devices is None else devices)
-    layout = run_layout(config, local_mesh_shape(config, devices), tx, check_batch=False)
-    return layout, build_mesh(layout.mesh, devices)
+from maxpar.tools.testbed import (MICRO, REPO, compilation_cache_env, kill_and_rerun, layout_on,  # noqa: F401
+                                   logged_steps, micro_config, read_metrics, start_training, train_command,
+                                   wait_for_step, wait_until, write_corpus)
 
 
 def train_metrics(run_dir: Path, corpus: str, devices, steps: int, *overrides: str,

@@ -18,10 +18,11 @@ LAYERS = [
     ["maxpar.core.sharding"], ["maxpar.core.schedule"], ["maxpar.core.op_schedule"], ["maxpar.core.layout"],
     ["maxpar.pipeline"],  # the SPMD loop over stages: generic, so the model imports it
     ["maxpar.model"],
-    # training/: the optimizer, the jitted step, then the loop's policies and its summary
-    ["maxpar.training.optimizer"], ["maxpar.training.trainable"], ["maxpar.training.dpo"],
-    ["maxpar.training.train_step"],
-    ["maxpar.training.cadence", "maxpar.training.guards", "maxpar.training.profiler", "maxpar.training.summary"],
+    # training/: the guards (the step's bad-step test among them), Muon, the optimizer, which parameters train, DPO's
+    # loss, the jitted step, then the loop's policies and its summary
+    ["maxpar.training.guards"], ["maxpar.training.muon"], ["maxpar.training.optimizer"], ["maxpar.training.trainable"],
+    ["maxpar.training.dpo"], ["maxpar.training.train_step"],
+    ["maxpar.training.cadence", "maxpar.training.profiler", "maxpar.training.summary"],
     ["maxpar.io", "maxpar.host"],  # beside the spine: data, checkpoints, metrics, logs; the process and its host
     ["maxpar.plan"],  # the planner
     ["maxpar.train"],  # the loop: checks the planner's memory fit before it runs

@@ -516,6 +516,16 @@ def test_batch_shape_rejects_fractional_rows(per_device, devices):
     assert "per_device_batch_size" in str(info.value) and str(devices) in str(info.value)
 
 
+def test_the_llama3_2_3b_preset_has_the_published_shape():
+    """configs/models/llama3.2-3b.yml (the GPU fp8 benchmark's ~3B model): Llama 3.2 3B's config.json dims, its
+    input embedding tied to the output, llama3 RoPE scaling."""
+    config = load("model_name=llama3.2-3b")
+    got = (config.emb_dim, config.num_query_heads, config.num_kv_heads, config.head_dim, config.mlp_dim,
+           config.num_decoder_layers, config.vocab_size, config.rope_theta)
+    assert got == (3072, 24, 8, 128, 8192, 28, 128256, 500000.0)
+    assert config.logits_via_embedding and config.rope_scaling_type == "llama3" and config.rope_scaling_factor == 32
+
+
 @pytest.mark.parametrize("preset", sorted(p.stem for p in (CONFIGS / "models").glob("*.yml")))
 def test_every_preset_reads_the_default_data(preset):
     """Every preset trains on the defaults' corpus and tokenizer: its vocabulary holds the tokenizer's (deepseek-tiny

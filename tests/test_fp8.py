@@ -264,18 +264,25 @@ def test_a_pipeline_reports_each_layers_largest_amax_like_one_device(name, obser
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * float(np.max(np.abs(want))))
 
 
-# ---------------------------------------------------------------- MoE experts (round trips under shard_map)
+# ---------------------------------------------------------------- MoE experts (fp8 products under shard_map)
 
-def test_the_round_trip_product_is_the_fp8_matmul_forward_and_backward():
-    """The experts' fp8 (operands to e4m3 and back, the output's gradient to e5m2 and back, jax's own gradients)
-    computes what the fp8 matmul of maxpar.model.matmul does."""
+def test_the_grouped_experts_product_is_the_fp8_matmul_forward_and_backward():
+    """The dropless experts' fp8 (maxpar.model.moe_dispatch.Grouped: ragged dots on the fp8 operands) computes what
+    the fp8 matmul of maxpar.model.matmul does: one expert's rows, then padding rows, which give zeros."""
+    from maxpar.model.moe_dispatch import Grouped
+
     x, w, g = operands()
-    einsum = lambda a, b: jnp.einsum(SPEC, a, b)  # noqa: E731
-    y, pullback = jax.vjp(lambda x, w: fp8.fp8_product(einsum, x, w, ()), x, w)
-    want, want_pullback = jax.vjp(lambda x, w: matmul(SPEC, x, w, jnp.float32, quantization="fp8"), x, w)
-    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
-    for got, expected in zip(pullback(g), want_pullback(g)):
-        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    x, w, g = x.reshape(10, 16), w.reshape(16, 12), g.reshape(10, 12)
+    grouped = Grouped(jnp.array([7], jnp.int32))  # rows 7-9: padding
+    y, pullback = jax.vjp(lambda x, w: fp8.fp8_product(grouped, x, w), x, w[None])
+    want, want_pullback = jax.vjp(lambda x, w: matmul("te,em->tm", x, w, jnp.float32, quantization="fp8"), x[:7], w)
+    np.testing.assert_allclose(y[:7], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(y[7:], 0.0)
+    dx, dw = pullback(g.at[7:].set(0.0))
+    want_dx, want_dw = want_pullback(g[:7])
+    np.testing.assert_allclose(dx[:7], want_dx, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(dx[7:], 0.0)
+    np.testing.assert_allclose(dw[0], want_dw, rtol=1e-5, atol=1e-5)
 
 
 def test_a_sharded_tensor_is_scaled_by_its_global_amax():
@@ -346,15 +353,23 @@ def expert_block_gradients(config, layout=None, mesh=None):
     return variables["params"], jax.device_get(jax.jit(jax.grad(objective, (0, 1, 2)))(*args))
 
 
+@pytest.fixture(scope="module")
+def experts_on_one_device() -> dict:
+    """{dispatch overrides: (parameters, gradients) of `expert_block_gradients` on one device}, each computed once."""
+    return {}
+
+
 @pytest.mark.parametrize("name", list(EXPERT_MESHES))
-def test_expert_parallel_experts_observe_each_experts_amaxes_like_one_device(name):
+def test_expert_parallel_experts_observe_each_experts_amaxes_like_one_device(name, experts_on_one_device):
     """fp8_scaling=delayed keeps a history per expert: each expert's operands are scaled by its own history and
     report its own amaxes, a max over the shards of its tokens and weights (not a sum): under EP x FSDP (x TP) the
     observed amaxes and the gradients equal one device's, and a weight's are its expert's own max |w|."""
     from helpers import layout_on
 
     devices, mesh, dispatch = EXPERT_MESHES[name]
-    params, (dx, grads, seen) = expert_block_gradients(micro_config(*EXPERT_DELAYED, *dispatch))
+    if dispatch not in experts_on_one_device:
+        experts_on_one_device[dispatch] = expert_block_gradients(micro_config(*EXPERT_DELAYED, *dispatch))
+    params, (dx, grads, seen) = experts_on_one_device[dispatch]
     layout, bound = layout_on(micro_config(*EXPERT_DELAYED, *dispatch, *mesh), jax.devices()[:devices])
     _, (sharded_dx, sharded_grads, sharded_seen) = expert_block_gradients(
         micro_config(*EXPERT_DELAYED, *dispatch, *mesh), layout, bound)
@@ -368,72 +383,107 @@ def test_expert_parallel_experts_observe_each_experts_amaxes_like_one_device(nam
         np.testing.assert_array_equal(seen[weight][..., 1:], 0.0)
 
 
-# ---------------------------------------------------------------- training
+# ---------------------------------------------------------------- training: compiled steps on fixed batches
 
-STEPS = 5
+ROWS, STEPS = 8, 4  # rows of every run's global batch (per_device_batch_size x data-like devices), steps compared
+
+
+@dataclasses.dataclass(frozen=True)
+class Steps:
+    """What compiled train steps on fixed batches gave: per-step loss and gradient norm, and the amax histories
+    after the last step in the canonical layer layout (a checkpoint's; {} without delayed scaling)."""
+    loss: np.ndarray
+    grad_norm: np.ndarray
+    histories: Any
+
+
+def compiled_steps(devices, *overrides: str, batches=None, steps: int = STEPS) -> Steps:
+    """The trainer's compiled step (its layout, initialization and optimizer) run `steps` times on `batches` in turn
+    (default: one packed batch); no data loader, logging or checkpointing, which equivalence does not need."""
+    from helpers import packed_batch
+    from maxpar.core.config import model_config
+    from maxpar.model import stack
+    from maxpar.train import setup_run
+    from maxpar.training.train_step import create_state
+
+    config = micro_config("dataset_type=synthetic", *overrides)
+    run = setup_run(config, devices)
+    state, step = create_state(run.model, run.tx, run.layout, run.mesh), run.compile_train_step()
+    batches = batches or [packed_batch(ROWS, config.max_target_length)]
+    rows = []
+    for i in range(steps):
+        state, metrics = step(state, jax.device_put(batches[i % len(batches)], run.in_sharding))
+        rows.append((float(metrics["loss"]), float(metrics["grad_norm"])))
+    histories = jax.device_get(stack.to_canonical(state.fp8_meta, model_config(config)))
+    return Steps(*np.array(rows).T, jax.tree.map(np.asarray, histories))
+
+
+def assert_equal_at_fp8_tolerance(got: Steps, want: Steps) -> None:
+    """The first step's loss (the same parameters) matches at the suite's tolerance. Its backward and the later steps
+    do not: float32 rounding-order differences of a sharded step (last bits) move a few values across an fp8
+    rounding boundary, where they change by a whole fp8 ulp (2^-4 or 2^-3 relative), so losses and gradient norms
+    agree to 0.5% (measured: 7e-4), not to 1e-5."""
+    np.testing.assert_allclose(got.loss[0], want.loss[0], rtol=1e-5)
+    np.testing.assert_allclose(got.loss, want.loss, rtol=5e-3)
+    np.testing.assert_allclose(got.grad_norm, want.grad_norm, rtol=5e-3)
+
+
+def assert_histories_close(got: Any, want: Any) -> None:
+    """An amax is the most extreme of a tensor's values, so it drifts further than the losses (0.5%): x and w rows
+    measured 0.7% and 2.4% apart after 4-5 steps; the gradient's amax is the max of a cotangent that went through
+    e5m2 roundings upstream, so one crossing moves it by up to an e5m2 step (2^-2 relative; measured 7%)."""
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert (b > 0).all()  # every step observed every amax
+        np.testing.assert_allclose(a[..., :2, :], b[..., :2, :], rtol=5e-2)
+        np.testing.assert_allclose(a[..., 2, :], b[..., 2, :], rtol=2.0**-2)
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    from helpers import write_corpus
-    return write_corpus(tmp_path_factory.mktemp("corpus"))
+def current_on_one_device() -> Steps:
+    one = compiled_steps(jax.devices()[:1], "per_device_batch_size=8", "quantization=fp8")
+    assert one.loss[-1] < one.loss[0] - 0.5  # it is really training
+    return one
 
 
-def run_metrics(tmp_path, corpus, devices, *overrides) -> dict[str, np.ndarray]:
-    """{loss, grad_norm: their values at steps 1..STEPS} of a training run into tmp_path / "run" (its checkpoints
-    hold the amax histories)."""
-    from helpers import train_metrics
-    return train_metrics(tmp_path / "run", corpus, devices, STEPS, *overrides)
-
-
-def test_fp8_on_fsdp8_equals_fp8_on_one_device(tmp_path, corpus):
-    """Per-tensor amaxes are global maxima, the same however a tensor is split: FSDP(8) quantizes as one device.
-
-    The first step's loss (the same parameters) matches at the suite's tolerance. Its backward and the later
-    steps do not: float32 rounding-order differences of the sharded step (last bits) move a few values across an
-    fp8 rounding boundary, where they change by a whole fp8 ulp (2^-4 or 2^-3 relative), so losses and gradient
-    norms agree to 0.5% (measured: 7e-4), not to 1e-5.
-    """
-    single = run_metrics(tmp_path / "one", corpus, jax.devices()[:1], "per_device_batch_size=8", "quantization=fp8")
-    sharded = run_metrics(tmp_path / "eight", corpus, jax.devices(), "per_device_batch_size=1", "quantization=fp8",
-                          "ici_fsdp_parallelism=8")
-    assert single["loss"][-1] < single["loss"][0] - 1  # it is really training
-    np.testing.assert_allclose(sharded["loss"][0], single["loss"][0], rtol=1e-5)
-    for name in single:
-        np.testing.assert_allclose(sharded[name], single[name], rtol=5e-3, err_msg=name)
+def test_fp8_on_fsdp8_equals_fp8_on_one_device(current_on_one_device):
+    """Per-tensor amaxes are global maxima, the same however a tensor is split: FSDP(8) quantizes as one device."""
+    sharded = compiled_steps(jax.devices(), "per_device_batch_size=1", "quantization=fp8", "ici_fsdp_parallelism=8")
+    assert_equal_at_fp8_tolerance(sharded, current_on_one_device)
 
 
 def test_bfloat16_fp8_steps_run_with_tensor_parallel_shards():
     """bfloat16 compute (XLA:CPU runs its dots only inside its own fusions) with the amaxes of TP-split activations
     and weights: DP(2) x FSDP(2) x TP(2), remat_policy=minimal (the fp8 residuals are saved)."""
-    from maxpar.train import global_batch, setup_run
-    from maxpar.training.train_step import create_state
-
-    config = micro_config("quantization=fp8", "dtype=bfloat16", "dataset_type=synthetic", "per_device_batch_size=2",
-                         "steps=2", "ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2",
-                         "remat_policy=minimal")
-    run = setup_run(config, jax.devices())
-    state = create_state(run.model, run.tx, run.layout, run.mesh)
-    step, batches, losses = run.compile_train_step(), iter(run.train_data), []
-    for _ in range(2):
-        state, metrics = step(state, global_batch(next(batches), run.in_sharding))
-        losses.append(float(metrics["loss"]))
-    assert np.isfinite(losses).all() and losses[1] < losses[0], losses
+    steps = compiled_steps(jax.devices(), "quantization=fp8", "dtype=bfloat16", "per_device_batch_size=1",
+                           "ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2",
+                           "remat_policy=minimal", steps=3)  # the first step's learning rate is 0 (warmup)
+    assert np.isfinite(steps.loss).all() and steps.loss[2] < steps.loss[0], steps.loss
 
 
-@pytest.mark.slow
-def test_fp8_trains_like_bfloat16(tmp_path, corpus):
-    """Looser than end_to_end/fp8.py (300 steps, 2%): 60 steps of the tiny model, the last losses within 3%."""
-    from maxpar.train import train
-    from helpers import read_metrics
+def text_batches(count: int, length: int) -> list[dict[str, np.ndarray]]:
+    """`count` batches of ROWS rows of English-like bytes (the test corpus's words), one document per row: something
+    to learn that a fixed batch of random tokens lacks."""
+    rng = np.random.default_rng(1)
+    words = "the model learns to predict the next byte of text while data flows across the mesh".split()
+    stream = np.frombuffer(" ".join(rng.choice(words, size=count * ROWS * length)).encode(), np.uint8)
+    rows = stream[:count * ROWS * (length + 1)].astype(np.int32).reshape(count, ROWS, length + 1)
+    positions = np.broadcast_to(np.arange(length, dtype=np.int32), (ROWS, length))
+    return [{"inputs": r[:, :-1], "targets": r[:, 1:], "segment_ids": np.ones_like(positions), "positions": positions}
+            for r in rows]
 
-    def last_losses(name, *overrides):
-        config = micro_config("steps=60", "dataset_type=text", f"dataset_path={corpus}", "eval_fraction=0",
-                             "dtype=bfloat16", "per_device_batch_size=8", *overrides)
-        train(config, devices=jax.devices()[:1], run_dir=tmp_path / name)
-        return np.mean([row["loss"] for row in read_metrics(tmp_path / name)[-10:]])
 
-    bf16, fp8_loss = last_losses("bf16"), last_losses("fp8", "quantization=fp8")
+def test_fp8_trains_like_bfloat16():
+    """Looser than end_to_end/fp8.py (300 steps, 2%): 40 steps of the tiny model, each on new text (so it learns the
+    text, not the batches by heart), the last losses within 3%."""
+    batches = text_batches(40, 32)
+
+    def last_losses(*overrides):
+        steps = compiled_steps(jax.devices()[:1], "dtype=bfloat16", "per_device_batch_size=8", *overrides,
+                               batches=batches, steps=40)
+        return float(np.mean(steps.loss[-8:]))
+
+    bf16, fp8_loss = last_losses(), last_losses("quantization=fp8")
     assert bf16 < 3.0  # it learned something (uniform over the vocabulary: ln 264 = 5.6)
     assert abs(fp8_loss / bf16 - 1) < 0.03, (fp8_loss, bf16)
 
@@ -470,74 +520,59 @@ def test_planner_counts_the_quantized_matmuls_at_the_fp8_peak():
 
 # ---------------------------------------------------------------- delayed scaling: training and resuming
 
-DELAYED_RUN = ("quantization=fp8", "fp8_scaling=delayed", "fp8_amax_history_length=2", "enable_checkpointing=true",
-               "checkpoint_period=5")  # STEPS: the histories after the last step are saved
+DELAYED_STEPS = ("quantization=fp8", "fp8_scaling=delayed", "fp8_amax_history_length=2")
+MOE = ("num_experts=4", "num_experts_per_tok=2")
 
 
 @pytest.fixture(scope="module")
-def delayed_on_one_device(tmp_path_factory, corpus):
-    """(metrics, histories after the last step) of a delayed-scaling run on one device."""
-    run_dir = tmp_path_factory.mktemp("one")
-    metrics = run_metrics(run_dir, corpus, jax.devices()[:1], "per_device_batch_size=8", *DELAYED_RUN)
-    assert metrics["loss"][-1] < metrics["loss"][0] - 1  # it is really training
-    return metrics, saved_histories(run_dir / "run", STEPS)
+def delayed_on_one_device() -> Steps:
+    one = compiled_steps(jax.devices()[:1], "per_device_batch_size=8", *DELAYED_STEPS)
+    assert one.loss[-1] < one.loss[0] - 0.5  # it is really training
+    return one
 
 
-@pytest.mark.filterwarnings("ignore:Sharding info not provided")  # saved_histories reads them as one device
 @pytest.mark.parametrize("mesh", [("ici_fsdp_parallelism=4",),
                                   ("ici_stage_parallelism=2", "ici_fsdp_parallelism=2", "num_pipeline_microbatches=1")],
                          ids=["fsdp4", "gpipe_s2_fsdp2"])
-def test_delayed_fp8_on_a_mesh_equals_delayed_fp8_on_one_device(mesh, tmp_path, corpus, delayed_on_one_device):
+def test_delayed_fp8_on_a_mesh_equals_delayed_fp8_on_one_device(mesh, delayed_on_one_device):
     """The histories hold global amaxes (a max over the sharded tensors; in a pipeline, over each layer's stage
-    iterations), so FSDP and gPipe keep the same histories and scales as one device: equal at the tolerance of
-    `test_fp8_on_fsdp8_equals_fp8_on_one_device`, which says why. Four shards split every tensor as eight do (the
-    current-scaling test has eight); one microbatch keeps the first step's current scales those of the whole batch
-    (more microbatches: `test_a_pipeline_reports_each_layers_largest_amax_like_one_device`)."""
-    single, histories = delayed_on_one_device
-    sharded = run_metrics(tmp_path, corpus, jax.devices()[:4], "per_device_batch_size=2", *DELAYED_RUN, *mesh)
-    np.testing.assert_allclose(sharded["loss"][0], single["loss"][0], rtol=1e-5)
-    for name in single:
-        np.testing.assert_allclose(sharded[name], single[name], rtol=5e-3, err_msg=name)
-    got = saved_histories(tmp_path / "run", STEPS)
-    assert jax.tree.structure(got) == jax.tree.structure(histories)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(histories)):
-        # An amax is the most extreme of a tensor's values, so it drifts further than the losses (0.5%) at this
-        # learning rate: x and w rows measured 0.7% and 2.4% apart after 4-5 steps; the gradient's amax is the max of
-        # a cotangent that went through e5m2 roundings upstream, so one crossing moves it by up to an e5m2 step
-        # (2^-2 relative; measured 7%).
-        np.testing.assert_allclose(a[..., :2, :], b[..., :2, :], rtol=5e-2)
-        np.testing.assert_allclose(a[..., 2, :], b[..., 2, :], rtol=2.0**-2)
+    iterations), so FSDP and gPipe keep the same histories and scales as one device: equal at fp8's tolerance
+    (`assert_equal_at_fp8_tolerance` says why). Four shards split every tensor as eight do (the current-scaling
+    test has eight); one microbatch keeps the first step's current scales those of the whole batch (more
+    microbatches: `test_a_pipeline_reports_each_layers_largest_amax_like_one_device`)."""
+    sharded = compiled_steps(jax.devices()[:4], "per_device_batch_size=2", *DELAYED_STEPS, *mesh)
+    assert_equal_at_fp8_tolerance(sharded, delayed_on_one_device)
+    assert_histories_close(sharded.histories, delayed_on_one_device.histories)
 
 
-@pytest.mark.filterwarnings("ignore:Sharding info not provided")  # saved_histories reads them as one device
-def test_delayed_fp8_moe_on_ep2_fsdp2_equals_one_device_and_its_histories_restore_expert_sharded(tmp_path, corpus):
-    """The experts' per-expert histories train under EP(2) x FSDP(2) as on one device (the tolerances of
-    `test_delayed_fp8_on_a_mesh_equals_delayed_fp8_on_one_device`, which say why), are checkpointed in the canonical
-    [layers, experts, x/w/g, length] and restore from the one-device run's checkpoint onto the expert-sharded
-    layout bit for bit."""
-    from helpers import layout_on
-    from maxpar.io import checkpoint
+def test_delayed_fp8_moe_on_ep2_fsdp2_equals_one_device():
+    """The experts' per-expert histories train under EP(2) x FSDP(2) as on one device, in the canonical
+    [layers, experts, x/w/g, length]."""
+    one = compiled_steps(jax.devices()[:1], "per_device_batch_size=8", *DELAYED_STEPS, *MOE)
+    sharded = compiled_steps(jax.devices()[:4], "per_device_batch_size=2", *DELAYED_STEPS, *MOE,
+                             "ici_expert_parallelism=2", "ici_fsdp_parallelism=2")
+    assert one.loss[-1] < one.loss[0] - 0.5  # it is really training
+    assert_equal_at_fp8_tolerance(sharded, one)
+    want = one.histories["decoder"]["layers"]["moe"]
+    assert {h.shape for h in jax.tree.leaves(want)} == {(2, 4, 3, 2)}
+    assert_histories_close(sharded.histories["decoder"]["layers"]["moe"], want)
 
-    moe, ep = (*DELAYED_RUN, "num_experts=4", "num_experts_per_tok=2"), ("ici_expert_parallelism=2",
-                                                                          "ici_fsdp_parallelism=2")
-    single = run_metrics(tmp_path / "one", corpus, jax.devices()[:1], "per_device_batch_size=8", *moe)
-    sharded = run_metrics(tmp_path / "ep", corpus, jax.devices()[:4], "per_device_batch_size=2", *moe, *ep)
-    assert single["loss"][-1] < single["loss"][0] - 1  # it is really training
-    np.testing.assert_allclose(sharded["loss"][0], single["loss"][0], rtol=1e-5)
-    for name in single:
-        np.testing.assert_allclose(sharded[name], single[name], rtol=5e-3, err_msg=name)
-    want, got = (saved_histories(tmp_path / run / "run", STEPS)["decoder"]["layers"]["moe"] for run in ("one", "ep"))
-    assert {h.shape for h in jax.tree.leaves(want)} == {(2, 4, 3, 2)} and (fp8.observed(want["wo"]) > 0).all()
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(a[..., :2, :], b[..., :2, :], rtol=5e-2)
-        np.testing.assert_allclose(a[..., 2, :], b[..., 2, :], rtol=2.0**-2)
 
-    layout, mesh = layout_on(micro_config(*moe, *ep, "per_device_batch_size=2"), jax.devices()[:4])
-    restored = checkpoint.load_full_state(str(tmp_path / "one" / "run"), checkpoint.Target.of(layout, mesh))
-    histories = restored.fp8_meta["decoder"]["layers"]["moe"]
-    for name, history in histories.items():
-        assert "expert" in str(history.sharding.spec), history.sharding
-        np.testing.assert_array_equal(np.asarray(history), want[name])
+# One run of the trainer itself, with checkpoints: the histories' way to disk and back.
+CHECKPOINTED = ("dataset_type=text", "eval_fraction=0", "per_device_batch_size=8", "steps=4", "checkpoint_period=2",
+                "enable_checkpointing=true", *DELAYED_STEPS, *MOE)
+
+
+@pytest.fixture(scope="module")
+def checkpointed_run(tmp_path_factory):
+    """The run directory of a delayed-fp8 MoE run on one device that saved checkpoints 2 and 4."""
+    from helpers import write_corpus
+    from maxpar.train import train
+
+    root = tmp_path_factory.mktemp("checkpointed")
+    corpus = write_corpus(root / "corpus")
+    train(micro_config(*CHECKPOINTED, f"dataset_path={corpus}"), devices=jax.devices()[:1], run_dir=root / "run")
+    return root / "run", corpus
 
 
 def saved_histories(run_dir, step):
@@ -549,37 +584,47 @@ def saved_histories(run_dir, step):
         return jax.tree.map(np.asarray, reader.restore(run_dir / "checkpoints" / str(step) / HISTORIES))
 
 
-@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Sharding info not provided")  # saved_histories reads them as one device
-def test_the_amax_histories_survive_a_kill_and_resume_bitwise(tmp_path, corpus):
-    """kill -9 once checkpoint 4 is complete, then the same run resumes: every step's loss and gradient norm and the
-    last checkpoint's histories equal the uninterrupted run's bit for bit (resuming with empty histories would
-    change the first resumed step's scales, and its loss)."""
-    from helpers import (compilation_cache_env, logged_steps, read_metrics, start_training, train_command,
-                         wait_until)
+def test_the_amax_histories_survive_a_resume_bitwise(tmp_path, checkpointed_run):
+    """The run resumed from checkpoint 2 (its newest, as a crash after it leaves it) logs steps 3 and 4 and saves
+    the histories of step 4 bit for bit as the uninterrupted run did (resuming with empty histories would change the
+    first resumed step's scales, and its loss)."""
+    import shutil
+
+    from helpers import read_metrics
     from maxpar.train import train
 
-    steps = 16
-    delayed = ["dataset_type=text", f"dataset_path={corpus}", "per_device_batch_size=1", f"steps={steps}",
-               "checkpoint_period=4", "enable_checkpointing=true", "quantization=fp8", "fp8_scaling=delayed",
-               "fp8_amax_history_length=3"]
-    reference, run_dir = tmp_path / "reference", tmp_path / "run"
-    train(micro_config(*delayed), devices=jax.devices(), run_dir=reference)
+    reference, corpus = checkpointed_run
+    resumed = tmp_path / "run"
+    shutil.copytree(reference, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "4")
+    train(micro_config(*CHECKPOINTED, f"dataset_path={corpus}"), devices=jax.devices()[:1], run_dir=resumed)
 
-    first = start_training(train_command(*delayed, f"base_output_directory={tmp_path}", "run_name=run"),
-                           tmp_path / "first.log", compilation_cache_env(tmp_path / "jax_cache"))
-    wait_until(first, (run_dir / "checkpoints" / "4").is_dir, "checkpoint 4 was complete")
-    first.kill()
-    first.wait(timeout=60)
-    assert max(logged_steps(run_dir)) < steps, "the run finished before it could be killed"
-    train(micro_config(*delayed), devices=jax.devices(), run_dir=run_dir)
-
-    rows, expected = read_metrics(run_dir), read_metrics(reference)
-    assert [row["step"] for row in rows] == list(range(1, steps + 1))
+    rows, expected = read_metrics(resumed), read_metrics(reference)
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
     for name in ("loss", "grad_norm"):
         assert [row[name] for row in rows] == [row[name] for row in expected], name
-    got, want = saved_histories(run_dir, steps), saved_histories(reference, steps)
+    got, want = saved_histories(resumed, 4), saved_histories(reference, 4)
     assert jax.tree.structure(got) == jax.tree.structure(want)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(a, b)
         assert (a > 0).all()  # a full history: every step observed every amax
+
+
+@pytest.mark.filterwarnings("ignore:Sharding info not provided")  # saved_histories reads them as one device
+def test_the_experts_histories_restore_expert_sharded(checkpointed_run):
+    """The one-device run's per-expert histories restore onto an EP(2) x FSDP(2) layout, split over the expert
+    axis, bit for bit."""
+    from helpers import layout_on
+    from maxpar.io import checkpoint
+
+    run_dir, _ = checkpointed_run
+    want = saved_histories(run_dir, 4)["decoder"]["layers"]["moe"]
+    assert {h.shape for h in jax.tree.leaves(want)} == {(2, 4, 3, 2)} and (fp8.observed(want["wo"]) > 0).all()
+    layout, mesh = layout_on(micro_config(*CHECKPOINTED, "per_device_batch_size=2", "ici_expert_parallelism=2",
+                                         "ici_fsdp_parallelism=2"), jax.devices()[:4])
+    restored = checkpoint.load_full_state(str(run_dir), checkpoint.Target.of(layout, mesh))
+    histories = restored.fp8_meta["decoder"]["layers"]["moe"]
+    for name, history in histories.items():
+        assert "expert" in str(history.sharding.spec), history.sharding
+        np.testing.assert_array_equal(np.asarray(history), want[name])

@@ -155,6 +155,44 @@ def test_dpo_on_a_mesh_equals_one_device(name, keys, mesh, dpo_batch):
     np.testing.assert_allclose(sharded, reference, rtol=2e-5, atol=1e-6)
 
 
+def test_a_bad_dpo_lora_step_moves_nothing(dpo_batch):
+    """The bad-step guard holds for DPO with LoRA: a good step moves the adapters; a step judged a spike (the guard
+    remembers losses averaging 0.01, this one is ln 2) and one with a NaN in an adapter keep the adapters, their
+    moments and the frozen base and reference bitwise; only `step` and the guard's counts move."""
+    config = micro_config(*DPO, *LORA, "skip_step_on_spike_factor=2")
+    tx = make_optimizer(config)
+    layout, mesh = layout_on(config, jax.devices()[:1], tx)
+    model = Transformer(model_config(config), layout.model)
+    step = jit_train_step(model, tx, layout, mesh)
+    batch = {key: jax.device_put(value, layout.input_sharding(mesh)) for key, value in dpo_batch.items()}
+    state = create_state(model, tx, layout, mesh)
+    before = jax.device_get(state.params)
+    good, _ = step(state, batch)  # donates `state`
+    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before),
+                                                        jax.tree.leaves(jax.device_get(good.params))))
+
+    def assert_skipped(held, cause: str):
+        kept = jax.device_get(held)
+        out, metrics = step(held, batch)
+        held, out = kept, jax.device_get(out)
+        assert int(out.step) == int(held.step) + 1
+        assert int(metrics[cause]) == int(getattr(held.opt_state.guard, cause)) + 1
+        for got, want in ((out.params, held.params), (out.frozen, held.frozen), (out.fp8_meta, held.fp8_meta),
+                          (out.opt_state.rule, held.opt_state.rule)):
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+                np.testing.assert_array_equal(np.asarray(a).reshape(-1).view(np.uint8),
+                                              np.asarray(b).reshape(-1).view(np.uint8))
+
+    good = jax.device_get(good)
+    low = good.opt_state.guard._replace(loss_sum=jnp.float32(0.01 * (1 - 0.99 ** 100)), losses_seen=jnp.int32(100))
+    assert_skipped(jax.device_put(good.replace(opt_state=good.opt_state._replace(guard=low)),
+                                  layout.state_shardings(mesh)), "skipped_spikes")
+    poisoned = jax.tree.map(np.array, good)
+    leaf = jax.tree.leaves(poisoned.params)[0]
+    leaf.reshape(-1)[0] = np.nan
+    assert_skipped(jax.device_put(poisoned, layout.state_shardings(mesh)), "skipped_nonfinite")
+
+
 def test_label_smoothing_is_conservative_dpo():
     """dpo_label_smoothing eps: -(1 - eps) log sigmoid(m) - eps log sigmoid(-m) of the reward margin m."""
     policy = jnp.array([[0.0, -3.0, -5.0, -2.0, -7.0]])
@@ -386,6 +424,7 @@ def test_conversation_without_assistant_turn_exits_2_naming_the_record(capsys, m
     (["use_dpo=true", "dataset_type=grain", "pipeline_schedule=zero_bubble"],
      "use_dpo=true with pipeline_schedule=zero_bubble"),
     (["use_sft=true", "dataset_type=text"], "use_sft=true with dataset_type=text"),
+    (["use_dpo=true", "dataset_type=grain", "z_loss_weight=1e-4"], "use_dpo=true with z_loss_weight=0.0001"),
     (["lora_rank=4", "lora_target_roles=[router]"], "'router' is not a projection role LoRA adapts"),
 ])
 def test_bad_post_training_keys_are_one_line(overrides, message):

@@ -39,6 +39,9 @@ CUDNN_ATTENTION = ("cudnn_flash", "cudnn_flash_causal")
 QUANTIZATION = ("", "fp8")
 ROUTED_SCORE_FUNCS = ("softmax", "sigmoid")
 FP8_SCALING = ("current", "delayed")
+OPT_TYPES = ("adamw", "muon")
+LR_SCHEDULES = ("cosine", "wsd")
+WSD_DECAY_STYLES = ("linear", "cosine", "1-sqrt")
 
 
 class ConfigError(ValueError):
@@ -129,12 +132,32 @@ class Config:
     # Optimizer
     learning_rate: float = _key("peak learning rate", min=0)
     warmup_steps: int = _key("linear warm-up steps from 0 to learning_rate", min=0)
-    learning_rate_final_fraction: float = _key("cosine decay ends at this fraction of learning_rate", min=0, max=1)
+    learning_rate_final_fraction: float = _key("the schedule (cosine or wsd) ends at this fraction of learning_rate",
+                                               min=0, max=1)
+    lr_schedule_type: str = _key("learning-rate schedule after the warm-up: cosine (down to the final fraction over "
+                                 "the rest of `steps`) or wsd (warmup-stable-decay: constant, then down to the final "
+                                 "fraction over the last wsd_decay_steps_fraction of `steps`)", choices=LR_SCHEDULES)
+    wsd_decay_steps_fraction: float = _key("wsd: the fraction of `steps` its decay phase takes (at the end)",
+                                           min=0, max=1)
+    wsd_decay_style: str = _key("wsd: the decay's shape, linear, cosine or 1-sqrt (lr falls as 1 - sqrt(progress))",
+                                choices=tuple(WSD_DECAY_STYLES))
+    opt_type: str = _key("adamw, or muon: Newton-Schulz orthogonalized momentum for the hidden matrices (attention, "
+                         "MLP and expert projections), AdamW for the rest (docs/optimizers.md)", choices=OPT_TYPES)
+    muon_beta: float = _key("muon: momentum decay of the hidden matrices' gradients (Nesterov)", min=0, max=1)
+    muon_weight_decay: float = _key("muon: decoupled weight decay of the hidden matrices, multiplied by the learning "
+                                    "rate as AdamW's", min=0)
+    muon_consistent_rms: float = _key("muon: > 0 scales each orthogonalized update by this x sqrt(max(fan_in, "
+                                      "fan_out)), an RMS like AdamW's, so Muon shares AdamW's learning rate and weight "
+                                      "decay (Moonshot: 0.2); 0 = Jordan's sqrt(max(1, fan_out / fan_in)), which "
+                                      "wants a learning rate about 10x larger", min=0)
     adam_b1: float = _key("AdamW beta1", min=0, max=1)
     adam_b2: float = _key("AdamW beta2", min=0, max=1)
     adam_eps: float = _key("AdamW epsilon", min=0)
     adam_weight_decay: float = _key("AdamW decoupled weight decay", min=0)
     gradient_clipping_threshold: float = _key("global-norm clipping threshold (0 = off)", min=0)
+    z_loss_weight: float = _key("weight of PaLM's z-loss, the mean over tokens of (log Z)^2 of the logits' softmax "
+                                "normalizer, added to the training objective (0 = off; PaLM: 1e-4); metric z_loss",
+                                min=0)
     shard_optimizer_over_data: bool = _key("ZeRO-1: shard the AdamW moments over the data axis too (parameters stay "
                                            "replicated over it); gradients reduce-scattered, parameters all-gathered")
     # Model
@@ -275,7 +298,11 @@ class Config:
                                      "RUN/checkpoints/STEP or a run dir (newest step); fresh optimizer, step 0")
     load_full_state_path: str = _key("start a new run from another run's parameters, optimizer state and step "
                                      "(same forms as load_parameters_path); the data starts from its beginning")
-    stop_on_nan: bool = _key("stop at the first NaN/Inf loss, before it is checkpointed (false = train on)")
+    stop_on_nan: bool = _key("stop at the first step whose loss or gradient norm is NaN/Inf (its update is never "
+                             "applied, so no checkpoint holds it); false = skip such steps' updates and train on")
+    skip_step_on_spike_factor: float = _key("skip a step's update when its loss exceeds this factor x the running "
+                                            "average of the losses before it (0 = off; e.g. 2); counted in the "
+                                            "metrics as skipped_spikes", min=0)
     skip_memory_check: bool = _key("start even when the planner's per-device memory estimate exceeds the device "
                                    "memory (host memory on CPU); false = refuse with the numbers before allocating")
     num_simulated_devices: int = _key("simulate this many CPU devices (applied before JAX starts, CPU only; "
@@ -886,6 +913,9 @@ def _validate_post_training(config: Config) -> None:
         if config.mtp_num_layers:
             raise ConfigError(f"{mode} with mtp_num_layers={config.mtp_num_layers}: the MTP modules' loss is not "
                               f"masked to the trained tokens; set mtp_num_layers=0")
+    if config.use_dpo and config.z_loss_weight:
+        raise ConfigError(f"use_dpo=true with z_loss_weight={config.z_loss_weight:g}: DPO's pair loss takes no z-loss; "
+                          f"set z_loss_weight=0")
     if config.use_dpo and config.pipeline_schedule in EXPLICIT_BACKWARD:
         raise ConfigError(f"use_dpo=true with pipeline_schedule={config.pipeline_schedule}: DPO's reference pass and "
                           f"pair loss run under pipeline_schedule=gpipe or circular")

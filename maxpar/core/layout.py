@@ -194,6 +194,14 @@ class ModelLayout:
     def pipelined(self) -> bool:
         return self.pipeline is not None
 
+    @property
+    def splits_sequence(self) -> bool:
+        """Whether a mesh axis splits the rows' tokens (context parallelism, TP-sequence): the fp8 matmuls then keep
+        [batch, length] as two dims instead of merging them into one GEMM dim, which would gather the sequence."""
+        sizes = self.mesh.sizes
+        lengths = mesh_axes((Logical.LENGTH, Logical.ATTN_LENGTH, Logical.MLP_LENGTH), self.rules)
+        return any(sizes.get(axis, 1) > 1 for axes in lengths for axis in axes)
+
     def constrain(self, x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
         """`x` constrained to these logical axes by this layout's rules over its mesh (manual axes included)."""
         return constrain(x, logical, self.rules, self.mesh.abstract())

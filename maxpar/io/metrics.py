@@ -41,7 +41,11 @@ METRIC_KEYS = ("step", "loss", "eval_loss", "learning_rate", "grad_norm", "step_
                "moe_load_balance_loss", "moe_dropped_tokens", "moe_dropped_fraction",
                "moe_load_max_over_mean", "moe_load_max_over_mean_worst",
                # multi-token prediction (null without it): the MTP modules' mean cross-entropy
-               "mtp_loss")
+               "mtp_loss",
+               # z_loss_weight > 0 (null otherwise): the mean (log Z)^2 of the logits (maxpar/training/train_step.py)
+               "z_loss",
+               # the updates skipped so far in the run, by cause (maxpar/training/guards.py judge_step)
+               "skipped_nonfinite", "skipped_spikes")
 PER_SOURCE = ("tokens/", "eval_loss/")  # a dataset_mixture's figures per source: tokens/NAME, eval_loss/NAME
 # use_dpo's reward figures (maxpar/training/dpo.py metrics), in training and on the held-out pairs: only in its rows
 DPO_KEYS = ("dpo_", "eval_dpo_")

@@ -52,9 +52,12 @@ class ModelModule(nn.Module):
 
     def project(self, spec: str, x: Array, w: Array, name: str) -> Array:
         """The weight projection `spec` of x and the module's weight `name`, in `dtype` and `quantization`; under
-        fp8_scaling=delayed its scales come from the weight's amax history (`amax_history`). A weight of a role
-        lora_target_roles names adds its LoRA adapter's output (maxpar.model.lora)."""
-        y = project(spec, x, w, self.dtype, quantization=self.config.quantization, history=amax_history(self, name))
+        fp8_scaling=delayed its scales come from the weight's amax history (`amax_history`). An fp8 projection
+        merges x's batch and length into one GEMM dim unless the layout splits the sequence (Einsum.merge_rows). A
+        weight of a role lora_target_roles names adds its LoRA adapter's output (maxpar.model.lora), in dtype: with
+        quantization=fp8 the frozen base weight's product is the fp8 GEMM, the adapter's is not."""
+        y = project(spec, x, w, self.dtype, quantization=self.config.quantization, history=amax_history(self, name),
+                    merge_rows=not (self.layout is not None and self.layout.splits_sequence))
         return lora.adapted_projection(self, spec, x, w, name, y)
 
 

@@ -12,11 +12,13 @@ weight gradient to bfloat16 before it is reduced. On XLA:CPU this made the one-d
 (docs/performance.md, "Levers"); on accelerators the arithmetic is the same as theirs.
 The logits use `matmul` (float32 out); the attention core has its own VJP (maxpar.model.attention).
 
-`quantization="fp8"` (config `quantization`) swaps in the fp8 matmul: both operands quantized to e4m3 with
-per-tensor current scales, the backward's cotangent to e5m2 with its own, each dot fed by a dequantize that the
-GPU compiler folds into an fp8 GEMM (maxpar.model.fp8); accumulation and output dtypes as above. With an amax
-`history` (fp8_scaling=delayed) the scales come from it instead, and the history's cotangent reports the amaxes
-the matmul observed.
+`quantization="fp8"` (config `quantization`) swaps in the fp8 matmul (maxpar.model.fp8.fp8_product): both
+operands quantized to e4m3 with per-tensor current scales, the backward's cotangent to e5m2 with its own, and each
+of the three products a dot on the fp8 arrays themselves (float32 accumulation, the two scales applied to its
+output), which the GPU compiler turns into cuBLASLt fp8 GEMMs. `Einsum` lays a spec's operands out as such a GEMM
+takes them: one contracting and one free dimension each (the batch dimensions aside), e.g. the attention output
+projection's heads and head_dim merged into one. With an amax `history` (fp8_scaling=delayed) the scales come
+from it instead, and the history's cotangent reports the amaxes the matmul observed.
 
 `project` is the same for a weight projection (q, k, v, attention output, the MLP's gate/up/down, the MoE
 router), whose output it names `PROJECTION` for `remat_policy=minimal` to save.
@@ -24,7 +26,10 @@ router), whose output it names `PROJECTION` for `remat_policy=minimal` to save.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -92,72 +97,113 @@ def _matmul_bwd(spec, dtype, out_dtype, residuals, g):
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-def _fp8_matmul_fwd(spec, dtype, out_dtype, x, w):
-    (xq, x_scale), (wq, w_scale) = fp8.quantize_current(x, fp8.E4M3), fp8.quantize_current(w, fp8.E4M3)
-    y = _accumulate(spec, fp8.dequantize(xq, x_scale, dtype), fp8.dequantize(wq, w_scale, dtype))
-    # The residuals are the fp8 operands and their scales: a quarter of float32 x and w, half of bfloat16.
-    return y.astype(out_dtype), (xq, x_scale, wq, w_scale, jnp.zeros((0,), w.dtype))
+# ---------------------------------------------------------------- fp8: an einsum as fp8 GEMMs
+
+def _matrix(t: Array, labels: str, groups: tuple[str, ...]) -> Array:
+    """t, whose dims are `labels`, transposed to the order of `groups` and each group's dims merged into one."""
+    size = dict(zip(labels, t.shape))
+    t = jax.lax.transpose(t, tuple(labels.index(i) for group in groups for i in group))
+    return t.reshape([math.prod(size[i] for i in group) for group in groups])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _fp8_matmul(spec: str, dtype: jnp.dtype, out_dtype: jnp.dtype, x: Array, w: Array) -> Array:
-    return _fp8_matmul_fwd(spec, dtype, out_dtype, x, w)[0]
+def _unmatrix(m: Array, size: dict[str, int], groups: tuple[str, ...], labels: str) -> Array:
+    """The inverse of `_matrix`: m, one dim per group, split into the groups' dims and transposed to `labels`."""
+    order = "".join(groups)
+    return jax.lax.transpose(m.reshape([size[i] for i in order]), tuple(order.index(i) for i in labels))
 
 
-def _fp8_matmul_bwd(spec, dtype, out_dtype, residuals, g):
-    """Both gradient matmuls take the cotangent in e5m2 with its own current scale and the saved e4m3 operands."""
-    xq, x_scale, wq, w_scale, w_like = residuals
-    gq, g_scale = fp8.quantize_current(g, fp8.E5M2)
-    return _gradients(spec, fp8.dequantize(xq, x_scale, dtype), fp8.dequantize(wq, w_scale, dtype),
-                      fp8.dequantize(gq, g_scale, dtype), w_like.dtype)
+def _dot(a: Array, b: Array, contract: tuple[int, int], batch: int) -> Array:
+    """dot_general contracting dim contract[0] of a with contract[1] of b, the first `batch` dims batched, float32
+    accumulation and output."""
+    dims = tuple(range(batch))
+    return jax.lax.dot_general(a, b, (((contract[0],), (contract[1],)), (dims, dims)),
+                               preferred_element_type=jnp.float32)
 
 
-_fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
-QUANTIZED = {"": _matmul, "fp8": _fp8_matmul}  # config key `quantization` -> the matmul it selects
+class _GemmDims(NamedTuple):
+    """An einsum's labels grouped as a GEMM takes them: each batch dim alone, then one group of rows (or one per
+    row dim: `Einsum.merge_rows`), of contracted (inner) dims and of the weight's free dims (cols)."""
+
+    lhs: str
+    rhs: str
+    out: str
+    batch: tuple[str, ...]
+    rows: tuple[str, ...]
+    inner: str
+    cols: str
+
+    @property
+    def x(self) -> tuple[str, ...]:
+        return (*self.batch, *self.rows, self.inner)
+
+    @property
+    def w(self) -> tuple[str, ...]:
+        return (*self.batch, self.inner, self.cols)
+
+    @property
+    def y(self) -> tuple[str, ...]:
+        return (*self.batch, *self.rows, self.cols)
 
 
-def _fp8_delayed_fwd(spec, dtype, out_dtype, x, w, history):
-    (xq, x_scale, x_amax), (wq, w_scale, w_amax) = (fp8.quantize_delayed(t, row, fp8.E4M3)
-                                                    for t, row in ((x, history[0]), (w, history[1])))
-    y = _accumulate(spec, fp8.dequantize(xq, x_scale, dtype), fp8.dequantize(wq, w_scale, dtype))
-    return y.astype(out_dtype), (xq, x_scale, wq, w_scale, jnp.zeros((0,), w.dtype), history, x_amax, w_amax)
+@functools.partial(jax.tree_util.register_dataclass, data_fields=[], meta_fields=["spec", "merge_rows"])
+@dataclasses.dataclass(frozen=True)
+class Einsum:
+    """The products of einsum(spec, x, w) as dot_generals of at most one contracting and one free dim per operand
+    besides the batch dims (what a cuBLASLt fp8 GEMM takes: maxpar.model.fp8.Contraction): x [batch, rows, inner],
+    w [batch, inner, cols], y [batch, rows, cols], each group of dims merged into one ('blhd,hde->ble': rows = b l,
+    inner = h d, cols = e). merge_rows=False keeps x's row dims apart (the dot then has several free dims):
+    merging a sequence split over the mesh with the batch rows would gather the sequence first (context
+    parallelism; `ModelLayout.splits_sequence`)."""
 
+    spec: str
+    merge_rows: bool = True
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _fp8_delayed_matmul(spec: str, dtype: jnp.dtype, out_dtype: jnp.dtype, x: Array, w: Array,
-                        history: Array) -> Array:
-    """The fp8 matmul with delayed scales read from `history` [OPERANDS, length] (maxpar.model.fp8)."""
-    return _fp8_delayed_fwd(spec, dtype, out_dtype, x, w, history)[0]
+    def _dims(self) -> _GemmDims:
+        lhs, rhs, out = _operands(self.spec)
+        rows = "".join(i for i in lhs if i not in rhs)
+        return _GemmDims(lhs, rhs, out, batch=tuple(i for i in lhs if i in rhs and i in out),
+                         rows=(rows,) if self.merge_rows else tuple(rows),
+                         inner="".join(i for i in lhs if i in rhs and i not in out),
+                         cols="".join(i for i in rhs if i not in lhs))
 
+    def forward(self, x: Array, w: Array) -> Array:
+        d = self._dims()
+        size = {**dict(zip(d.lhs, x.shape)), **dict(zip(d.rhs, w.shape))}
+        y = _dot(_matrix(x, d.lhs, d.x), _matrix(w, d.rhs, d.w), (len(d.x) - 1, len(d.batch)), len(d.batch))
+        return _unmatrix(y, size, d.y, d.out)
 
-def _fp8_delayed_bwd(spec, dtype, out_dtype, residuals, g):
-    """As `_fp8_matmul_bwd`, the cotangent scaled by its history; the history's cotangent reports the three
-    amaxes this matmul observed (fp8.report), for the train step to push into the history."""
-    xq, x_scale, wq, w_scale, w_like, history, x_amax, w_amax = residuals
-    gq, g_scale, g_amax = fp8.quantize_delayed(g, history[2], fp8.E5M2)
-    dx, dw = _gradients(spec, fp8.dequantize(xq, x_scale, dtype), fp8.dequantize(wq, w_scale, dtype),
-                        fp8.dequantize(gq, g_scale, dtype), w_like.dtype)
-    return dx, dw, fp8.report(history, (x_amax, w_amax, g_amax))
+    def input_gradient(self, g: Array, w: Array) -> Array:
+        d = self._dims()
+        size = {**dict(zip(d.out, g.shape)), **dict(zip(d.rhs, w.shape))}
+        dx = _dot(_matrix(g, d.out, d.y), _matrix(w, d.rhs, d.w), (len(d.y) - 1, len(d.w) - 1), len(d.batch))
+        return _unmatrix(dx, size, d.x, d.lhs)
 
-
-_fp8_delayed_matmul.defvjp(_fp8_delayed_fwd, _fp8_delayed_bwd)
+    def weight_gradient(self, x: Array, g: Array) -> Array:
+        d = self._dims()
+        size = {**dict(zip(d.lhs, x.shape)), **dict(zip(d.out, g.shape))}
+        batch, rows = tuple(range(len(d.batch))), tuple(range(len(d.batch), len(d.batch) + len(d.rows)))
+        dw = jax.lax.dot_general(_matrix(x, d.lhs, d.x), _matrix(g, d.out, d.y), ((rows, rows), (batch, batch)),
+                                 preferred_element_type=jnp.float32)
+        return _unmatrix(dw, size, d.w, d.rhs)
 
 
 def matmul(spec: str, x: Array, w: Array, dtype: jnp.dtype, out_dtype: jnp.dtype | None = None,
-           quantization: str = "", history: Array | None = None) -> Array:
+           quantization: str = "", history: Array | None = None, merge_rows: bool = True) -> Array:
     """einsum(spec, x, w) with `dtype` operands and float32 accumulation, in `out_dtype` (default `dtype`);
     `quantization="fp8"`: the operands in fp8 with per-tensor scales (maxpar.model.fp8) instead, current ones,
-    or delayed ones from `history` (fp8_scaling=delayed; None: current)."""
+    or delayed ones from `history` (fp8_scaling=delayed; None: current); `merge_rows`: see `Einsum`."""
     _operands(spec)
     dtype, out_dtype = jnp.dtype(dtype), jnp.dtype(out_dtype or dtype)
+    if quantization == "fp8":
+        return fp8.fp8_product(Einsum(spec, merge_rows), x.astype(dtype), w, history=history).astype(out_dtype)
+    if quantization:
+        raise ValueError(f"quantization {quantization!r}: expected '' or 'fp8'")
     if history is not None:
-        if quantization != "fp8":
-            raise ValueError(f"an amax history needs quantization='fp8', got {quantization!r}")
-        return _fp8_delayed_matmul(spec, dtype, out_dtype, x.astype(dtype), w, history)
-    return QUANTIZED[quantization](spec, dtype, out_dtype, x.astype(dtype), w)
+        raise ValueError(f"an amax history needs quantization='fp8', got {quantization!r}")
+    return _matmul(spec, dtype, out_dtype, x.astype(dtype), w)
 
 
 def project(spec: str, x: Array, w: Array, dtype: jnp.dtype, out_dtype: jnp.dtype | None = None,
-            quantization: str = "", history: Array | None = None) -> Array:
+            quantization: str = "", history: Array | None = None, merge_rows: bool = True) -> Array:
     """A weight projection: `matmul`, its output named for remat_policy=minimal to save."""
-    return checkpoint_name(matmul(spec, x, w, dtype, out_dtype, quantization, history), PROJECTION)
+    return checkpoint_name(matmul(spec, x, w, dtype, out_dtype, quantization, history, merge_rows), PROJECTION)

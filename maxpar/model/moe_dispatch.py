@@ -25,6 +25,7 @@ physical axis name is written here.
 from __future__ import annotations
 
 from collections.abc import Callable
+import dataclasses
 import functools
 from typing import Any
 
@@ -35,6 +36,7 @@ from jax.sharding import PartitionSpec
 from maxpar.core.layout import EXPERT_DOWN, EXPERT_GATE, ExpertAxes
 from maxpar.model import fp8 as fp8_matmuls
 from maxpar.model.activations import swiglu
+from maxpar.model.matmul import Einsum
 from maxpar.pipeline.spmd import spread
 
 Array = jax.Array
@@ -45,16 +47,37 @@ Histories = tuple[Array | None, Array | None, Array | None]
 
 # ---------------------------------------------------------------- the experts' SwiGLU
 
-def _product(dot: Callable[[Array, Array], Array], x: Array, w: Array, fp8_axes: Axes | None,
-             history: Array | None = None, experts: Array | None = None) -> Array:
-    """dot(x, w); in fp8 unless fp8_axes is None (amaxes over `fp8_axes`): with current global scales
-    (maxpar.model.fp8.fp8_product), or with `history` the per-expert delayed ones (`fp8_expert_product`; x's rows'
-    `experts`, None: x's leading dim)."""
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["group_sizes"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Grouped:
+    """The fp8 products of a grouped matmul (maxpar.model.fp8.Contraction): rows sorted by expert [rows, emb] times
+    the experts' weights [experts, emb, out], group g's `group_sizes[g]` rows with expert g's; rows past the groups
+    give zeros. The weight gradient contracts each group's rows (a ragged contracting dim)."""
+
+    group_sizes: Array
+
+    def forward(self, x: Array, w: Array) -> Array:
+        return jax.lax.ragged_dot(x, w, self.group_sizes, preferred_element_type=jnp.float32)
+
+    def input_gradient(self, g: Array, w: Array) -> Array:
+        dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])),
+                                                 lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+        return jax.lax.ragged_dot_general(g, w, self.group_sizes, dims, preferred_element_type=jnp.float32)
+
+    def weight_gradient(self, x: Array, g: Array) -> Array:
+        dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
+                                                 lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+        return jax.lax.ragged_dot_general(x, g, self.group_sizes, dims, preferred_element_type=jnp.float32)
+
+
+def _product(dot: Callable[[Array, Array], Array], contraction: fp8_matmuls.Contraction, x: Array, w: Array,
+             fp8_axes: Axes | None, history: Array | None = None, experts: Array | None = None) -> Array:
+    """dot(x, w) in x's dtype; in fp8 unless fp8_axes is None (amaxes over `fp8_axes`): `contraction`'s products
+    on fp8 operands (maxpar.model.fp8.fp8_product) with current global scales, or with `history` the per-expert
+    delayed ones (x's rows' `experts`, None: x's leading dim)."""
     if fp8_axes is None:
         return dot(x, w)
-    if history is None:
-        return fp8_matmuls.fp8_product(dot, x, w, fp8_axes)
-    return fp8_matmuls.fp8_expert_product(dot, x, w, history, experts, fp8_axes)
+    return fp8_matmuls.fp8_product(contraction, x, w, fp8_axes, history, experts).astype(x.dtype)
 
 
 def _swiglu_grouped(rows: Array, w_gate: Array, w_up: Array, w_down: Array, group_sizes: Array,
@@ -62,22 +85,28 @@ def _swiglu_grouped(rows: Array, w_gate: Array, w_up: Array, w_down: Array, grou
     """SwiGLU of rows sorted by expert: group g uses expert g's weights. Rows past the groups give zeros."""
     def dot(a, b):
         return jax.lax.ragged_dot(a, b, group_sizes)
+    grouped = Grouped(group_sizes)
     experts = None
     if histories[0] is not None:  # each row's expert; past the groups: len(group_sizes)
         experts = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows.shape[0]), side="right")
     h_gate, h_up, h_down = histories
-    gate = _product(dot, rows, w_gate, fp8_axes, h_gate, experts)
-    up = _product(dot, rows, w_up, fp8_axes, h_up, experts)
-    return _product(dot, swiglu(gate, up), w_down, fp8_axes, h_down, experts)
+    gate = _product(dot, grouped, rows, w_gate, fp8_axes, h_gate, experts)
+    up = _product(dot, grouped, rows, w_up, fp8_axes, h_up, experts)
+    return _product(dot, grouped, swiglu(gate, up), w_down, fp8_axes, h_down, experts)
+
+
+_UP, _DOWN = "xte,xem->xtm", "xtm,xme->xte"  # the capacity buffers [experts, slots, ...] through their experts
 
 
 def _swiglu_batched(buffers: Array, w_gate: Array, w_up: Array, w_down: Array, fp8_axes: Axes | None = None,
                     histories: Histories = (None, None, None)) -> Array:
     """SwiGLU of per-expert buffers [experts, slots, emb]."""
-    up_dot, down_dot = functools.partial(jnp.einsum, "xte,xem->xtm"), functools.partial(jnp.einsum, "xtm,xme->xte")
+    up_dot, down_dot = functools.partial(jnp.einsum, _UP), functools.partial(jnp.einsum, _DOWN)
+    up, down = Einsum(_UP), Einsum(_DOWN)
     h_gate, h_up, h_down = histories
-    gate, up = _product(up_dot, buffers, w_gate, fp8_axes, h_gate), _product(up_dot, buffers, w_up, fp8_axes, h_up)
-    return _product(down_dot, swiglu(gate, up), w_down, fp8_axes, h_down)
+    gate = _product(up_dot, up, buffers, w_gate, fp8_axes, h_gate)
+    hidden = swiglu(gate, _product(up_dot, up, buffers, w_up, fp8_axes, h_up))
+    return _product(down_dot, down, hidden, w_down, fp8_axes, h_down)
 
 
 def _all_to_all(x: Array, axes: Axes, split_axis: int, concat_axis: int) -> Array:

@@ -1,10 +1,11 @@
 """What each parameter of the model is for: its role, the block it belongs to and its logical axes.
 
 This is the contract between the model and whoever reasons about its parameters from outside (the
-planner, `maxpar.plan`): they ask `param_role(path)` and read roles, never parameter paths. A parameter
-is named here by its module's name and its own, as `maxpar.model.layers`, `maxpar.model.moe` and
-`maxpar.model.transformer` create them; the logical axes are those of one layer's parameter (a layer
-stack adds its `layers` / `pipeline_repeats` dims in front). A new parameter is declared here, or the
+planner, `maxpar.plan`; the optimizer, which orthogonalizes the projections' matrices with Muon): they ask
+`param_role(path)` and read roles, never parameter paths. A parameter is named here by its module's name and its
+own, as `maxpar.model.layers`, `maxpar.model.moe` and `maxpar.model.transformer` create them; the logical axes are
+those of one layer's parameter (a layer stack adds its `layers` / `pipeline_repeats` dims in front), and a
+projection's weight says which of them are its matrix's rows (`Matrix`). A new parameter is declared here, or the
 planner refuses the model.
 """
 
@@ -75,8 +76,8 @@ class ParamRole(enum.StrEnum):
 
     @property
     def projection(self) -> Projection | None:
-        """How a weight this role names splits into x's dims and the output's (None: not a projection LoRA can
-        adapt)."""
+        """How a weight this role names splits into x's dims and the output's (None: not a projection's weight).
+        Muon reads it to see the matrix; LoRA adapts the projections in `ADAPTABLE`."""
         return _DECLARED[self].projection
 
 
@@ -95,7 +96,8 @@ class _Declaration:
     block: Block
     axes: tuple[str | None, ...]
     names: tuple[tuple[str, str], ...]      # (enclosing module's name, parameter's name); "" = the model itself
-    projection: Projection | None = None    # what LoRA may adapt (`lora_target_roles`)
+    projection: Projection | None = None    # a projection's weight: `ParamRole.projection`
+    adaptable: bool = True                  # a projection LoRA may adapt (`lora_target_roles`)
 
 
 _L = Logical
@@ -112,12 +114,12 @@ _DECLARED = {
     ParamRole.MLP_GATE: _Declaration(Block.MLP, (_L.MLP_EMBED, _L.MLP), (("mlp", "wi_gate"),), _IN1),
     ParamRole.MLP_UP: _Declaration(Block.MLP, (_L.MLP_EMBED, _L.MLP), (("mlp", "wi_up"),), _IN1),
     ParamRole.MLP_DOWN: _Declaration(Block.MLP, (_L.MLP, _L.MLP_EMBED), (("mlp", "wo"),), _IN1),
-    ParamRole.ROUTER: _Declaration(Block.MLP, (_L.EMBED, None), (("moe", "router"),)),
+    ParamRole.ROUTER: _Declaration(Block.MLP, (_L.EMBED, None), (("moe", "router"),), _IN1, adaptable=False),
     ParamRole.EXPERT_GATE: _Declaration(Block.EXPERTS, (_L.EXP, _L.EMBED, _L.MLP), (("moe", "wi_gate"),), _EXPERT),
     ParamRole.EXPERT_UP: _Declaration(Block.EXPERTS, (_L.EXP, _L.EMBED, _L.MLP), (("moe", "wi_up"),), _EXPERT),
     ParamRole.EXPERT_DOWN: _Declaration(Block.EXPERTS, (_L.EXP, _L.MLP, _L.EMBED), (("moe", "wo"),), _EXPERT),
     ParamRole.EMBEDDING: _Declaration(Block.EMBEDDING, (_L.VOCAB, _L.EMBED), (("", "token_embedding"),)),
-    ParamRole.OUTPUT: _Declaration(Block.OUTPUT, (_L.EMBED, _L.VOCAB), (("", "output"),)),
+    ParamRole.OUTPUT: _Declaration(Block.OUTPUT, (_L.EMBED, _L.VOCAB), (("", "output"),), _IN1, adaptable=False),
     ParamRole.NORM: _Declaration(Block.NORM, (_L.NORM,), (("pre_attention_norm", "scale"), ("pre_mlp_norm", "scale"),
                                                          ("final_norm", "scale"), ("embedding_norm", "scale"),
                                                          ("hidden_norm", "scale"), ("head_norm", "scale"))),
@@ -134,13 +136,15 @@ _DECLARED = {
     ParamRole.ROUTING_BIAS: _Declaration(Block.MLP, (None,), (("moe", "routing_bias"),)),
     ParamRole.LATENT_NORM: _Declaration(Block.NORM, (_L.LORA,), (("query_a_norm", "scale"),
                                                                  ("key_value_a_norm", "scale"))),
-    ParamRole.MTP_PROJECTION: _Declaration(Block.MLP, (None, _L.EMBED), (("projection", "kernel"),)),
+    ParamRole.MTP_PROJECTION: _Declaration(Block.MLP, (None, _L.EMBED), (("projection", "kernel"),), _IN1,
+                                           adaptable=False),
     # named `{target}_lora_a` / `{target}_lora_b` beside their target: `adapter_of`
     ParamRole.LORA_A: _Declaration(Block.ADAPTERS, (), ()),
     ParamRole.LORA_B: _Declaration(Block.ADAPTERS, (), ()),
 }
 _BY_NAME = {name: role for role, declared in _DECLARED.items() for name in declared.names}
-ADAPTABLE = tuple(role for role, declared in _DECLARED.items() if declared.projection)  # lora_target_roles' choices
+ADAPTABLE = tuple(role for role, declared in _DECLARED.items()  # lora_target_roles' choices
+                  if declared.projection and declared.adaptable)
 _FACTORS = {"_lora_a": ParamRole.LORA_A, "_lora_b": ParamRole.LORA_B}
 
 
@@ -156,7 +160,7 @@ def adapter_of(path: Sequence[str]) -> tuple[ParamRole, ParamRole] | None:
     for suffix, factor in _FACTORS.items():
         if path[-1].endswith(suffix):
             target = param_role((*path[:-1], path[-1].removesuffix(suffix)))
-            return (factor, target) if target is not None and target.projection else None
+            return (factor, target) if target in ADAPTABLE else None
     return None
 
 

@@ -18,6 +18,7 @@ from maxpar.io.metrics import attention_head_widths, matmul_params, parameter_co
 from maxpar.model.roles import Block, ParamRole
 from maxpar.model.routing import expert_capacity
 from maxpar.plan.layout import Layout, Tensor
+from maxpar.plan.muon import muon_working_bytes
 
 
 def param_breakdown(state: TracedState, layout: Layout) -> dict[str, int]:
@@ -364,6 +365,8 @@ def memory_per_device(config: Config, layout: Layout, tokens_per_microbatch: flo
     # The MTP modules' backward pass runs first and ends before the stack's: not alive with its working set.
     activations = saved + logits + max(working, mtp_activation_bytes(config, layout, tokens_per_microbatch))
     gathered = gathered_weight_bytes(config, layout)
-    total = params + reference + optimizer + gradients + activations + gathered
+    # Muon's whole matrices live after the backward pass, when the activations are gone
+    muon = muon_working_bytes(layout)
+    total = params + reference + optimizer + gradients + max(activations + gathered, muon)
     return {"params": params, "reference": reference, "gradients": gradients, "optimizer": optimizer,
-            "activations": activations, "gathered_weights": gathered, "total": total}
+            "activations": activations, "gathered_weights": gathered, "muon_working": muon, "total": total}

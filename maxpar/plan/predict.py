@@ -8,7 +8,8 @@ Timing model (stated in every report, see ASSUMPTIONS):
   mixed FSDP + TP), ICI and DCN are independent networks.
 - Matmuls run at the profile's peak (a roofline: predicted MFU is an upper bound).
 - A pipeline stretches the two phases by 1 / (1 - bubble); the optimizer update
-  reads and writes the state once from HBM after the backward pass.
+  reads and writes the state once from HBM after the backward pass (with Muon, as long
+  as its Newton-Schulz matmuls take, if longer).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from maxpar.plan.layout import Layout, build_layout
 from maxpar.plan.model_math import (attention_flops_per_token, dtype_bytes, fp8_matmul_params,
                                     memory_per_device, param_breakdown, state_bytes, tp_degrees)
 from maxpar.plan.moe_comms import predict_moe_comms
+from maxpar.plan.muon import muon_flops
+from maxpar.plan.muon_comms import muon_comms
 from maxpar.plan.pipeline_comms import explicit_backward_comms, pipeline_comms
 from maxpar.plan.tensor_comms import lookup_comms, tensor_comms
 from maxpar.plan.weight_comms import weight_comms
@@ -56,6 +59,9 @@ ASSUMPTIONS = (
     "HBM traffic counts weight reads (3 per matmul per microbatch) and one read/write of the state by the "
     "optimizer, which runs after the backward pass without overlap",
 )
+MUON = ("opt_type=muon: each device runs the Newton-Schulz iteration (float32) on the whole hidden matrices it holds "
+        "after the update's reshardings (counted with the backward phase's collectives), at the bf16 peak; the "
+        "optimizer then lasts as long as those matmuls or its HBM pass, whichever is longer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +145,8 @@ FP8 = ("quantization=fp8: the layer stack's projection and dense-MLP matmuls (fo
 def assumptions(config: Config) -> list[str]:
     scores = (BLOCK_SCORES.format(attention=config.attention, block=attention_block(config))
               if config.attention in BLOCK_ATTENTION else FULL_SCORES.format(attention=config.attention))
-    return [*ASSUMPTIONS, scores, *([FP8] if config.quantization == "fp8" else [])]
+    return [*ASSUMPTIONS, scores, *([FP8] if config.quantization == "fp8" else []),
+            *([MUON] if config.opt_type == "muon" else [])]
 
 
 def compute_flops(config: Config, tokens_per_device: float) -> dict[str, float]:
@@ -258,7 +265,7 @@ def step_comms(layout: Layout, batch: Batch) -> list[Comm]:
     return (zero_comms(layout, weights) + stages
             + tensor_comms(layout, runs, local, microbatches)
             + lookup_comms(layout, local, microbatches)
-            + predict_moe_comms(*args) + predict_context_comms(*args))
+            + predict_moe_comms(*args) + predict_context_comms(*args) + muon_comms(layout))
 
 
 def network_seconds(comms: list[Comm], times: list[float]) -> dict[tuple[str, str], float]:
@@ -276,7 +283,7 @@ def step_seconds(compute: dict[str, float], hbm: dict[str, float], network: dict
                  bubble: float) -> float:
     """Each phase lasts as long as its slowest resource, stretched by the pipeline bubble; then the optimizer."""
     phase_time = {p: max(compute[p], hbm[p], network[(p, "ici")], network[(p, "dcn")]) for p in PHASES}
-    return sum(phase_time.values()) / (1 - bubble) + hbm["optimizer"]
+    return sum(phase_time.values()) / (1 - bubble) + max(hbm["optimizer"], compute.get("optimizer", 0.0))
 
 
 def memory_fit(layout: Layout, batch: Batch, hardware: Hardware) -> dict[str, Any]:
@@ -290,7 +297,10 @@ def memory_fit(layout: Layout, batch: Batch, hardware: Hardware) -> dict[str, An
 def limiting_resource(compute: dict[str, float], hbm: dict[str, float],
                       network: dict[tuple[str, str], float]) -> str:
     """What sets the step time: in each phase the slowest of matmuls, HBM and the busier network, summed."""
-    limiting = {"compute": 0.0, "memory": hbm["optimizer"], "communication": 0.0}
+    optimizer = {"memory": hbm["optimizer"], "compute": compute.get("optimizer", 0.0)}
+    limiting = {"compute": 0.0, "memory": 0.0, "communication": 0.0}
+    slowest_update = max(optimizer, key=optimizer.get)
+    limiting[slowest_update] += optimizer[slowest_update]
     for p in PHASES:
         candidates = {"compute": compute[p], "memory": hbm[p], "communication": comm_seconds(network, p)}
         slowest = max(candidates, key=candidates.get)
@@ -373,6 +383,9 @@ def step_time(layout: Layout, hardware: Hardware, batch: Batch, network: dict[tu
     config = layout.config
     flops = compute_flops(config, tokens_per_device)
     compute = compute_seconds(flops, fp8_flops(config, tokens_per_device), hardware)
+    if config.opt_type == "muon":  # the update's Newton-Schulz matmuls (hardware FLOPs: MFU does not count them)
+        flops["optimizer"] = muon_flops(layout)
+        compute["optimizer"] = flops["optimizer"] / hardware.peak_flops
     hbm = hbm_seconds(layout, batch.microbatches, hardware)
     bubble = pipeline_bubble(config, layout.pipeline) if layout.pipeline else 0.0
     return StepTime(flops=flops, compute=compute, hbm=hbm, network=network, bubble=bubble,

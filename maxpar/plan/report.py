@@ -75,8 +75,9 @@ def _memory(plan: dict[str, Any]) -> list[str]:
     return [
         "memory per device",
         table(["", "bytes"], [[k, human_bytes(mem[k])] for k in ("params", "reference", "gradients", "optimizer",
-                                                                 "activations", "gathered_weights", "total")
-                              if k != "reference" or mem[k]]),
+                                                                 "activations", "gathered_weights", "muon_working",
+                                                                 "total")
+                              if k not in ("reference", "muon_working") or mem[k]]),
         f"  {'fits in' if mem['fits'] else 'DOES NOT FIT in'} {human_bytes(mem['hbm_bytes'])} of HBM",
         f"  one copy of the state, summed over its shards: params {human_bytes(whole['params'])} "
         f"({whole['params_per_parameter']:.3g} bytes per parameter), optimizer {human_bytes(whole['optimizer'])} "
@@ -114,7 +115,8 @@ def _time(plan: dict[str, Any]) -> list[str]:
         table(["phase", "matmuls", "HBM", "ICI comms", "DCN comms"],
               [[ph, seconds(compute[ph]), seconds(hbm[ph]), seconds(comm[f"{ph}/ici"]), seconds(comm[f"{ph}/dcn"])]
                for ph in ("forward", "backward")]
-              + [["optimizer", "-", seconds(hbm["optimizer"]), "-", "-"]]),
+              + [["optimizer", seconds(compute["optimizer"]) if "optimizer" in compute else "-",
+                  seconds(hbm["optimizer"]), "-", "-"]]),
         f"  compute_time_s {plan['compute_time_s']:.4g}   pipeline_bubble {plan['pipeline_bubble']:.1%}   "
         f"step_time_s {plan['step_time_s']:.4g}   mfu {plan['mfu']:.1%}",
         f"  bound: {plan['bound']} -- {plan['bound_reason']}",

@@ -73,7 +73,7 @@ def compile_train_step(config: Config, devices: Sequence[jax.Device]) -> Compile
     mesh = build_mesh(layout.mesh, devices)
     model = Transformer(model_config(config), layout.model)
     start = time.perf_counter()
-    compiled = train_step.compile_train_step(model, make_optimizer(config), layout, mesh)
+    compiled = train_step.compile_train_step(model, make_optimizer(config, layout), layout, mesh)
     seconds = time.perf_counter() - start
     shards = math.prod(layout.axis_sizes[a] for a in layout.input_axes[0])
     per_device = len(train_step.batch_keys(config)) * layout.batch.global_rows * config.max_target_length * 4 / shards
@@ -270,11 +270,12 @@ def memory_rows(plan: Plan, layout: Layout, compiled: Compiled) -> list[dict[str
                                 masked_ragged_dot=True)
     analysis = compiled.memory
     state_measured = analysis.argument_size_in_bytes - compiled.batch_bytes_per_device
-    transient = mem["gradients"] + mem["activations"] + mem["gathered_weights"]
+    transient = mem["gradients"] + max(mem["activations"] + mem["gathered_weights"], mem["muon_working"])
+    what = "temporaries (gradients + activations + gathered weights" + (
+        ", or Muon's whole matrices after the backward pass)" if mem["muon_working"] else ")")
     rows = [("train state (params + optimizer)", mem["params"] + mem["reference"] + mem["optimizer"], state_measured,
              TOLERANCE),
-            ("temporaries (gradients + activations + gathered weights)", transient,
-             analysis.temp_size_in_bytes, TEMP_TOLERANCE)]
+            (what, transient, analysis.temp_size_in_bytes, TEMP_TOLERANCE)]
     out = []
     for what, predicted, measured, tolerance in rows:
         error = (predicted - measured) / measured if measured else 0.0

@@ -184,7 +184,7 @@ def run_worker(name: str, overrides: Sequence[str], num_devices: int, steps: int
     from maxpar.io.metrics import parameter_counts, peak_flops, throughput
     from maxpar.host import malloc
     from maxpar.train import setup_run
-    from maxpar.training.train_step import create_state
+    from maxpar.training.train_step import create_state, lower_train_step
 
     devices = jax.devices()[:num_devices]
     if len(devices) != num_devices:
@@ -195,7 +195,8 @@ def run_worker(name: str, overrides: Sequence[str], num_devices: int, steps: int
         run = setup_run(config, devices)
         state = create_state(run.model, run.tx, run.layout, run.mesh)
         start = time.perf_counter()
-        compiled = run.compile_train_step()
+        lowered = lower_train_step(run.model, run.tx, run.layout, run.mesh)
+        compiled = lowered.compile()
         compile_s = time.perf_counter() - start
 
         times, cpu_times, losses = time_steps(compiled, state, run, warmup + steps)
@@ -235,6 +236,8 @@ def run_worker(name: str, overrides: Sequence[str], num_devices: int, steps: int
         "first_loss": losses[0],
         "final_loss": losses[-1],
         "collectives": collective_counts(compiled.as_text()),
+        # quantization=fp8: whether its dots became cuBLASLt fp8 GEMMs (maxpar.tools.bench_gpu.fp8_counts)
+        **(bench_gpu.fp8_counts(lowered.as_text(), compiled.as_text()) if config.quantization else {}),
     }
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from collections.abc import Sequence
 
 from maxpar.core.config import FIELDS
@@ -111,3 +112,43 @@ def describe_gpu_run(smoke: bool) -> str:
     model = "smoke-test shape (measures nothing)" if smoke else "llama-1b"
     return (f"{model}, seq {base['max_target_length']}, {base['per_device_batch_size']} rows/device unless the "
             f"setting says otherwise, dtype {base['dtype']}, weights {base['weight_dtype']}, synthetic data, one device")
+
+
+# ---------------------------------------------------------------- fp8 GEMMs in a program (quantization=fp8)
+
+FP8_GEMM = "__cublas$lt$matmul$f8"  # the custom call XLA's GPU GEMM rewriter makes of a dot on fp8 operands
+# A StableHLO dot's operand types: `stablehlo.dot_general %a, %b, ... : (tensor<2x3xf8E4M3FN>, tensor<...>) -> ...`
+_STABLEHLO_DOT = re.compile(r"stablehlo\.dot_general .*: \(tensor<(?:[0-9]+x)*(\w+)>, tensor<(?:[0-9]+x)*(\w+)>\)")
+# An optimized-HLO instruction: `%name = f8e4m3fn[...]{...} op(...)`, and a dot's operand names.
+_HLO_DEFINITION = re.compile(r"%([\w.\-]+) = (\w+)\[")
+_HLO_DOT = re.compile(r"= \w+\[[^\]]*\][^ ]* dot\(%([\w.\-]+), %([\w.\-]+)\)")
+
+
+def dot_operand_types(stablehlo: str) -> Counter:
+    """(lhs, rhs) element types of every dot_general of a lowered program (`jax.jit(f).lower(...).as_text()`)."""
+    return Counter(match.groups() for line in stablehlo.splitlines() if (match := _STABLEHLO_DOT.search(line)))
+
+
+def f8_dots(stablehlo: str) -> int:
+    """Dots on fp8 operands in a lowered program: 3 per quantized matmul (maxpar.model.fp8.fp8_product)."""
+    return sum(n for types, n in dot_operand_types(stablehlo).items() if any(t.startswith("f8") for t in types))
+
+
+def fp8_gemms(hlo: str) -> int:
+    """cuBLASLt fp8 GEMM calls in a compiled program's text (`compiled.as_text()`)."""
+    return hlo.count(FP8_GEMM)
+
+
+def unrewritten_f8_dots(hlo: str) -> int:
+    """Dots of a compiled program (fusions' included) that still take an fp8 operand: ones XLA did not make
+    cuBLASLt fp8 GEMMs (a Triton GEMM, or XLA:CPU's), which run at the bf16 rate or below."""
+    types = dict(_HLO_DEFINITION.findall(hlo))
+    return sum(1 for line in hlo.splitlines() if (match := _HLO_DOT.search(line))
+               and any(types.get(name, "").startswith("f8") for name in match.groups()))
+
+
+def fp8_counts(stablehlo: str, hlo: str) -> dict[str, int]:
+    """What became of a quantized step's fp8 dots: in the lowered program, as cuBLASLt fp8 GEMMs, and left as
+    dots on fp8 operands after compilation."""
+    return {"f8_dots_lowered": f8_dots(stablehlo), "fp8_gemms": fp8_gemms(hlo),
+            "f8_dots_unrewritten": unrewritten_f8_dots(hlo)}

@@ -41,6 +41,7 @@ read each figure next to its load average, and compare rows of one run rather th
 | maxpar against MaxText | `python end_to_end/bench_maxtext.py --maxtext_python ~/maxtext-venv/bin/python --record docs/results` (without `--maxtext_python` it prints how to make that venv) |
 | CPU strategies | `python -m maxpar.tools.bench --record docs/results` |
 | GPU levers | `python -m maxpar.tools.bench --gpu --record docs/results` (one GPU; `--setting LEVERS` for one row) |
+| fp8 and MaxText on one GPU | `python end_to_end/bench_gpu_fp8.py --record docs/results` (one GPU and the bundle of `end_to_end/gpu_bundle.sh`: [Benchmarks](benchmarks.md#fp8-and-maxtext-on-one-gpu)) |
 | checkpoint saves | `python -m maxpar.tools.bench_checkpoint --checkpoint --record docs/results` |
 | checkpoint tiers | `python -m maxpar.tools.bench_checkpoint --tiers --record docs/results` (starts gcp-storage-emulator, the `test` extra) |
 | convergence | `python end_to_end/convergence.py --record docs/results` |
@@ -287,6 +288,8 @@ TITLES = {"bench_moe": "Mixture of experts by EP degree", "bench_pipeline": "Pip
           "install": "Install size", "tests": "Test suite runtime",
           "fp8_gemm_check": "Do fp8 matmuls become fp8 GEMMs on the GPU?",
           "moe_balance": "Expert load: aux-loss-free bias, auxiliary loss, none",
+          "fp8_300": "fp8 against bfloat16: held-out loss after 300 steps",
+          "bench_gpu_fp8": "fp8 against bfloat16, maxpar against MaxText, on one GPU",
           "post_training": "Post-training end to end: SFT then DPO with LoRA, and what LoRA saves"}
 
 

@@ -1,4 +1,5 @@
-"""What the tests and the end-to-end scripts train: the micro model, a small corpus, and training in a child process.
+"""What the tests and the end-to-end scripts train: the micro model, a small corpus, a config bound to devices
+(`layout_on`), and training in a child process.
 
 The micro model (configs/models/micro.yml: 64 wide, 2 layers, 264 tokens) is smaller than the default `tiny` preset,
 so that a sharded train step compiles in seconds on a CPU. `MICRO` names it and gives its shape as explicit keys
@@ -33,13 +34,25 @@ def _override(key: str, value: object) -> str:
 
 
 MICRO_MODEL = [_override(key, value) for key, value in yaml.safe_load(MICRO_FILE.read_text()).items()]
-MICRO = ["model_name=micro", *MICRO_MODEL, "max_target_length=32", "dtype=float32", "weight_dtype=float32", "warmup_steps=2",
-         "learning_rate=1e-2", "log_period=1", "eval_interval=-1", "enable_checkpointing=false"]
+MICRO = ["model_name=micro", *MICRO_MODEL, "max_target_length=32", "dtype=float32", "weight_dtype=float32",
+         "warmup_steps=2", "learning_rate=1e-2", "log_period=1", "eval_interval=-1", "enable_checkpointing=false"]
 
 
 def micro_config(*overrides: str, config_file: str = "configs/base.yml") -> Config:
     """`config_file` (relative to the working directory) with MICRO, then `overrides` (later keys win)."""
     return load_config([config_file, *MICRO, *overrides])
+
+
+def layout_on(config: Config, devices=None, tx=None):
+    """(run layout, mesh) of `config` on `devices` (default: all), resolved and bound as the trainer does."""
+    import jax
+
+    from maxpar.core.mesh import build_mesh, local_mesh_shape
+    from maxpar.training.train_step import run_layout
+
+    devices = list(jax.devices() if devices is None else devices)
+    layout = run_layout(config, local_mesh_shape(config, devices), tx, check_batch=False)
+    return layout, build_mesh(layout.mesh, devices)
 
 
 def write_corpus(directory: Path, num_files: int = 12, seed: int = 0) -> str:

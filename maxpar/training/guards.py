@@ -1,9 +1,12 @@
-"""Guards that stop a run safely: preemption (SIGTERM) and Ctrl-C (SIGINT), non-finite losses, and steps that
-never finish.
+"""Guards that keep a run safe: bad steps (a non-finite loss or gradient norm, a loss spike), preemption (SIGTERM)
+and Ctrl-C (SIGINT), and steps that never finish.
 
-Preemption and NaN stops happen between steps, so the newest checkpoint is always a complete, good
-one. The step watchdog ends a process that is stuck (so that its peers, waiting on it in a
-collective, fail on the lost heartbeat instead of waiting forever); it never touches checkpoints.
+A bad step is judged inside the compiled step (`judge_step`), before its update is applied: its update is not
+applied, so the state the step returns is the previous one and every checkpoint holds finite numbers. With
+stop_on_nan the loop then stops at the first non-finite step (`LossCheck`), before anything after it is logged or
+saved. Preemption stops happen between steps, so the newest checkpoint is always a complete, good one. The step
+watchdog ends a process that is stuck (so that its peers, waiting on it in a collective, fail on the lost
+heartbeat instead of waiting forever); it never touches checkpoints.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 
 # Exit status after a SIGTERM or SIGINT that stopped the run with a checkpoint written (sysexits' EX_TEMPFAIL:
@@ -30,6 +34,67 @@ PREEMPTED_EXIT_STATUS = 75
 STORAGE_EXIT_STATUS = 74
 # Exit status after a second Ctrl-C, which ends the process at once (the shell's convention for SIGINT).
 INTERRUPTED_EXIT_STATUS = 128 + signal.SIGINT
+
+# ---------------------------------------------------------------- bad steps, judged inside the step
+
+# The loss's running average is an exponential moving average over the finite losses: a horizon of about 100 steps,
+# long against a spike, short against the loss's own descent. Spikes are judged once it has seen this many losses.
+LOSS_AVERAGE_DECAY = 0.99
+SPIKE_MIN_LOSSES = 10
+
+
+class StepGuard(NamedTuple):
+    """What the bad-step test remembers across steps: the loss's running average and how many updates it kept
+    out. It lives in the optimizer state (`maxpar.training.optimizer.OptimizerState`), so a checkpoint saves it and a
+    resume continues it exactly."""
+
+    loss_sum: jax.Array           # float32: the moving average's decayed sum of finite losses (unnormalized)
+    losses_seen: jax.Array        # int32: finite losses in it
+    skipped_nonfinite: jax.Array  # int32: steps whose loss or gradient norm was NaN/Inf
+    skipped_spikes: jax.Array     # int32: steps whose loss exceeded skip_step_on_spike_factor x the average
+
+    @classmethod
+    def fresh(cls) -> StepGuard:
+        zero = jnp.zeros((), jnp.int32)
+        return cls(jnp.zeros((), jnp.float32), zero, zero, zero)
+
+    @property
+    def loss_average(self) -> jax.Array:
+        """The bias-corrected moving average (as Adam's moments: the early steps are not pulled towards 0)."""
+        weight = 1.0 - jnp.power(jnp.float32(LOSS_AVERAGE_DECAY), self.losses_seen.astype(jnp.float32))
+        return self.loss_sum / jnp.maximum(weight, 1e-30)
+
+    @property
+    def skipped(self) -> jax.Array:
+        return self.skipped_nonfinite + self.skipped_spikes
+
+
+class StepVerdict(NamedTuple):
+    """Whether a step's update is applied, and the guard's statistics after the step."""
+
+    apply: jax.Array    # bool: the loss and gradient norm are finite and the loss is no spike
+    guard: StepGuard
+
+
+def judge_step(guard: StepGuard, loss: jax.Array, grad_norm: jax.Array, spike_factor: float) -> StepVerdict:
+    """Apply a step's update only if its loss and gradient norm are finite and (spike_factor > 0) its loss is at most
+    spike_factor x the running average of the previous losses. A finite loss joins the average even when it is a
+    spike, so that a lasting shift of the loss's level is taken in after some steps instead of skipping for ever."""
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    spike = jnp.zeros((), bool)
+    if spike_factor > 0:
+        spike = finite & (guard.losses_seen >= SPIKE_MIN_LOSSES) & (loss > spike_factor * guard.loss_average)
+    seen = finite.astype(jnp.int32)
+    safe_loss = jnp.where(finite, loss, 0.0).astype(jnp.float32)
+    loss_sum = jnp.where(finite, LOSS_AVERAGE_DECAY * guard.loss_sum + (1 - LOSS_AVERAGE_DECAY) * safe_loss,
+                         guard.loss_sum)
+    return StepVerdict(apply=finite & ~spike,
+                       guard=StepGuard(loss_sum=loss_sum, losses_seen=guard.losses_seen + seen,
+                                       skipped_nonfinite=guard.skipped_nonfinite + (1 - seen),
+                                       skipped_spikes=guard.skipped_spikes + spike.astype(jnp.int32)))
+
+
+# ---------------------------------------------------------------- stopping between steps
 
 _STOP_WORDS = {signal.SIGTERM: "preempted (SIGTERM)", signal.SIGINT: "interrupted (SIGINT)"}
 
@@ -133,42 +198,54 @@ class StepsInFlight:
             jax.block_until_ready(self._queued.popleft())
 
 
-def first_nonfinite(losses: Sequence[tuple[int, Any]]) -> tuple[int, float] | None:
-    """(step, loss) of the first NaN/Inf among (step, device scalar) pairs: one transfer for them all."""
-    values = jax.device_get([loss for _, loss in losses])
-    return next(((step, float(value)) for (step, _), value in zip(losses, values) if not math.isfinite(float(value))),
+def first_nonfinite(values: Sequence[tuple[int, Any]]) -> tuple[int, float] | None:
+    """(step, value) of the first NaN/Inf among (step, device scalar) pairs: one transfer for them all."""
+    fetched = jax.device_get([value for _, value in values])
+    return next(((step, float(value)) for (step, _), value in zip(values, fetched) if not math.isfinite(float(value))),
                 None)
 
 
-def stop_on_nonfinite(losses: Sequence[tuple[int, Any]], manager: Any) -> None:
-    """Raise before a NaN/Inf state is logged as fine or checkpointed; earlier checkpoints stay as they are."""
-    bad = first_nonfinite(losses)
-    if bad is None:
+def stop_on_nonfinite(losses: Sequence[tuple[int, Any]], grad_norms: Sequence[tuple[int, Any]],
+                      manager: Any) -> None:
+    """Raise at the first step whose loss or gradient norm is NaN/Inf. That step's update was not applied
+    (`judge_step`) and the loop raises before anything after it is logged or saved, so the newest checkpoint is
+    one from before it: finite, and what a rerun resumes from."""
+    bad_loss, bad_norm = first_nonfinite(losses), first_nonfinite(grad_norms)
+    if bad_loss is None and bad_norm is None:
         return
+    if bad_loss is not None and (bad_norm is None or bad_loss[0] <= bad_norm[0]):
+        step, what = bad_loss[0], f"loss is {bad_loss[1]}"
+    else:
+        step, what = bad_norm[0], f"gradient norm is {bad_norm[1]}"
     latest = manager.latest_step() if manager else None
     kept = f"the newest checkpoint, step {latest}, is intact" if latest is not None else "no checkpoint was written"
-    raise FloatingPointError(f"loss is {bad[1]} at step {bad[0]}; stopped before checkpointing it ({kept}). Lower "
-                             f"learning_rate or check the data, then rerun to resume; stop_on_nan=false trains on "
-                             f"regardless")
+    raise FloatingPointError(f"{what} at step {step}; stopped before checkpointing it ({kept}), and its update was "
+                             f"not applied. Lower learning_rate or check the data, then rerun to resume; "
+                             f"stop_on_nan=false skips such steps' updates and trains on")
 
 
 class LossCheck:
-    """Losses waiting to be checked for NaN/Inf. Reading a loss waits for its step, so they are collected and
-    checked together when the cadence says (before anything is logged or saved), not after every step."""
+    """Losses and gradient norms waiting to be checked for NaN/Inf. Reading one waits for its step, so they are
+    collected and checked together when the cadence says (before anything is logged or saved), not after every
+    step."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
-        self._pending: list[tuple[int, Any]] = []
+        self._losses: list[tuple[int, Any]] = []
+        self._grad_norms: list[tuple[int, Any]] = []
 
-    def add(self, step: int, loss: Any) -> None:
+    def add(self, step: int, loss: Any, grad_norm: Any = None) -> None:
         if self.enabled:
-            self._pending.append((step, loss))
+            self._losses.append((step, loss))
+            if grad_norm is not None:
+                self._grad_norms.append((step, grad_norm))
 
     def check(self, manager: Any) -> None:
-        """`stop_on_nonfinite` over the pending losses, then none are pending."""
-        pending, self._pending = self._pending, []
-        if pending:
-            stop_on_nonfinite(pending, manager)
+        """`stop_on_nonfinite` over the pending values, then none are pending."""
+        losses, grad_norms = self._losses, self._grad_norms
+        self._losses, self._grad_norms = [], []
+        if losses:
+            stop_on_nonfinite(losses, grad_norms, manager)
 
 
 # Exit status of a process the step watchdog ended.

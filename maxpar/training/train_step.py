@@ -23,9 +23,10 @@ from maxpar.model.context_parallel import reorder_batch
 from maxpar.model.fp8 import FP8_META, combine_observed, update_histories
 from maxpar.model.moe import MOE_STATS, load_max_over_mean, moe_totals, routed_counts, routing_bias_update
 from maxpar.model.mtp import MTP, mtp_inputs, mtp_loss_sum, with_mtp_targets
-from maxpar.model.staged import staged_value_and_grad
+from maxpar.model.staged import loss_segments, staged_value_and_grad
 from maxpar.model.transformer import stacked_layers
 from maxpar.training import dpo, trainable
+from maxpar.training.guards import judge_step
 from maxpar.training.optimizer import learning_rate_schedule, make_optimizer
 
 Batch = dict[str, jax.Array]
@@ -114,11 +115,20 @@ def _cross_entropy(logits: jax.Array, batch: Batch) -> tuple[jax.Array, jax.Arra
     return jnp.sum(jnp.where(mask, losses, 0.0)), jnp.sum(mask).astype(jnp.float32)
 
 
-def _token_losses(logits: jax.Array, targets: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, dict]:
-    """A microbatch's summed cross-entropy and the metric sums, from its logits: the loss head of a schedule that
-    runs the backward itself (`maxpar.model.staged`)."""
+def _token_losses(logits: jax.Array, targets: jax.Array, segment_ids: jax.Array, z_loss_weight: float = 0.0
+                  ) -> tuple[jax.Array, dict]:
+    """A microbatch's objective and metric sums from its logits: the summed cross-entropy, plus (z_loss_weight > 0)
+    z_loss_weight x PaLM's z-loss, the summed (log Z)^2 of each counted token's softmax normalizer, which keeps the
+    logits from drifting (its sum is `z_loss_sum`). The loss head of every schedule: `objective`'s, and that of a
+    schedule that runs the backward itself (`maxpar.model.staged`). `segment_ids`: the loss's (`loss_segments`: 0
+    where a post-training batch's loss_mask is), so both count the same targets."""
     loss_sum, count = _cross_entropy(logits, {"targets": targets, "segment_ids": segment_ids})
-    return loss_sum, {"loss_sum": loss_sum, "tokens": count}
+    sums = {"loss_sum": loss_sum, "tokens": count}
+    if not z_loss_weight:
+        return loss_sum, sums
+    log_z = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)  # the cross-entropy's own normalizer (XLA's CSE)
+    z_loss_sum = jnp.sum(jnp.where(segment_ids != 0, jnp.square(log_z), 0.0))
+    return loss_sum + z_loss_weight * z_loss_sum, sums | {"z_loss_sum": z_loss_sum}
 
 
 def model_variables(params: Any, fp8_meta: Any = None) -> dict[str, Any]:
@@ -139,8 +149,8 @@ def objective(params: Any, fp8_meta: Any, batch: Batch, *, model: nn.Module, con
               ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(what the gradient is taken of, the sums the metrics need) for one microbatch.
 
-    Dense: the summed cross-entropy. MoE: plus load_balance_loss_weight x the
-    load-balancing loss (mean over the MoE layers) x the microbatch's real
+    Dense: the summed cross-entropy, plus z_loss_weight x the summed z-loss (`_token_losses`). MoE: plus
+    load_balance_loss_weight x the load-balancing loss (mean over the MoE layers) x the microbatch's real
     tokens, so that dividing by the step's tokens adds the weighted,
     token-averaged balance loss to the mean cross-entropy. MTP (mtp_num_layers > 0, a `with_mtp_targets` batch):
     plus mtp_loss_scaling_factor x the modules' mean summed cross-entropy, divided by the step's tokens the same way.
@@ -150,9 +160,8 @@ def objective(params: Any, fp8_meta: Any, batch: Batch, *, model: nn.Module, con
                                      batch["segment_ids"], mtp_inputs(batch, config.mtp_num_layers),
                                      mutable=[MOE_STATS] if moe else [])
     logits, mtp_logits = outputs if config.mtp_num_layers else (outputs, None)
-    loss_sum, count = _cross_entropy(logits, batch)
-    sums = {"loss_sum": loss_sum, "tokens": count}
-    total = loss_sum
+    total, sums = _token_losses(logits, batch["targets"], loss_segments(batch), config.z_loss_weight)
+    count = sums["tokens"]
     if mtp_logits is not None:
         sums["mtp_sum"] = mtp_loss_sum(mtp_logits, batch)
         total = total + config.mtp_loss_scaling_factor * sums["mtp_sum"]
@@ -175,7 +184,8 @@ def moe_sums(stats: Any, count: jax.Array, config: Config) -> tuple[jax.Array, d
 
 def _staged_grad_fn(model: nn.Module, config: Config) -> Callable:
     """The explicit-backward schedule's value_and_grad (`maxpar.model.staged`), with `objective`'s MoE sums."""
-    grad_fn = staged_value_and_grad(model, _token_losses, config.pipeline_schedule,
+    grad_fn = staged_value_and_grad(model, partial(_token_losses, z_loss_weight=config.z_loss_weight),
+                                    config.pipeline_schedule,
                                     config.load_balance_loss_weight / max(config.num_moe_layers, 1),
                                     config.mtp_loss_scaling_factor)
 
@@ -251,6 +261,12 @@ def train_step(state: TrainState, batch: Batch, *, model: nn.Module, tx: optax.G
                config: Config, update_shardings: Any = None) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step on a global batch; loss is the mean cross-entropy over all its real tokens.
 
+    The update is applied only if the step is judged good (`maxpar.training.guards.judge_step`: finite loss and
+    gradient norm, no loss spike). A skipped step still counts (`step` advances: it indexes the data and the
+    checkpoints) but leaves everything else bitwise as it was: the parameters (MoE routing biases included), the
+    optimizer's moments and its count (so the learning-rate schedule, which follows the updates applied), the fp8
+    amax histories. Only the guard's statistics move.
+
     update_shardings: with shard_optimizer_over_data (ZeRO-1), the shardings of gradients and updates (the
     layout's `update_specs` on the step's mesh).
     """
@@ -259,23 +275,34 @@ def train_step(state: TrainState, batch: Batch, *, model: nn.Module, tx: optax.G
     grads = jax.tree.map(lambda g: g / count.astype(g.dtype), grads)
     if update_shardings is not None:
         grads = split_over_zero_axis(grads, update_shardings)
+    loss, grad_norm = sums["loss_sum"] / count, optax.tree.norm(grads)
+    guard = state.opt_state.guard
+    verdict = judge_step(guard, loss, grad_norm, config.skip_step_on_spike_factor)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     if update_shardings is not None:
         updates = split_over_zero_axis(updates, update_shardings)
     params = optax.apply_updates(state.params, updates)
     if config.routed_bias and config.num_experts > 1:  # a dense model (routed_bias in its preset) has no routers
         params = routing_bias_update(params, sums["expert_routed"], config.routed_bias_update_rate)
+    # what the update moves, kept as it was if the step is bad (the frozen parameters never move)
+    moved = (params, opt_state, update_histories(state.fp8_meta, seen))
+    params, opt_state, fp8_meta = jax.tree.map(lambda new, old: jnp.where(verdict.apply, new, old), moved,
+                                               (state.params, state.opt_state, state.fp8_meta))
+    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state._replace(guard=verdict.guard),
+                           fp8_meta=fp8_meta, frozen=state.frozen)
     metrics = {
-        "loss": sums["loss_sum"] / count,
-        "grad_norm": optax.tree.norm(grads),
-        "learning_rate": learning_rate_schedule(config)(state.step),
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "learning_rate": learning_rate_schedule(config)(state.step - guard.skipped),  # the updates applied so far
         "tokens": count,
+        "skipped_nonfinite": verdict.guard.skipped_nonfinite,
+        "skipped_spikes": verdict.guard.skipped_spikes,
         **moe_metrics(sums, count),
         **({"mtp_loss": sums["mtp_sum"] / count} if "mtp_sum" in sums else {}),
+        **({"z_loss": sums["z_loss_sum"] / count} if "z_loss_sum" in sums else {}),
         **dpo.metrics(sums, count),
     }
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
-                      fp8_meta=update_histories(state.fp8_meta, seen), frozen=state.frozen), metrics
+    return new_state, metrics
 
 
 def eval_step(params: Any, frozen: Any, batch: Batch, *, model: nn.Module, config: Config) -> dict[str, jax.Array]:
@@ -298,15 +325,20 @@ def jit_train_step(model: nn.Module, tx: optax.GradientTransformation, layout: R
                    out_shardings=(shardings, replicated(mesh)), donate_argnums=0)
 
 
-def compile_train_step(model: nn.Module, tx: optax.GradientTransformation, layout: RunLayout, mesh: Mesh) -> Any:
-    """The train step compiled ahead of time for the layout's state and global batch on `mesh`."""
+def lower_train_step(model: nn.Module, tx: optax.GradientTransformation, layout: RunLayout, mesh: Mesh) -> Any:
+    """The train step lowered for the layout's state and global batch on `mesh` (its program, before XLA)."""
     shardings = layout.state_shardings(mesh)
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), layout.state.abstract,
                          shardings)
     rows, length = layout.batch.global_rows, layout.config.max_target_length
     batch = {key: jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=layout.input_sharding(mesh))
              for key in batch_keys(layout.config)}
-    return jit_train_step(model, tx, layout, mesh).lower(state, batch).compile()
+    return jit_train_step(model, tx, layout, mesh).lower(state, batch)
+
+
+def compile_train_step(model: nn.Module, tx: optax.GradientTransformation, layout: RunLayout, mesh: Mesh) -> Any:
+    """The train step compiled ahead of time for the layout's state and global batch on `mesh`."""
+    return lower_train_step(model, tx, layout, mesh).compile()
 
 
 def jit_eval_step(model: nn.Module, layout: RunLayout, mesh: Mesh):
