@@ -55,5 +55,7 @@ def test_under_jit_and_remat_it_matches_the_eager_gradient():
     loss = lambda g, u: jnp.sum(swiglu(g, u) * d_out)  # noqa: E731
     eager = jax.grad(loss, argnums=(0, 1))(gate, up)
     compiled = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1)))(gate, up)
+    # atol 4e-6 against gradients of order 1: float32 rounding of the recomputed sigmoid (the suite compiles at -O0,
+    # tests/conftest.py, where two elements of near-cancelling terms differ by 1.9e-6; -O3 matches within 1e-6)
     for a, b in zip(compiled, eager):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=4e-6)

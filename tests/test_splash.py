@@ -5,7 +5,6 @@ parallelism, FSDP); refused without a TPU; the model compiled for a TPU topology
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 
 import jax
@@ -125,11 +124,11 @@ def tpu_devices():
     """The 8 chips of a v5p:2x2x2 topology, for compiling only (no TPU needed; libtpu compiles for them)."""
     if importlib.util.find_spec("libtpu") is None:
         pytest.skip("libtpu is not installed (pip install 'jax[tpu]')")
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # pytest-xdist workers load it side by side
-    from jax.experimental import topologies
+    from maxpar.host.topology import parse_topology, topology_devices
 
-    return topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2", chip_config_name="megacore",
-                                        chips_per_host_bounds=(2, 2, 1), num_slices=1).devices
+    # v5p-16 is v5p:2x2x2; topology_devices keeps libtpu's warning text out of TPU_WORKER_ID, which the worker's
+    # later subprocesses (tests/test_train.py's command-line run) would inherit and read as their worker id
+    return topology_devices(parse_topology("v5p-16"))
 
 
 @pytest.mark.parametrize("mesh", [
