@@ -380,7 +380,7 @@ def _train(config: Config, devices: Sequence[jax.Device] | None, run_dir: epath.
                        dynamic_ncols=True)
             row: dict[str, Any] = {}
             when = cadence(config, has_eval_data=eval_fn is not None, checkpointing=manager is not None)
-            timer, losses = StepTimer(), LossCheck(enabled=config.stop_on_nan)
+            timer, losses = StepTimer(), LossCheck(enabled=config.stop_on_nan, start_step=start)
             in_flight = StepsInFlight()  # a stop requested now waits for about one step, not for all dispatched
             skipped_before = skipped_counts(state.opt_state)  # the updates skipped before the last row (or start)
 

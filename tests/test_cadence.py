@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -98,3 +99,39 @@ def test_loss_check_raises_at_the_first_nonfinite_loss_and_then_starts_afresh():
     off = LossCheck(enabled=False)
     off.add(1, math.nan)
     off.check(manager=None)  # stop_on_nan=false trains on regardless
+
+
+class KeptSteps:
+    """The part of a checkpoint manager the stop's words read: which steps are kept, where."""
+
+    def __init__(self, steps):
+        self.steps, self.directory = steps, Path("/runs/r/checkpoints")
+
+    def latest_step(self):
+        return max(self.steps, default=None)
+
+    def all_steps(self):
+        return self.steps
+
+
+def test_a_nan_after_a_jump_or_right_after_a_resume_names_a_checkpoint_from_before_the_bad_weights():
+    """Finite but diverged weights fail again on any learning rate: the words point before them, not at a rerun."""
+    check = LossCheck(enabled=True)  # the loss jumps at step 4 (weights of step 3's update), NaN at step 7
+    for step, loss in enumerate((6.8, 6.5, 6.1, 9e5, 6.2, 6.2, math.nan), start=1):
+        check.add(step, loss)
+    with pytest.raises(FloatingPointError) as stop:
+        check.check(KeptSteps([2, 4, 6]))
+    assert ("The loss had already jumped at step 4 (9e+05 against 6.1 at its lowest before): the checkpoints since "
+            "step 3 carry those weights on, so start a new run (another run_name) with a lower learning_rate from "
+            "the newest checkpoint before that: load_full_state_path=/runs/r/checkpoints/2") in str(stop.value)
+    resumed = LossCheck(enabled=True, start_step=6)
+    resumed.add(7, math.nan)
+    with pytest.raises(FloatingPointError, match=r"The first step after resuming from step 6 is already bad: .* "
+                                                 r"no checkpoint from before that is kept"):
+        resumed.check(KeptSteps([6]))
+    for kept in ([], [1]):  # nothing kept, or kept from before the jump: a rerun resumes from sound weights
+        again = LossCheck(enabled=True)
+        for step, loss in ((1, 6.8), (2, 6.5), (3, 9e5), (4, math.nan)):
+            again.add(step, loss)
+        with pytest.raises(FloatingPointError, match="Lower learning_rate or check the data, then rerun to resume"):
+            again.check(KeptSteps(kept) if kept else None)

@@ -205,11 +205,25 @@ def first_nonfinite(values: Sequence[tuple[int, Any]]) -> tuple[int, float] | No
                 None)
 
 
+# A finite loss this many times the lowest one before it marks where a run diverged (a hint in the stop's words only).
+DIVERGED_FACTOR = 3.0
+
+
+class Divergence(NamedTuple):
+    """Where this process saw the loss jump: `step`, its `loss`, and the `lowest` loss before it."""
+
+    step: int
+    loss: float
+    lowest: float
+
+
 def stop_on_nonfinite(losses: Sequence[tuple[int, Any]], grad_norms: Sequence[tuple[int, Any]],
-                      manager: Any) -> None:
+                      manager: Any, start_step: int = 0, divergence: Divergence | None = None) -> None:
     """Raise at the first step whose loss or gradient norm is NaN/Inf. That step's update was not applied
     (`judge_step`) and the loop raises before anything after it is logged or saved, so the newest checkpoint is
-    one from before it: finite, and what a rerun resumes from."""
+    one from before it: finite, and what a rerun resumes from. Finite is not always sound, though: when the loss
+    jumped earlier (`divergence`) or the first step after resuming from `start_step` is already bad, the newest
+    checkpoint's weights lead there whatever the learning rate, and the words name a checkpoint from before."""
     bad_loss, bad_norm = first_nonfinite(losses), first_nonfinite(grad_norms)
     if bad_loss is None and bad_norm is None:
         return
@@ -219,20 +233,38 @@ def stop_on_nonfinite(losses: Sequence[tuple[int, Any]], grad_norms: Sequence[tu
         step, what = bad_norm[0], f"gradient norm is {bad_norm[1]}"
     latest = manager.latest_step() if manager else None
     kept = f"the newest checkpoint, step {latest}, is intact" if latest is not None else "no checkpoint was written"
-    raise FloatingPointError(f"{what} at step {step}; stopped before checkpointing it ({kept}), and its update was "
-                             f"not applied. Lower learning_rate or check the data, then rerun to resume; "
-                             f"stop_on_nan=false skips such steps' updates and trains on")
+    words = f"{what} at step {step}; stopped before checkpointing it ({kept}), and its update was not applied. "
+    # The first checkpoint whose weights lead to the bad losses: the one before the jump, or the one resumed from.
+    tainted_from = None
+    if divergence is not None and divergence.step < step:
+        tainted_from = divergence.step - 1
+        cause = (f"The loss had already jumped at step {divergence.step} ({divergence.loss:,.4g} against "
+                 f"{divergence.lowest:.4g} at its lowest before)")
+    elif start_step and step == start_step + 1:
+        tainted_from, cause = start_step, f"The first step after resuming from step {start_step} is already bad"
+    if tainted_from is not None and latest is not None and latest >= tainted_from:
+        earlier = [s for s in manager.all_steps() if s < tainted_from]
+        advice = ("start a new run (another run_name) with a lower learning_rate from the newest checkpoint before "
+                  f"that: load_full_state_path={manager.directory / str(max(earlier))}" if earlier else
+                  "start a new run (another run_name) with a lower learning_rate: no checkpoint from before that is "
+                  "kept")
+        words += f"{cause}: the checkpoints since step {tainted_from} carry those weights on, so {advice}"
+    else:
+        words += "Lower learning_rate or check the data, then rerun to resume"
+    raise FloatingPointError(words + "; stop_on_nan=false skips such steps' updates and trains on")
 
 
 class LossCheck:
     """Losses and gradient norms waiting to be checked for NaN/Inf. Reading one waits for its step, so they are
     collected and checked together when the cadence says (before anything is logged or saved), not after every
-    step."""
+    step. It remembers the first jump of the losses it read (`Divergence`), for the stop's words."""
 
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
+    def __init__(self, enabled: bool, start_step: int = 0) -> None:
+        self.enabled, self.start_step = enabled, start_step
         self._losses: list[tuple[int, Any]] = []
         self._grad_norms: list[tuple[int, Any]] = []
+        self._lowest = math.inf
+        self.divergence: Divergence | None = None
 
     def add(self, step: int, loss: Any, grad_norm: Any = None) -> None:
         if self.enabled:
@@ -242,10 +274,17 @@ class LossCheck:
 
     def check(self, manager: Any) -> None:
         """`stop_on_nonfinite` over the pending values, then none are pending."""
-        losses, grad_norms = self._losses, self._grad_norms
+        losses = list(zip([step for step, _ in self._losses], jax.device_get([v for _, v in self._losses])))
+        grad_norms = self._grad_norms
         self._losses, self._grad_norms = [], []
+        for step, loss in losses:
+            if not math.isfinite(loss):
+                break
+            if self.divergence is None and loss > DIVERGED_FACTOR * self._lowest:
+                self.divergence = Divergence(step, float(loss), self._lowest)
+            self._lowest = min(self._lowest, float(loss))
         if losses:
-            stop_on_nonfinite(losses, grad_norms, manager)
+            stop_on_nonfinite(losses, grad_norms, manager, self.start_step, self.divergence)
 
 
 # Exit status of a process the step watchdog ended.
