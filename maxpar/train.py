@@ -213,7 +213,9 @@ def describe_computation(config: Config) -> str:
     return f", quantization={config.quantization}{scaling}"
 
 
-def _print_header(run: RunSetup, run_dir: epath.Path, peak: float | None, log: Callable[[str], None]) -> None:
+def print_header(run: RunSetup, run_dir: epath.Path, peak: float | None, log: Callable[[str], None]) -> None:
+    """The run header: model, mesh, batch, data and pipeline schedule, all known before the first compile (so a
+    test can read it from `setup_run` alone)."""
     config, devices = run.config, run.devices
     state = run.abstract_state
     counts = parameter_counts(trainable.policy(state.params, state.frozen, config), config.num_experts_per_tok)
@@ -348,7 +350,7 @@ def _train(config: Config, devices: Sequence[jax.Device] | None, run_dir: epath.
     lead = jax.process_index() == 0
     log = tqdm.write if lead else (lambda *_: None)
     peak = peak_flops(devices[0].device_kind, config.peak_flops_per_device)
-    _print_header(run, run_dir, peak, log)
+    print_header(run, run_dir, peak, log)
 
     iterator = iter(run.train_data)
     manager = checkpoint.make_manager(run_dir, config) if config.enable_checkpointing else None

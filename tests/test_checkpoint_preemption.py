@@ -60,47 +60,61 @@ def stop_at_once(process, how: str, log_path) -> None:
         assert "second interrupt: stopped at once" in output(log_path)
 
 
-# (how the first run is stopped at once, the signal that then stops the second one after a step, how it is named)
-STOPS = {"sigterm": ("kill -9", signal.SIGTERM, r"preempted \(SIGTERM\)"),
-         "ctrl-c": ("Ctrl-C twice", signal.SIGINT, r"interrupted \(SIGINT\)")}
+# How a run is stopped after a step (the signal, how its one-line message names it), in the order the test sends them.
+SOFT_STOPS = ((signal.SIGTERM, r"preempted \(SIGTERM\)"), (signal.SIGINT, r"interrupted \(SIGINT\)"))
 
 
-@pytest.mark.parametrize("stops", STOPS.values(), ids=STOPS.keys())
-def test_stop_at_once_then_stop_after_a_step_then_finish_matches_the_uninterrupted_run(corpus, reference, tmp_path,
-                                                                                        stops):
-    hard_stop, soft_stop, stop_words = stops
-
+def test_stops_at_once_and_after_a_step_then_finishing_matches_the_uninterrupted_run(corpus, reference, tmp_path):
+    """One run directory through five processes of the same command: kill -9, Ctrl-C twice (both stop at once: no
+    chance to finish the step; a save they cut short must never be used), SIGTERM, one Ctrl-C (both stop after a
+    step, with that step saved), then the run to the end: bitwise the uninterrupted run. Each process resumes from
+    the newest complete checkpoint, and exactly at the step a signal stopped the one before."""
     command = train_command(*overrides(corpus), f"base_output_directory={tmp_path}", "run_name=run")
     run_dir = tmp_path / "run"
     env = compilation_cache_env(tmp_path / "jax_cache")
 
-    # 1. Stopped at once at whatever step it has reached once the first checkpoint is complete: no chance to
-    #    finish the step; a save it cuts short must never be used.
-    first = start_training(command, tmp_path / "first.log", env)
-    wait_for_step(first, run_dir, 6)
-    wait_until(first, (run_dir / "checkpoints" / "4").is_dir, "checkpoint 4 was complete")
-    stop_at_once(first, hard_stop, tmp_path / "first.log")
-    killed_at = max(logged_steps(run_dir))
-    assert killed_at < STEPS, "the run finished before it could be killed"
+    # 1.-2. Stopped at once: kill -9 once the first checkpoint is complete; then, resumed, Ctrl-C twice.
+    newest = 0
+    for index, hard_stop in enumerate(("kill -9", "Ctrl-C twice")):
+        log_path = tmp_path / f"at_once_{index}.log"
+        process = start_training(command, log_path, env)
+        if index == 0:
+            wait_for_step(process, run_dir, 6)
+            wait_until(process, (run_dir / "checkpoints" / "4").is_dir, "checkpoint 4 was complete")
+        else:
+            wait_for_step(process, run_dir, newest + 3)
+        stop_at_once(process, hard_stop, log_path)
+        if index:
+            resumed_from = int(re.search(r"resumed from checkpoint at step (\d+)", output(log_path))[1])
+            assert 4 <= resumed_from <= newest and resumed_from % 4 == 0
+        newest = max(logged_steps(run_dir))
+        assert newest < STEPS, "the run finished before it could be stopped"
 
-    # 2. The same command resumes from the newest complete checkpoint; a signal a few steps later stops it after a
-    #    step, with that step saved, and the one-line message.
-    second = start_training(command, tmp_path / "second.log", env)
-    wait_for_step(second, run_dir, killed_at + 3)
-    second.send_signal(soft_stop)
-    assert second.wait(timeout=120) == PREEMPTED_EXIT_STATUS, output(tmp_path / "second.log")[-3000:]
-    log = output(tmp_path / "second.log")
-    assert "Traceback" not in log
-    resumed_from = int(re.search(r"resumed from checkpoint at step (\d+)", log)[1])
-    assert 4 <= resumed_from <= killed_at and resumed_from % 4 == 0
-    stopped_at = int(re.search(stop_words + r" after step (\d+): checkpoint step \1 is written; rerun the same "
-                               r"command to resume", log)[1])
-    assert killed_at + 3 <= stopped_at < STEPS
+    # 3.-4. The same command resumes; a signal a few steps later stops it after a step, with that step saved, and
+    #    the one-line message; the next one resumes exactly there.
+    stopped_at = None
+    for index, (soft_stop, stop_words) in enumerate(SOFT_STOPS):
+        log_path = tmp_path / f"after_a_step_{index}.log"
+        process = start_training(command, log_path, env)
+        wait_for_step(process, run_dir, newest + 3)
+        process.send_signal(soft_stop)
+        assert process.wait(timeout=120) == PREEMPTED_EXIT_STATUS, output(log_path)[-3000:]
+        log = output(log_path)
+        assert "Traceback" not in log
+        resumed_from = int(re.search(r"resumed from checkpoint at step (\d+)", log)[1])
+        if stopped_at is None:
+            assert 4 <= resumed_from <= newest and resumed_from % 4 == 0
+        else:
+            assert resumed_from == stopped_at
+        stopped_at = int(re.search(stop_words + r" after step (\d+): checkpoint step \1 is written; rerun the same "
+                                   r"command to resume", log)[1])
+        assert newest + 3 <= stopped_at < STEPS
+        newest = max(logged_steps(run_dir))
 
-    # 3. The same command again resumes exactly at the preempted step and finishes.
-    third = start_training(command, tmp_path / "third.log", env)
-    assert third.wait(timeout=300) == 0, output(tmp_path / "third.log")[-3000:]
-    assert f"resumed from checkpoint at step {stopped_at}" in output(tmp_path / "third.log")
+    # 5. The same command again resumes exactly at the preempted step and finishes.
+    last = start_training(command, tmp_path / "last.log", env)
+    assert last.wait(timeout=300) == 0, output(tmp_path / "last.log")[-3000:]
+    assert f"resumed from checkpoint at step {stopped_at}" in output(tmp_path / "last.log")
 
     # One clean run in metrics.jsonl, bitwise equal to the uninterrupted one.
     rows, expected = read_metrics(run_dir), read_metrics(reference)

@@ -5,16 +5,17 @@ Gradient level: every parameter's gradient of the summed cross-entropy, by the e
 (stages x data), equals jax.grad of the one-device unpipelined model (float32), (S, M) = (2, 4), (4, 8); and at
 S = 2 with FSDP and tensor parallelism inside the stages, remat policies and both pipeline_fsdp_ag_* modes; with an
 MTP module in the loss head (the gradient of loss + weight x MTP loss, and mtp_sum) at S = 2 x data and x FSDP.
-Training level: 3 steps under gradient accumulation have the one-device run's per-step losses and gradient norms
-(rtol 1e-5), one run per schedule (1F1B at S=4 x data, zero-bubble at S=2 x FSDP x tensor), so the optimizer, the
-accumulation loop and the run header see both schedules and both S. Three training runs in all.
+Training level: 4 steps of the trainer's compiled step under gradient accumulation (tests/helpers.compiled_steps)
+have the one-device step's per-step losses and gradient norms (rtol 1e-5), one run per schedule (1F1B at S=4 x data,
+zero-bubble at S=2 x FSDP x tensor), so the optimizer and the accumulation loop see both schedules and both S; the
+run header (printed without training) names each schedule. `maxpar.train`'s loop under 1F1B: docs/pipelines.md's
+runnable block (tests/test_docs.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
 from functools import partial
+from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -23,7 +24,7 @@ import numpy as np
 import optax
 import pytest
 
-from helpers import packed_batch, read_metrics, micro_config, write_corpus
+from helpers import compiled_steps, micro_config, one_device_steps, packed_batch
 from maxpar.core.config import ConfigError, model_config
 from maxpar.core.layout import spec_axes
 from maxpar.core.op_schedule import OpSchedule
@@ -34,7 +35,7 @@ from maxpar.plan.hardware import load_hardware
 from maxpar.plan.predict import Target, make_plan
 from maxpar.pipeline.one_f_one_b import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHTS, FORWARD, FORWARD_HEAD, IDLE,
                                          program)
-from maxpar.train import setup_run, train
+from maxpar.train import print_header, setup_run
 from maxpar.training.summary import unstaged_keys
 from maxpar.training.train_step import BATCH_KEYS, objective, train_step
 
@@ -185,50 +186,40 @@ def test_gradients_with_fsdp_and_tensor_parallelism_inside_the_stages(case, refe
 
 # ---------------------------------------------------------------- training
 
-STEPS = 3
-# Accumulation runs the executor once per accumulation microbatch: 2 x 2 rows per device, 32 per step.
+STEPS = 4  # the trainer's compiled step on one fixed batch: steps 3-4 start from updated parameters
+# Accumulation runs the executor once per accumulation microbatch: 2 x 16 rows per step on every mesh (one device: 2 x 16).
 # The zero-bubble run splits its stages over FSDP x tensor parallelism too.
 SCHEDULES = {"1f1b_s4_m4": ("1f1b", 4, 4, ()),
              "zero_bubble_s2_m4_fsdp_tensor": ("zero_bubble", 2, 4, ("ici_data_parallelism=1", "ici_fsdp_parallelism=2",
                                                                      "ici_tensor_parallelism=2"))}
 RUNS = {name: stages_and_data(s, m, f"pipeline_schedule={kind}", "gradient_accumulation_steps=2", *more)
         for name, (kind, s, m, more) in SCHEDULES.items()}
+TRAINING = ("num_decoder_layers=4", "gradient_accumulation_steps=2")
 
 
-@pytest.fixture(scope="module")
-def trainings(tmp_path_factory):
-    """metrics.jsonl rows of the one-device reference and of each 1F1B run (32 rows per step everywhere)."""
-    corpus = write_corpus(tmp_path_factory.mktemp("corpus"))
-    common = ("num_decoder_layers=4", f"steps={STEPS}", "dataset_type=text", f"dataset_path={corpus}",
-              "eval_fraction=0")
-    out = {}
-    for name, devices, overrides in [("reference", jax.devices()[:1], ("per_device_batch_size=32",)),
-                                     *((n, jax.devices(), ("per_device_batch_size=2", *o)) for n, o in RUNS.items())]:
-        run_dir = tmp_path_factory.mktemp(name) / "run"
-        printed = io.StringIO()
-        with contextlib.redirect_stdout(printed):
-            train(micro_config(*common, *overrides), devices=devices, run_dir=run_dir)
-        rows = read_metrics(run_dir)
-        assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-        out[name] = rows
-        out[f"{name} printed"] = printed.getvalue()
-    return out
+def run_header(*overrides: str) -> str:
+    """The run header `maxpar.train` prints for the micro model under `overrides` on the 8 devices (no training)."""
+    lines: list[str] = []
+    print_header(setup_run(micro_config(*TRAINING, *overrides), jax.devices()), Path("run"), None, lines.append)
+    return "\n".join(lines)
 
 
-def test_run_header_prints_the_op_schedule(trainings):
+def test_run_header_prints_the_op_schedule():
     assert ("1f1b pipeline: S=4 stages, M=4 microbatches, 14 ticks (a block's forward or backward each); "
             "bubble 42.9% = (S-1)/(M+S-1); at most 4 of the M stage inputs held per stage"
-            ) in trainings["1f1b_s4_m4 printed"]
-    assert OpSchedule("zero_bubble", 2, 4).describe() in trainings["zero_bubble_s2_m4_fsdp_tensor printed"]
+            ) in run_header("per_device_batch_size=2", *RUNS["1f1b_s4_m4"])
+    assert (OpSchedule("zero_bubble", 2, 4).describe()
+            in run_header("per_device_batch_size=2", *RUNS["zero_bubble_s2_m4_fsdp_tensor"]))
 
 
 @pytest.mark.parametrize("name", list(RUNS))
-def test_training_has_the_unpipelined_losses_and_gradient_norms(name, trainings):
+def test_training_has_the_unpipelined_losses_and_gradient_norms(name):
+    """The trainer's compiled step (optimizer, accumulation loop, executor) against the one-device run's."""
+    reference = one_device_steps(STEPS, *TRAINING, "per_device_batch_size=16").metrics
+    got = compiled_steps(jax.devices(), STEPS, *TRAINING, "per_device_batch_size=2", *RUNS[name]).metrics
     for key in ("loss", "grad_norm"):
-        reference = np.array([r[key] for r in trainings["reference"]])
-        np.testing.assert_allclose([r[key] for r in trainings[name]], reference, rtol=1e-5, err_msg=key)
-    losses = [r["loss"] for r in trainings["reference"]]
-    assert losses[-1] < losses[0]
+        np.testing.assert_allclose(got[key], reference[key], rtol=1e-5, err_msg=key)
+    assert reference["loss"][-1] < reference["loss"][0]
 
 
 @pytest.mark.parametrize("schedule,explicit", [("1f1b", True), ("zero_bubble", True), ("auto", False)])
