@@ -393,6 +393,7 @@ def test_a_record_damaged_mid_shard_stops_the_run_with_a_data_error(tmp_path, ca
 
 def test_a_text_file_that_vanishes_mid_run_is_a_data_error(tmp_path):
     (tmp_path / "a.txt").write_text("a document")
+    (tmp_path / "b.txt").write_text("another document")  # files are read as the lanes reach them (one is read at once)
     config = micro_config("dataset_type=text", f"dataset_path={tmp_path / '*.txt'}", "eval_fraction=0")
     train_data, _ = datasets(config)
     (tmp_path / "a.txt").unlink()

@@ -10,7 +10,7 @@ import pytest
 
 from helpers import micro_config
 from maxpar.core.config import ConfigError, load_config
-from maxpar.io.data.pipeline import corpus, describe_documents
+from maxpar.io.data.pipeline import corpus, describe_documents, make_datasets
 from maxpar.io.data.text import tail_start
 from maxpar.train import describe_computation, describe_model
 from maxpar.training.guards import second_interrupt_words
@@ -56,6 +56,19 @@ def test_a_single_text_file_holds_out_its_tail_for_eval(tmp_path):
                                                         f"training, its last 10% (from a line start) for eval")
     whole = micro_config("dataset_type=text", f"dataset_path={tmp_path}/input.txt", "eval_fraction=0")
     assert [len(part) for part in corpus(whole)] == [1, 0] and corpus(whole)[0][0] == text
+
+
+def test_a_single_long_text_file_gives_each_row_of_a_batch_its_own_text(tmp_path):
+    """A single file is read as chunks of whole lines: as one document every lane (row) read the same stream."""
+    text = "".join(f"line {i}: {'abcdefghij' * (i % 7)}\n" for i in range(6000))
+    (tmp_path / "input.txt").write_text(text)
+    run = micro_config("dataset_type=text", f"dataset_path={tmp_path}/input.txt", "eval_fraction=0.1")
+    train, held_out = corpus(run)
+    assert len(train) > 8 and len(held_out) > 1 and "".join([*train, *held_out]) == text
+    assert all(chunk.endswith("\n") for chunk in train)
+    train_data, _ = make_datasets(run, global_rows=8, eval_rows=8, shard_index=0, shard_count=1)
+    batch = next(iter(train_data))["inputs"]
+    assert len({row.tobytes() for row in batch}) == len(batch)
     assert tail_start("no newline at all", 0.5) == 8
 
 

@@ -526,7 +526,6 @@ def check_splits(config: Config, state: TracedState, shardings: Any) -> None:
     split = uneven_split(state.abstract, shardings)
     if split is None:
         return
-    is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
     logical = tuple(jax.tree_util.tree_leaves(state.specs, is_leaf=is_spec)[split.index])
     name = logical[split.dim] if split.dim < len(logical) else None
     size = split.shape[split.dim]

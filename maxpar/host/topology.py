@@ -22,7 +22,7 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 from maxpar.core.config import ConfigError
@@ -236,7 +236,3 @@ def topology_devices(spec: TopologySpec, num_slices: int = 1, log: Path | None =
                           f"{num_slices} slice(s): {str(e).splitlines()[0]}") from None
     return list(topology.devices)
 
-
-def device_counts(devices: Sequence) -> tuple[str, int]:
-    """(device kind, count): what a serialized executable was compiled for."""
-    return devices[0].device_kind, len(devices)

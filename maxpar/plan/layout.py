@@ -19,7 +19,7 @@ import numpy as np
 
 from maxpar.core.axes import Logical
 from maxpar.core.config import Config
-from maxpar.core.layout import RunLayout, TracedState, resolve_layout
+from maxpar.core.layout import RunLayout, TracedState, is_spec, resolve_layout
 from maxpar.core.mesh import MeshShape
 from maxpar.core.schedule import Schedule
 from maxpar.core.sharding import entry_axes
@@ -220,7 +220,6 @@ class _Leaf:
 @functools.lru_cache(maxsize=8)
 def _leaves(state: TracedState) -> tuple[_Leaf, ...]:
     """The train state's leaves, once per traced state: `--recommend` lays them out on hundreds of meshes."""
-    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
     leaves = []
     for (path, leaf), logical in zip(jax.tree_util.tree_leaves_with_path(state.abstract),
                                      jax.tree_util.tree_leaves(state.specs, is_leaf=is_spec)):
@@ -238,7 +237,6 @@ def build_layout(config: Config, mesh: MeshShape, state: TracedState) -> Layout:
     """The run layout of the traced state on an abstract mesh of these degrees (ConfigError if it cannot run);
     the batch may be one the trainer would refuse (`predict.plan_batch` says so)."""
     run = resolve_layout(config, mesh, state, check_batch=False)
-    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
     tensors = []
     for leaf, spec in zip(_leaves(state), jax.tree_util.tree_leaves(run.state_specs, is_leaf=is_spec)):
         padded = tuple(spec) + (None,) * (len(leaf.shape) - len(spec))

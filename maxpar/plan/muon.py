@@ -12,6 +12,7 @@ import dataclasses
 
 from jax.sharding import PartitionSpec
 
+from maxpar.core.sharding import entry_axes
 from maxpar.plan.layout import Layout, Tensor
 from maxpar.training.muon import MatrixView, is_muon_parameter, newton_schulz_flops
 from maxpar.training.optimizer import muon_sharding
@@ -51,7 +52,7 @@ def muon_parameters(layout: Layout) -> list[Orthogonalized]:
 
 
 def axes_of(spec: PartitionSpec) -> list[str]:
-    return [a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)]
+    return [axis for entry in spec for axis in entry_axes(entry)]
 
 
 def local_bytes(layout: Layout, p: Orthogonalized, spec: PartitionSpec) -> float:

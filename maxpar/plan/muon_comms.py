@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from jax.sharding import PartitionSpec
 
+from maxpar.core.sharding import entry_axes
 from maxpar.plan.comms import BACKWARD, Comm, hierarchical
 from maxpar.plan.layout import Layout
-from maxpar.plan.muon import axes_of, local_bytes, muon_parameters
+from maxpar.plan.muon import local_bytes, muon_parameters
 
 
 def muon_comms(layout: Layout) -> list[Comm]:
@@ -27,7 +28,7 @@ def muon_comms(layout: Layout) -> list[Comm]:
         before = specs[-2]
         operand = local_bytes(layout, p, before)
         for entry in reversed(tuple(before)[p.view.batch:]):  # dim by dim, the last first, as the partitioner does
-            axes = layout.live(axes_of(PartitionSpec(entry)))
+            axes = layout.live(list(entry_axes(entry)))
             comms += hierarchical(layout, "Muon matrix all-gather", axes, "all-gather", operand, count=1,
                                   phase=BACKWARD, dtype="float32", scales=False, tensor=p.tensor.name)
             operand *= layout.group_degree(axes)
@@ -37,7 +38,7 @@ def muon_comms(layout: Layout) -> list[Comm]:
 def _moved_axis(before: PartitionSpec, after: PartitionSpec) -> str:
     """The one axis a spread step moves from a matrix dim to a batch dim."""
     for old, new in zip(before, tuple(after)):
-        gone = set(axes_of(PartitionSpec(old))) - set(axes_of(PartitionSpec(new)))
+        gone = set(entry_axes(old)) - set(entry_axes(new))
         if gone:
             return gone.pop()
     raise ValueError(f"no axis moves from {before} to {after}")

@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec
 
 from maxpar.core.axes import PHYSICAL_AXES, Physical
 from maxpar.core.config import BLOCK_ATTENTION, AxisRule, Config, ConfigError
-from maxpar.core.layout import TracedState
+from maxpar.core.layout import TracedState, is_spec
 from maxpar.core.mesh import degree_overrides, resolve_mesh_shape
 from maxpar.core.sharding import mesh_axes
 from maxpar.plan.layout import Layout
@@ -119,7 +119,6 @@ def families(config: Config, target: Target) -> list[Family]:
 @functools.lru_cache(maxsize=8)
 def _split_dims(state: TracedState, rules: tuple[AxisRule, ...]) -> tuple[tuple[int, tuple[str, ...]], ...]:
     """(size, mesh axes) of every parameter dimension the rules shard, each pair once."""
-    is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
     found = set()
     for leaf, logical in zip(jax.tree_util.tree_leaves(state.abstract.params),
                              jax.tree_util.tree_leaves(state.specs.params, is_leaf=is_spec)):

@@ -22,6 +22,7 @@ import jax
 import optax
 
 from maxpar.core.config import Config, load_config
+from maxpar.core.layout import is_spec
 from maxpar.core.mesh import resolve_mesh_shape
 from maxpar.tools.testbed import MICRO_MODEL
 from maxpar.training.train_step import run_layout
@@ -71,7 +72,6 @@ def strategy_shardings(config: Config) -> dict[str, Any]:
     """{mesh: {axis: degree}, params: {path: {shape, logical, mesh}}} for `config` on 8 devices."""
     shape = resolve_mesh_shape(config, NUM_DEVICES)
     layout = run_layout(config, shape)
-    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
     leaves = jax.tree_util.tree_leaves_with_path(layout.state.abstract.params)
     logical_leaves = jax.tree_util.tree_leaves(layout.state.specs.params, is_leaf=is_spec)
     mesh_leaves = jax.tree_util.tree_leaves(layout.state_specs.params, is_leaf=is_spec)
@@ -88,7 +88,6 @@ def strategy_shardings(config: Config) -> dict[str, Any]:
 def moment_specs(abstract: Any, specs: Any) -> dict[str, Any]:
     """The AdamW first moment's mesh PartitionSpec per parameter (the second moment's is the same)."""
     is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)  # noqa: E731
-    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
     adam_abstract = [x for x in jax.tree.leaves(abstract.opt_state, is_leaf=is_adam) if is_adam(x)][0]
     adam_specs = [x for x in jax.tree.leaves(specs.opt_state, is_leaf=is_adam) if is_adam(x)][0]
     leaves = jax.tree_util.tree_leaves_with_path(adam_abstract.mu)

@@ -198,11 +198,9 @@ class StepsInFlight:
             jax.block_until_ready(self._queued.popleft())
 
 
-def first_nonfinite(values: Sequence[tuple[int, Any]]) -> tuple[int, float] | None:
-    """(step, value) of the first NaN/Inf among (step, device scalar) pairs: one transfer for them all."""
-    fetched = jax.device_get([value for _, value in values])
-    return next(((step, float(value)) for (step, _), value in zip(values, fetched) if not math.isfinite(float(value))),
-                None)
+def first_nonfinite(values: Sequence[tuple[int, float]]) -> tuple[int, float] | None:
+    """(step, value) of the first NaN/Inf among (step, value) pairs read to the host."""
+    return next(((step, float(value)) for step, value in values if not math.isfinite(value)), None)
 
 
 # A finite loss this many times the lowest one before it marks where a run diverged (a hint in the stop's words only).
@@ -274,15 +272,17 @@ class LossCheck:
 
     def check(self, manager: Any) -> None:
         """`stop_on_nonfinite` over the pending values, then none are pending."""
-        losses = list(zip([step for step, _ in self._losses], jax.device_get([v for _, v in self._losses])))
-        grad_norms = self._grad_norms
+        pending = (self._losses, self._grad_norms)
         self._losses, self._grad_norms = [], []
+        fetched = jax.device_get([[value for _, value in values] for values in pending])  # one transfer for all
+        losses, grad_norms = ([(step, float(v)) for (step, _), v in zip(values, got)]
+                              for values, got in zip(pending, fetched))
         for step, loss in losses:
             if not math.isfinite(loss):
                 break
             if self.divergence is None and loss > DIVERGED_FACTOR * self._lowest:
-                self.divergence = Divergence(step, float(loss), self._lowest)
-            self._lowest = min(self._lowest, float(loss))
+                self.divergence = Divergence(step, loss, self._lowest)
+            self._lowest = min(self._lowest, loss)
         if losses:
             stop_on_nonfinite(losses, grad_norms, manager, self.start_step, self.divergence)
 

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
+from maxpar.core.sharding import entry_axes
 from maxpar.model.roles import ParamRole, param_role
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Jordan's quintic: a steep slope at 0, singular values into ~[0.7, 1.2]
@@ -153,7 +154,7 @@ class MuonSharding:
         left (dim by dim)."""
         sizes = dict(self.mesh.shape)
         spec = tuple(self.specs[path])
-        entries = [list(_axes(e)) for e in spec + (None,) * (len(view.shape) - len(spec))]
+        entries = [list(entry_axes(e)) for e in spec + (None,) * (len(view.shape) - len(spec))]
         shape = list(view.shape)
         steps = []
         if self.how == Orthogonalization.SPREAD and view.batch:
@@ -185,10 +186,6 @@ class Resharding:
     def view(self, view: MatrixView) -> MatrixView:
         """The matrices once padded."""
         return dataclasses.replace(view, shape=(self.padded, *view.shape[1:])) if view.batch else view
-
-
-def _axes(entry: Any) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _spec(entries: list[list[str]]) -> PartitionSpec:

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import optax
 
 from maxpar.core.config import Config
+from maxpar.core.layout import is_spec
 from maxpar.model.roles import ParamRole, param_role
 from maxpar.training.guards import StepGuard
 from maxpar.training.muon import (CHOSEN, MuonSharding, Orthogonalization, dict_keys, is_muon_parameter,
@@ -123,7 +124,6 @@ def muon_sharding(layout: RunLayout | None, how: Orthogonalization = CHOSEN) -> 
     if layout is None:
         return None
     specs = layout.state_specs.params if layout.update_specs is None else layout.update_specs
-    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
     by_path = {dict_keys(path): spec for path, spec in jax.tree_util.tree_leaves_with_path(specs, is_leaf=is_spec)}
     return MuonSharding(mesh=layout.model.mesh.abstract(), specs=by_path, how=how)
 

@@ -118,7 +118,6 @@ class _MixedLaneIterator(grain.DatasetIterator):
         super().__init__(list(self._sources.values()))
         self._lane = lane
         self._rows = 0
-        self._weights = dict(lane.weights)
         self._counts = np.zeros(len(lane.names), np.int64)
 
     def __next__(self) -> dict[str, np.ndarray]:
@@ -131,7 +130,7 @@ class _MixedLaneIterator(grain.DatasetIterator):
         return {**row, SOURCE_TOKENS: self._counts}
 
     def get_state(self) -> dict[str, Any]:
-        return {"rows": self._rows, "weights": dict(self._weights),
+        return {"rows": self._rows, "weights": dict(self._lane.weights),
                 "tokens": dict(zip(self._lane.names, self._counts.tolist())),
                 "sources": {name: source.get_state() for name, source in self._sources.items()}}
 
@@ -156,7 +155,6 @@ class _MixedLaneIterator(grain.DatasetIterator):
         if saved != lane.weights and lane.notify:
             lane.notify(f"data mixture: new phase, weights {_shares(saved)} -> {_shares(lane.weights)}; every "
                         "source continues from where it stopped")
-        self._weights = dict(lane.weights)
 
 
 def _shares(weights: Mapping[str, float]) -> str:

@@ -98,9 +98,9 @@ def _text_corpus(config: Config, files: Sequence[str]) -> tuple[Sequence[str], S
                           f"which dataset_type=text would train on as raw text, JSON syntax and all; use "
                           f"dataset_type=grain grain_file_type={shards[1]} (the text is the dataset_text_field, "
                           f"default 'text')")
-    if len(files) == 1 and config.eval_fraction > 0:
-        return (FilePart(files[0], config.eval_fraction, tail=False),
-                FilePart(files[0], config.eval_fraction, tail=True))
+    if len(files) == 1:
+        held_out = FilePart(files[0], config.eval_fraction, tail=True) if config.eval_fraction else FileTexts([])
+        return FilePart(files[0], config.eval_fraction, tail=False), held_out
     train_files, eval_files = split_files(files, config.eval_fraction, config.seed)
     return FileTexts(train_files), FileTexts(eval_files)
 
@@ -205,9 +205,11 @@ def describe_tokenizer(config: Config, vocab_size: int) -> str:
 def describe_documents(config: Config, train_docs: Sequence[str], eval_docs: Sequence[str]) -> str:
     """Where a text, grain or hf source's documents come from, and how many it trains and evaluates on (a single
     text file: which part of it)."""
-    if isinstance(eval_docs, FilePart):
-        return (f"text file {config.dataset_path}: its first {1 - eval_docs.fraction:.0%} for training, its last "
-                f"{eval_docs.fraction:.0%} (from a line start) for eval")
+    if isinstance(train_docs, FilePart):
+        if not train_docs.fraction:
+            return f"text file {config.dataset_path}: all of it for training, nothing held out (eval_fraction=0)"
+        return (f"text file {config.dataset_path}: its first {1 - train_docs.fraction:.0%} for training, its last "
+                f"{train_docs.fraction:.0%} (from a line start) for eval")
     if config.dataset_type == "text":
         source, unit = f"text files {config.dataset_path}", "files"
     elif config.dataset_type == "grain":

@@ -129,22 +129,40 @@ def tail_start(text: str, fraction: float) -> int:
     return newline + 1 if 0 <= newline < len(text) - 1 else cut
 
 
+# A single file is read as documents of whole lines of about this many characters, so that the lanes of a batch
+# read different parts of it (as one document, every lane would read the same stream and every row be the same).
+FILE_CHUNK_CHARS = 16_384
+
+
+def line_chunks(text: str, size: int) -> list[int]:
+    """Where `text`'s chunks begin: at 0, then at the first line start at least `size` characters after the last."""
+    starts = [0]
+    while (newline := text.find("\n", starts[-1] + size)) >= 0 and newline + 1 < len(text):
+        starts.append(newline + 1)
+    return starts
+
+
 class FilePart(Sequence[str]):
-    """One text file's head or held-out tail (`tail_start`) as its only document: a corpus of a single file has no
-    whole file to hold out, so the last `fraction` of its text is evaluated on instead (nanoGPT's split)."""
+    """One text file's head or held-out tail (`tail_start`; the whole file at fraction 0) as documents of whole lines
+    (`line_chunks`): a corpus of a single file has no whole file to hold out, so the last `fraction` of its text is
+    evaluated on instead (nanoGPT's split). The part is read once, when the corpus is opened."""
 
     def __init__(self, file: str, fraction: float, tail: bool):
         self.file, self.fraction, self.tail = file, fraction, tail
+        text = FileTexts([file])[0]
+        cut = tail_start(text, fraction) if fraction else len(text)
+        self._text = text[cut:] if tail else text[:cut]
+        self._starts = line_chunks(self._text, FILE_CHUNK_CHARS)
 
     def __len__(self) -> int:
-        return 1
+        return len(self._starts)
 
     def __getitem__(self, index: int) -> str:  # type: ignore[override]
-        if index not in (0, -1):
+        index = index + len(self) if index < 0 else index
+        if not 0 <= index < len(self):
             raise IndexError(index)
-        text = FileTexts([self.file])[0]
-        cut = tail_start(text, self.fraction)
-        return text[cut:] if self.tail else text[:cut]
+        end = self._starts[index + 1] if index + 1 < len(self) else len(self._text)
+        return self._text[self._starts[index]:end]
 
 
 # Suffixes of record shards (dataset_type=grain's grain_file_type), which dataset_type=text would read as raw text.
