@@ -22,20 +22,35 @@ def without_simulated_devices() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
 
 
-def run_to_the_end(command: list[str], env: dict[str, str]) -> tuple[int, str, int]:
-    """(exit status, stderr, peak resident memory in bytes) of a child process."""
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    stderr = process.stderr.read()
-    _, status, usage = os.wait4(process.pid, 0)
-    process.returncode = os.waitstatus_to_exitcode(status)
-    return process.returncode, stderr, usage.ru_maxrss * 1024
+# Runs a module as `python -m` does and, at exit, says its own peak resident memory: VmHWM of its address space.
+# (A child's ru_maxrss from wait4 is no measure: Linux carries the spawning process's high-water mark over the
+# fork and exec, so it reads the pytest worker's memory, which grows with the tests run before.)
+PEAK_WORDS = "peak resident kB:"
+_RUN_MODULE_AND_SAY_PEAK = f"""
+import atexit, runpy, sys
+def say_peak():
+    with open("/proc/self/status") as status:
+        kb = next(line.split()[1] for line in status if line.startswith("VmHWM:"))
+    print("{PEAK_WORDS}", kb, file=sys.stderr)
+atexit.register(say_peak)
+sys.argv = sys.argv[1:]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+
+
+def run_module_to_the_end(module: str, args: list[str], env: dict[str, str]) -> tuple[int, str, int]:
+    """(exit status, stderr, peak resident memory in bytes) of `python -m module *args` in a child process."""
+    done = subprocess.run([sys.executable, "-c", _RUN_MODULE_AND_SAY_PEAK, module, *args], cwd=REPO, env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    words, _, kb = done.stderr.rstrip().rpartition(PEAK_WORDS)
+    return done.returncode, words, int(kb) * 1024
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(host_available_bytes() > 100e9, reason="llama2-7b's ~120 GB could fit this host")
 def test_a_model_too_large_for_this_host_is_refused_before_it_allocates():
-    status, stderr, peak = run_to_the_end([sys.executable, "-m", "maxpar.train", "configs/base.yml",
-                                           "model_name=llama2-7b", "steps=1"], without_simulated_devices())
+    status, stderr, peak = run_module_to_the_end("maxpar.train", ["configs/base.yml", "model_name=llama2-7b", "steps=1"],
+                                                 without_simulated_devices())
     assert status == 2, stderr
     assert "Traceback" not in stderr
     assert "llama2-7b needs ~" in stderr and "GB of memory available" in stderr, stderr
