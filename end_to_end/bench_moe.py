@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from maxpar.core.config import load_config
-from maxpar.io.metrics import parameter_counts
+from maxpar.model.arithmetic import parameter_counts
 from maxpar.plan import verify
 from maxpar.plan.hardware import load_hardware
 from maxpar.plan.predict import Target, make_plan

@@ -80,7 +80,7 @@ def measure(overrides: list[str], steps: int) -> dict:
     predicted_gathers = sum(c["bytes_per_device"] for c in plan["comms"]
                             if c["collective"] == "all-gather" and c["axis"] == "fsdp")
     times, cpu_times, losses = time_steps(compiled, state, run, steps + 1)  # the first step is warm-up
-    schedule = run.pipeline
+    schedule = run.schedule
     return {"schedule": schedule, "compile_s": compile_s, "step_s": statistics.median(times[1:]),
             "cpu_s": statistics.median(cpu_times[1:]),
             "first_loss": losses[0], "permute_instructions": collective_counts(text).get("collective-permute", 0),

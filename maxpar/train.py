@@ -27,11 +27,10 @@ from jax.sharding import Mesh, NamedSharding
 from tqdm import tqdm
 
 from maxpar.core import storage
-from maxpar.core.config import (DEFAULTS, EXPLICIT_BACKWARD, Config, ConfigError, describe_keys, load_config,
+from maxpar.core.config import (DEFAULTS, Config, ConfigError, describe_keys, load_config,
                                 model_config, to_yaml)
 from maxpar.core.layout import BatchShape, RunLayout, check_devices
 from maxpar.core.mesh import build_mesh, local_mesh_shape
-from maxpar.core.op_schedule import OpSchedule
 from maxpar.core.schedule import Schedule
 from maxpar.host import devices as host_devices
 from maxpar.host import distributed, malloc, preflight
@@ -39,8 +38,8 @@ from maxpar.io import checkpoint, executable, local_checkpoint, logs
 from maxpar.io.data.errors import DataError
 from maxpar.io.data.mixture import SOURCE_TOKENS
 from maxpar.io.data.pipeline import SourceData, open_datasets
-from maxpar.io.metrics import (MetricsWriter, parameter_counts, peak_flops, rewind_metrics, throughput,
-                               training_flops_per_token)
+from maxpar.io.metrics import MetricsWriter, peak_flops, rewind_metrics, throughput
+from maxpar.model.arithmetic import parameter_counts, training_flops_per_token
 from maxpar.io.run_config import load_run_config
 from maxpar.model import Transformer
 from maxpar.plan.compile_report import compile_topology
@@ -127,8 +126,8 @@ class RunSetup:
         return self.layout.batch
 
     @property
-    def pipeline(self) -> Schedule | None:
-        return self.layout.pipeline
+    def schedule(self) -> Schedule | None:
+        return self.layout.schedule
 
     @property
     def abstract_state(self) -> Any:
@@ -150,7 +149,7 @@ class RunSetup:
         these devices when compiled_trainstep_file names it."""
         if self.config.compiled_trainstep_file:
             return executable.load_executable(self.config.compiled_trainstep_file, self.devices,
-                                              self.layout.mesh.describe())
+                                              self.layout.mesh.describe(), self.config)
         return compile_train_step(self.model, self.tx, self.layout, self.mesh)
 
 
@@ -236,14 +235,9 @@ def print_header(run: RunSetup, run_dir: epath.Path, peak: float | None, log: Ca
         f"{training_flops_per_token(config):.3e} FLOPs/token; "
         f"peak {'unknown' if peak is None else f'{peak:.3e}'} FLOP/s per device")
     log(f"  data {run.data_description}")
-    if run.pipeline is not None:
-        if config.pipeline_schedule in EXPLICIT_BACKWARD:  # the backward is scheduled too: maxpar.core.op_schedule
-            ops = OpSchedule(config.pipeline_schedule, run.pipeline.num_stages, run.pipeline.num_microbatches,
-                             run.pipeline.num_repeats)
-            log(f"  {ops.describe()}")
-        else:
-            log(f"  {run.pipeline.describe()}")
-        log(f"    layers per stage: {run.pipeline.assignment()}")
+    if run.schedule is not None:  # an explicit backward is scheduled too: maxpar.core.op_schedule
+        log(f"  {(run.layout.ops or run.schedule).describe()}")
+        log(f"    layers per stage: {run.schedule.assignment()}")
     log(f"  library logs (absl, Orbax, JAX): {library_log(run_dir)}"
         + (" (one file per process)" if jax.process_count() > 1 else "")
         + ("; also printed here (log_level=debug)" if config.log_level == "debug" else ""))

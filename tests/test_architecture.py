@@ -13,9 +13,10 @@ PACKAGE = ROOT / "maxpar"
 # are the layers: core/ (what a run is), pipeline/, model/, training/ (the step and the loop's policies), io/ and host/
 # beside them, plan/, then the entry points (train, generate, convert, tools) and launch/.
 LAYERS = [
-    # core/, bottom up: user paths (local or gs://), axis names, config, mesh, sharding rules, schedule, run layout
-    ["maxpar.core.storage"], ["maxpar.core.axes"], ["maxpar.core.config"], ["maxpar.core.mesh"],
-    ["maxpar.core.sharding"], ["maxpar.core.schedule"], ["maxpar.core.op_schedule"], ["maxpar.core.layout"],
+    # core/, bottom up: user paths (local or gs://), axis names, the pipeline schedules (the config's values among
+    # them), config, mesh, sharding rules, the explicit-backward op tables, run layout
+    ["maxpar.core.storage"], ["maxpar.core.axes"], ["maxpar.core.schedule"], ["maxpar.core.config"],
+    ["maxpar.core.mesh"], ["maxpar.core.sharding"], ["maxpar.core.op_schedule"], ["maxpar.core.layout"],
     ["maxpar.pipeline"],  # the SPMD loop over stages: generic, so the model imports it
     ["maxpar.model"],
     # training/: the guards (the step's bad-step test among them), Muon, the optimizer, which parameters train, DPO's
@@ -141,9 +142,56 @@ def test_only_config_mesh_and_layout_read_parallelism():
                        "name:\n" + "\n".join(wrong))
 
 
+# ---------------------------------------------------------------- one reader of the schedule kind
+
+# The modules that turn `pipeline_schedule` into the schedule that runs (`Schedule.kind`, `ExecutorLayout.ops`): the
+# config validates the key, the layout resolves it once, the two schedule modules define the kinds and tables. Every
+# other module asks the layout (`RunLayout.schedule`, `RunLayout.ops`, `ModelLayout.executor`), so no module
+# rebuilds an op table or re-decides whether the backward is explicit.
+SCHEDULE_DECIDERS = ["maxpar.core.schedule", "maxpar.core.config", "maxpar.core.op_schedule", "maxpar.core.layout"]
+
+
+def schedule_decisions(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, what) for every use of EXPLICIT_BACKWARD, construction of an OpSchedule, and comparison of a
+    `pipeline_schedule` attribute with anything."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id == "EXPLICIT_BACKWARD":
+            found.append((node.lineno, "EXPLICIT_BACKWARD"))
+        elif isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] == "OpSchedule":
+            found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Compare) and any(isinstance(n, ast.Attribute) and n.attr == "pipeline_schedule"
+                                                   for n in [node.left, *node.comparators]):
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_only_the_layout_decides_which_schedule_runs():
+    wrong = [f"{path.relative_to(PACKAGE.parent)}:{line}: {what}" for path in sorted(PACKAGE.rglob("*.py"))
+             if not within(module_name(path), SCHEDULE_DECIDERS)
+             for line, what in schedule_decisions(ast.parse(path.read_text()))]
+    assert not wrong, ("ask the run layout which schedule runs (RunLayout.schedule.kind / .explicit_backward, "
+                       "RunLayout.ops, ModelLayout.executor) instead of the config key:\n" + "\n".join(wrong))
+
+
 def test_the_physical_axis_names_are_the_enum():
     """PHYSICAL is `maxpar.core.axes.Physical` (read without importing maxpar)."""
     tree = ast.parse((PACKAGE / "core" / "axes.py").read_text())
     enum = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Physical")
     values = {s.value.value for s in enum.body if isinstance(s, ast.Assign) and isinstance(s.value, ast.Constant)}
     assert values == PHYSICAL
+
+
+# ---------------------------------------------------------------- functions a reader can hold at once
+
+MAX_FUNCTION_LINES = 60  # the executors and the step: where a long function hides state passed by position
+SHORT_FUNCTION_UNITS = ["maxpar.pipeline", "maxpar.training"]
+
+
+def test_the_pipeline_and_training_functions_are_short():
+    long = [f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {node.name} ({node.end_lineno - node.lineno + 1} "
+            f"lines)" for module, path in MODULES.items() if within(module, SHORT_FUNCTION_UNITS)
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    assert not long, f"split these into named pieces (at most {MAX_FUNCTION_LINES} lines each):\n" + "\n".join(long)

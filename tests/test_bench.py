@@ -72,7 +72,7 @@ def test_gpu_smoke_rows_measure_or_say_why_not(tmp_path):
 
 def test_llama_1b_preset_is_about_one_billion_parameters():
     from maxpar.core.config import load_config
-    from maxpar.io.metrics import matmul_params
+    from maxpar.model.arithmetic import matmul_params
 
     config = load_config([str(bench.BASE_CONFIG), *bench_gpu.setting_overrides("base", smoke=False)])
     assert (config.num_decoder_layers, config.emb_dim, config.num_query_heads, config.mlp_dim,

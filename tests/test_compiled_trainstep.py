@@ -6,10 +6,11 @@ from __future__ import annotations
 import subprocess
 
 import jax
+import pytest
 
 from helpers import read_metrics, micro_config, train_command
-from maxpar.core.config import to_yaml
-from maxpar.io.executable import CompiledFor, save_executable
+from maxpar.core.config import ConfigError, to_yaml
+from maxpar.io.executable import CompiledFor, load_executable, save_executable
 from maxpar.plan.verify import compile_train_step
 from maxpar.train import train
 
@@ -31,3 +32,20 @@ def test_a_saved_step_loads_in_a_fresh_process_and_trains_the_same(tmp_path):
     assert f"loaded the train step compiled before from {step_file}" in loaded.stdout
     expected = [row["loss"] for row in read_metrics(tmp_path / "compiled_here")]
     assert [row["loss"] for row in read_metrics(tmp_path / "loaded")] == expected and len(expected) == 3
+
+
+def test_a_step_compiled_from_another_config_is_refused_naming_the_keys(tmp_path):
+    """A learning rate is a constant of the compiled step: loaded under another one, the step would train with the
+    old one without a word. Keys that do not enter the step (where the run writes, how often it saves) may differ."""
+    config = micro_config(*RUN)
+    devices = jax.devices()
+    compiled = jax.jit(lambda x: x + 1).lower(1.0).compile()
+    mesh = "data=2 fsdp=4"
+    step_file = str(save_executable(compiled, str(tmp_path / "step.bin"), CompiledFor(
+        devices[0].platform, devices[0].device_kind, len(devices), mesh, "local", to_yaml(config))))
+    same_step = micro_config(*RUN, "run_name=elsewhere", "checkpoint_period=7", f"compiled_trainstep_file={step_file}")
+    assert callable(load_executable(step_file, devices, mesh, same_step))
+    with pytest.raises(ConfigError) as refused:
+        load_executable(step_file, devices, mesh, micro_config(*RUN, "learning_rate=0.123", "z_loss_weight=0.5"))
+    assert "learning_rate=0.123 (compiled with " in str(refused.value)
+    assert "z_loss_weight=0.5 (compiled with 0.0)" in str(refused.value) and "run_name" not in str(refused.value)

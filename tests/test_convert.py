@@ -28,7 +28,7 @@ from helpers import REPO, layout_on, shared, shared_dir, write_corpus
 from maxpar.convert.__main__ import OVERRIDES_FILE, main
 from maxpar.convert.architectures import ARCHITECTURES
 from maxpar.convert.hf_config import ConversionError, hf_config, model_keys, resolve_config, training_overrides
-from maxpar.convert.layout import hf_tensor, maxpar_block
+from maxpar.convert.tensor_blocks import hf_tensor, maxpar_block
 from maxpar.convert.safetensors_io import HFTensors, write_safetensors
 from maxpar.core.config import ConfigError, load_config, model_config
 from maxpar.io import checkpoint

@@ -255,7 +255,7 @@ def test_a_pipeline_reports_each_layers_largest_amax_like_one_device(name, obser
     config = micro_config(*DELAYED, f"ici_stage_parallelism={stages}", f"num_pipeline_microbatches={micro}",
                          f"num_pipeline_repeats={repeats}", *mesh)
     run = setup_run(config, jax.devices()[:stages * 2])
-    assert run.pipeline is not None and run.pipeline.num_microbatches == micro
+    assert run.schedule is not None and run.schedule.num_microbatches == micro
     params = jax.device_put(stack.from_canonical(one.params, model_config(config)), run.state_shardings.params)
     grads, seen, _ = jax.jit(lambda p, m, b: _grads(p, m, run.model, b, config))(
         params, one.meta, jax.device_put(one.batch, run.in_sharding))
@@ -491,7 +491,7 @@ def test_fp8_trains_like_bfloat16():
 # ---------------------------------------------------------------- planner
 
 def test_planner_counts_the_quantized_matmuls_at_the_fp8_peak():
-    from maxpar.io.metrics import matmul_params
+    from maxpar.model.arithmetic import matmul_params
     from maxpar.plan.hardware import load_hardware
     from maxpar.plan.model_math import fp8_matmul_params
     from maxpar.plan.predict import PHASES, compute_flops, compute_seconds, fp8_flops

@@ -191,7 +191,7 @@ def test_mla_ignores_the_gqa_head_keys():
 @pytest.mark.parametrize("overrides", [[], ["q_lora_rank=20"]], ids=["direct_q", "q_lora"])
 def test_matmul_params_count_the_mla_weights(overrides):
     """FLOPs and the planner's counts read matmul_params: it equals the model's attention weights, each declared."""
-    from maxpar.io.metrics import attention_matmul_params
+    from maxpar.model.arithmetic import attention_matmul_params
     from maxpar.model.roles import Block, param_role, path_keys
 
     config = micro_config(*MLA, *overrides)

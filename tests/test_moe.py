@@ -13,7 +13,7 @@ import pytest
 
 from helpers import micro_config
 from maxpar.core.config import ConfigError, model_config
-from maxpar.io.metrics import matmul_params, parameter_counts
+from maxpar.model.arithmetic import matmul_params, parameter_counts
 from maxpar.model import Transformer
 from maxpar.model.moe import MOE_STATS, MoeBlock, moe_totals, routed_counts, routing_bias_update
 from maxpar.model.routing import Routing, capacity_slots, expert_capacity, load_balance_loss, route

@@ -14,7 +14,7 @@ import optax
 from helpers import step_metrics, micro_config
 from maxpar.core.config import model_config
 from maxpar.generate import decode, model_apply
-from maxpar.io.metrics import parameter_counts
+from maxpar.model.arithmetic import parameter_counts
 from maxpar.model import Transformer
 from maxpar.model.mtp import MTP, with_mtp_targets
 from maxpar.model.roles import ParamRole

@@ -193,7 +193,7 @@ def test_z_loss_adds_the_weighted_squared_log_normalizer_of_real_tokens():
 
 def planned(*overrides: str):
     from maxpar.core.mesh import resolve_mesh_shape
-    from maxpar.plan.layout import build_layout
+    from maxpar.plan.tensors import build_layout
 
     config = micro_config("opt_type=muon", *overrides)
     return build_layout(config, resolve_mesh_shape(config, 8), trace_state(config))

@@ -95,7 +95,7 @@ def outcomes(reference):
             config = micro_config(*BASE, f"ici_stage_parallelism={stages}", f"num_pipeline_microbatches={micro}",
                                  f"num_pipeline_repeats={repeats}", *mesh)
             run = setup_run(config, jax.devices())
-            assert run.pipeline is not None and run.pipeline.num_microbatches == micro
+            assert run.schedule is not None and run.schedule.num_microbatches == micro
             placed = jax.device_put(stack.from_canonical(params, model_config(config)), run.state_shardings.params)
             batch = jax.device_put(make_batch(), run.in_sharding)
             step = jax.jit(logits_and_grads(run.model))
@@ -103,7 +103,7 @@ def outcomes(reference):
             logits, grads = compiled(placed, batch)
             canonical = stack.to_canonical(grads, model_config(config))
             cache[name] = Outcome(np.asarray(logits), jax.device_get(canonical),
-                                  compiled.as_text(), dict(run.mesh.shape), run.pipeline.num_iterations)
+                                  compiled.as_text(), dict(run.mesh.shape), run.schedule.num_iterations)
         return cache[name]
     return get
 

@@ -306,7 +306,7 @@ def test_cli_recommends_even_when_the_configured_mesh_cannot_run(capsys):
 def test_float32_moments_under_bf16_weights_give_the_seeds_ten_bytes_per_parameter():
     # parallelism-basics.md: LLaMA-3 70B, bf16 parameters (2 bytes) and float32 Adam moments (4 + 4 bytes).
     result = plan(*LLAMA70, "max_target_length=4096", "optimizer_state_dtype=float32", devices=8192)
-    whole, p = result["state_bytes"], result["params"]["total"]
+    whole = result["state_bytes"]
     assert whole["params_per_parameter"] == 2 and whole["optimizer_per_parameter"] == pytest.approx(8)
     assert whole["params"] == pytest.approx(141e9, rel=0.01) and whole["optimizer"] == pytest.approx(564e9, rel=0.01)
     mem = result["memory_per_device_bytes"]

@@ -19,7 +19,7 @@ from helpers import layout_on
 from maxpar.core.axes import ATTN_KV, ATTN_Q, MLP_HIDDEN, RESIDUAL
 from maxpar.core.config import ConfigError, load_config, model_config
 from maxpar.core.mesh import create_mesh
-from maxpar.core.sharding import batch_sharding, check_divisible, shard_count
+from maxpar.core.sharding import batch_sharding, shard_count, uneven_split
 from maxpar.model import Transformer
 from maxpar.model.layers import Mlp
 from maxpar.model.transformer import DecoderLayer
@@ -298,7 +298,7 @@ def test_rules_are_data_not_code():
     assert normalize(shardings.params["decoder"]["layers"]["mlp"]["wi_gate"].spec, 3) == (None, None, None)
 
 
-# ---------------------------------------------------------------- check_divisible
+# ---------------------------------------------------------------- uneven splits
 
 def _state_shardings(config):
     """(abstract train state, its NamedShardings on the 8 devices) from the run layout."""
@@ -336,15 +336,14 @@ def test_divisibility_depends_on_the_rules():
     assert "['mlp']['wi_gate']" in message and "132" in message
 
 
-def test_check_divisible_directly():
+def test_uneven_split_names_the_first_offender():
     mesh = create_mesh(config_for("base.yml", *FSDP4_TP2))
     tree = {"a": jax.ShapeDtypeStruct((8, 6), jnp.float32), "b": jax.ShapeDtypeStruct((6, 4), jnp.float32)}
     fine = {"a": NamedSharding(mesh, P("fsdp", "tensor")), "b": NamedSharding(mesh, P(None, ("fsdp",)))}
-    check_divisible(tree, fine)
+    assert uneven_split(tree, fine) is None
     bad = {"a": NamedSharding(mesh, P("fsdp", "tensor")), "b": NamedSharding(mesh, P(("fsdp", "tensor")))}
-    with pytest.raises(ConfigError) as info:
-        check_divisible(tree, bad)
-    assert "['b']" in str(info.value) and "(6, 4)" in str(info.value) and "8" in str(info.value)
+    split = uneven_split(tree, bad)
+    assert "['b']" in split.name and split.shape == (6, 4) and split.dim == 0 and split.degree == 8
 
 
 @pytest.mark.parametrize("preset, overrides, gathered", [

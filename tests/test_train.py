@@ -13,7 +13,8 @@ import pytest
 
 from helpers import read_metrics, micro_config, write_corpus
 from maxpar.host import malloc
-from maxpar.io.metrics import METRIC_KEYS, matmul_params, peak_flops, training_flops_per_token
+from maxpar.io.metrics import METRIC_KEYS, peak_flops
+from maxpar.model.arithmetic import matmul_params, training_flops_per_token
 from maxpar.train import train
 
 

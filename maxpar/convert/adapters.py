@@ -23,7 +23,7 @@ import tensorstore as ts
 
 from maxpar.convert.architectures import Architecture, TensorRule, tensor_rules
 from maxpar.convert.hf_config import ConversionError
-from maxpar.convert.layout import hf_tensor
+from maxpar.convert.tensor_blocks import hf_tensor
 from maxpar.convert.safetensors_io import write_safetensors
 from maxpar.core import storage
 from maxpar.io import checkpoint, logs

@@ -22,7 +22,7 @@ import optax
 from maxpar.convert.architectures import Architecture, TensorRule, tensor_rules
 from maxpar.convert.hf_config import (ConversionError, architecture_of, model_keys, notes, read_hf_config,
                                       resolve_config, without_absent_mtp)
-from maxpar.convert.layout import maxpar_block
+from maxpar.convert.tensor_blocks import maxpar_block
 from maxpar.convert.safetensors_io import TENSOR_FILES, HFTensors
 from maxpar.core import storage
 from maxpar.core.config import Config, parse_overrides, to_yaml

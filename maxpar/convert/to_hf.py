@@ -19,7 +19,7 @@ import numpy as np
 from maxpar.convert.adapters import open_source, write_peft
 from maxpar.convert.architectures import ARCHITECTURES, Architecture, TensorRule, tensor_rules
 from maxpar.convert.hf_config import ConversionError, architecture_of, hf_config, read_hf_config
-from maxpar.convert.layout import hf_tensor
+from maxpar.convert.tensor_blocks import hf_tensor
 from maxpar.convert.safetensors_io import write_safetensors
 from maxpar.convert.tokenizer_files import write_tokenizer
 from maxpar.core import storage

@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 
 from maxpar.core import storage
 from maxpar.core.axes import PHYSICAL_AXES, Logical, unknown_logical
+from maxpar.core.schedule import EXPLICIT_BACKWARD, ScheduleKind
 
 DTYPES = ("float32", "bfloat16", "float16")
 SYNTHETIC_FIRST_TOKEN = 3  # synthetic data skips ids 0-2, the byte tokenizer's pad, bos and eos
@@ -81,9 +82,7 @@ def _key(doc: str, *, min: float | None = None, max: float | None = None,
 
 AxisRule = tuple[str, tuple[str, ...]]
 # docs/pipelines.md
-PIPELINE_SCHEDULES = ("auto", "gpipe", "circular", "1f1b", "zero_bubble", "interleaved_1f1b")
-# the schedules whose backward maxpar.pipeline.one_f_one_b runs itself
-EXPLICIT_BACKWARD = ("1f1b", "zero_bubble", "interleaved_1f1b")
+PIPELINE_SCHEDULES = ("auto", *ScheduleKind)
 
 
 class RopeScaling(typing.NamedTuple):

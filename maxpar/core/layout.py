@@ -20,10 +20,11 @@ import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from maxpar.core.axes import ATTN_KV, ATTN_Q, BATCH_INPUT, CONTEXT_AXIS, RESIDUAL, STAGE_AXIS, Logical
-from maxpar.core.config import (BLOCK_ATTENTION, CUDNN_ATTENTION, EXPLICIT_BACKWARD, SPLASH_LANES, AxisRule, Config,
+from maxpar.core.config import (BLOCK_ATTENTION, CUDNN_ATTENTION, SPLASH_LANES, AxisRule, Config,
                                  ConfigError)
 from maxpar.core.mesh import MeshShape
-from maxpar.core.schedule import Schedule
+from maxpar.core.op_schedule import OpSchedule
+from maxpar.core.schedule import EXPLICIT_BACKWARD, Schedule, ScheduleKind
 from maxpar.core.sharding import (constrain, entry_axes, mesh_axes, mesh_shardings, mesh_specs,
                                   named_shardings, shard_optimizer_state, uneven_split, with_zero_axis)
 
@@ -195,6 +196,11 @@ class ModelLayout:
         return self.pipeline is not None
 
     @property
+    def executor(self) -> ExecutorLayout | None:
+        """The explicit-backward executor's layout (None: no pipeline, or gPipe/circular under autodiff)."""
+        return self.pipeline.executor if self.pipeline else None
+
+    @property
     def splits_sequence(self) -> bool:
         """Whether a mesh axis splits the rows' tokens (context parallelism, TP-sequence): the fp8 matmuls then keep
         [batch, length] as two dims instead of merging them into one GEMM dim, which would gather the sequence."""
@@ -232,7 +238,7 @@ def fsdp_gather(config: Config) -> FsdpGather:
 @dataclasses.dataclass(frozen=True)
 class ExecutorLayout:
     """How the explicit-backward executor (`maxpar.pipeline.one_f_one_b`: 1f1b, zero_bubble,
-    interleaved_1f1b) runs over the mesh.
+    interleaved_1f1b) runs over the mesh, and the op table `ops` it runs.
 
     Its shard_map is manual over the stages and `batch_axes` (the leading batch axes that shard no stage weight:
     one replica per shard, gradients reduced once per step); the other axes (FSDP, tensor, expert) stay automatic, so
@@ -243,6 +249,7 @@ class ExecutorLayout:
     weights gathered over the batch axes before the ticks.
     """
 
+    ops: OpSchedule
     batch_axes: Axes
     inner: ModelLayout
     rows: PartitionSpec
@@ -361,10 +368,11 @@ def pipeline_layout(config: Config, schedule: Schedule, outer: ModelLayout, row_
     if gather == FsdpGather.PER_REPEAT:
         blocks = tuple(gathered_block_spec(s, schedule, stage_axes, set(batch_axes)) for s in leaves)
     executor = None
-    if config.pipeline_schedule in EXPLICIT_BACKWARD:
+    if schedule.explicit_backward:
         hidden = set(manual) | set(stage_axes)
         step_rules = strip_rules(rules, hidden)
         executor = ExecutorLayout(
+            ops=OpSchedule(schedule.kind, schedule.num_stages, schedule.num_microbatches, schedule.num_repeats),
             batch_axes=manual, inner=outer.in_pipeline_loop(step_rules, (*stage_axes, *manual)),
             rows=PartitionSpec(*(axes or None for axes in mesh_axes(RESIDUAL, step_rules))),
             weights=tuple(without_axes(s, hidden) for s in leaves),
@@ -408,9 +416,14 @@ class RunLayout:
         return self.model.rules
 
     @property
-    def pipeline(self) -> Schedule | None:
+    def schedule(self) -> Schedule | None:
         """The pipeline schedule (None: the layers run in order); the loop's axes are `model.pipeline`'s."""
         return self.model.pipeline.schedule if self.model.pipeline else None
+
+    @property
+    def ops(self) -> OpSchedule | None:
+        """The op table of an explicit-backward schedule (None: no pipeline, or autodiff runs its backward)."""
+        return self.model.executor.ops if self.model.executor else None
 
     @property
     def pipelined(self) -> bool:
@@ -621,7 +634,8 @@ def pipeline_schedule(config: Config, sizes: dict[str, int], rules: Sequence[Axi
                           f"[{Logical.LAYERS}, [{STAGE_AXIS}]] (the stages split the layer stack)")
     micro = config.num_pipeline_microbatches
     return Schedule(num_stages=stages, num_microbatches=stages if micro == -1 else micro,
-                    num_repeats=config.num_pipeline_repeats, num_layers=config.num_stack_layers)
+                    num_repeats=config.num_pipeline_repeats, num_layers=config.num_stack_layers,
+                    kind=ScheduleKind.resolve(config.pipeline_schedule, config.num_pipeline_repeats))
 
 
 def check_pipeline_batch(schedule: Schedule, microbatch_rows: int, loop_shards: int) -> None:

@@ -30,30 +30,44 @@ by about R for M >> S; a stage holds up to 2 (S - s - 1) + (R - 1) S + 1 block i
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 from typing import NamedTuple
 
-F, B, W = "F", "B", "W"
-KINDS = ("gpipe", "1f1b", "zero_bubble", "interleaved_1f1b")
+from maxpar.core.schedule import ScheduleKind
+
+
+class OpKind(enum.StrEnum):
+    """What a stage runs at one tick: its block's forward, backward (zero_bubble: the input's cotangent only) or
+    weight gradient (zero_bubble only)."""
+
+    F = "F"
+    B = "B"
+    W = "W"
+
+
+F, B, W = OpKind
+# the schedules with a table here: the explicit-backward ones, and gPipe's as the reference they improve on
+KINDS = (ScheduleKind.GPIPE, *(kind for kind in ScheduleKind if kind.explicit_backward))
 
 
 class Op(NamedTuple):
     tick: int
     stage: int
     microbatch: int
-    kind: str  # F | B | W
+    kind: OpKind
     repeat: int = 0  # which of the stage's blocks (interleaved_1f1b): block repeat x S + stage
 
     def block(self, stages: int) -> int:
         return self.repeat * stages + self.stage
 
 
-def op_kinds(kind: str) -> tuple[str, ...]:
+def op_kinds(kind: ScheduleKind) -> tuple[OpKind, ...]:
     """The ops of schedule `kind`: a split backward (B, W) for zero_bubble, one B for the others."""
-    return (F, B, W) if kind == "zero_bubble" else (F, B)
+    return (F, B, W) if kind == ScheduleKind.ZERO_BUBBLE else (F, B)
 
 
-def stage_order(kind: str, stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
+def stage_order(kind: ScheduleKind, stage: int, stages: int, microbatches: int) -> list[tuple[OpKind, int]]:
     """The order in which `stage` runs its ops under schedule `kind`: [(op, microbatch), ...].
 
     1F1B keeps at most S - s microbatches in flight on stage s (F done, B not yet): that bounds the
@@ -63,7 +77,7 @@ def stage_order(kind: str, stage: int, stages: int, microbatches: int) -> list[t
     1F1B's stages idle in the cool-down, so the bubble is S - 1 ticks of 3 M + S - 1 instead of 3 (S - 1).
     """
     m_all = range(microbatches)
-    if kind == "gpipe":
+    if kind == ScheduleKind.GPIPE:
         return [(F, m) for m in m_all] + [(B, m) for m in m_all]
     warmup = min(stages - stage - 1, microbatches)
     order = [(F, m) for m in range(warmup)]
@@ -72,14 +86,14 @@ def stage_order(kind: str, stage: int, stages: int, microbatches: int) -> list[t
         if m + warmup < microbatches:
             order.append((F, m + warmup))
         order.append((B, m))
-        if kind == "zero_bubble":
+        if kind == ScheduleKind.ZERO_BUBBLE:
             deferred.append(m)
             if len(deferred) > stage and m + warmup < microbatches - 1:
                 order.append((W, deferred.pop(0)))
     return order + [(W, m) for m in deferred]
 
 
-def interleaved_order(stage: int, stages: int, microbatches: int, repeats: int) -> list[tuple[str, int, int]]:
+def interleaved_order(stage: int, stages: int, microbatches: int, repeats: int) -> list[tuple[OpKind, int, int]]:
     """The order of `stage`'s ops under interleaved 1F1B: [(op, microbatch, block), ...] (Megatron-LM's).
 
     The microbatches go through in groups of S: a group's F over the stage's blocks in repeat order, its B in
@@ -102,17 +116,17 @@ def interleaved_order(stage: int, stages: int, microbatches: int, repeats: int) 
     return order
 
 
-def held_inputs(kind: str, stages: int, microbatches: int, repeats: int = 1) -> int:
+def held_inputs(kind: ScheduleKind, stages: int, microbatches: int, repeats: int = 1) -> int:
     """The most block inputs one stage holds at once (`OpSchedule.peak_in_flight`'s maximum, stage 0's), without
     building the table: M for gPipe, min(S, M) for 1F1B and ZB-H1, the warm-up + 1 for interleaved 1F1B."""
-    if kind == "gpipe":
+    if kind == ScheduleKind.GPIPE:
         return microbatches
-    if kind == "interleaved_1f1b":
+    if kind == ScheduleKind.INTERLEAVED_1F1B:
         return min(microbatches * repeats, 2 * (stages - 1) + (repeats - 1) * stages + 1)
     return min(stages, microbatches)
 
 
-def _ready(op: tuple[str, int, int], blocks: int, done: dict[tuple[str, int, int], int]) -> int | None:
+def _ready(op: tuple[OpKind, int, int], blocks: int, done: dict[tuple[OpKind, int, int], int]) -> int | None:
     """The first tick `op` (kind, microbatch, block) may run at, given the ticks of the (kind, microbatch, block)
     ops `done` so far, for `blocks` blocks in all (S x R); None: not yet."""
     kind, m, v = op
@@ -129,7 +143,7 @@ class OpSchedule:
     """The op table of schedule `kind` for S stages, M microbatches and R blocks per stage (R > 1: interleaved_1f1b
     only; else one block of L / S layers per stage)."""
 
-    kind: str
+    kind: ScheduleKind
     num_stages: int
     num_microbatches: int
     num_repeats: int = 1
@@ -137,12 +151,13 @@ class OpSchedule:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown schedule {self.kind!r}; valid: {', '.join(KINDS)}")
+        object.__setattr__(self, "kind", ScheduleKind(self.kind))  # a configured name becomes its enum member
         if min(self.num_stages, self.num_microbatches, self.num_repeats) < 1:
             raise ValueError(f"no schedule for {self.num_stages} stages, {self.num_microbatches} microbatches, "
                              f"{self.num_repeats} repeats")
         if self.kind != "interleaved_1f1b" and self.num_repeats > 1:
             raise ValueError(f"{self.kind} runs one block per stage, not {self.num_repeats}")
-        if self.kind == "interleaved_1f1b" and self.num_microbatches % self.num_stages:
+        if self.kind == ScheduleKind.INTERLEAVED_1F1B and self.num_microbatches % self.num_stages:
             raise ValueError(f"interleaved_1f1b needs microbatches a multiple of the stages, got "
                              f"{self.num_microbatches} for {self.num_stages}")
 
@@ -150,9 +165,9 @@ class OpSchedule:
     def num_blocks(self) -> int:
         return self.num_stages * self.num_repeats
 
-    def stage_ops(self, stage: int) -> list[tuple[str, int, int]]:
+    def stage_ops(self, stage: int) -> list[tuple[OpKind, int, int]]:
         """`stage`'s ops in its order: [(op, microbatch, block), ...]."""
-        if self.kind == "interleaved_1f1b":
+        if self.kind == ScheduleKind.INTERLEAVED_1F1B:
             return interleaved_order(stage, self.num_stages, self.num_microbatches, self.num_repeats)
         return [(k, m, stage) for k, m in stage_order(self.kind, stage, self.num_stages, self.num_microbatches)]
 
@@ -164,7 +179,7 @@ class OpSchedule:
     def _table(self) -> tuple[Op, ...]:
         s_count = self.num_stages
         pending = [self.stage_ops(s) for s in range(s_count)]
-        done: dict[tuple[str, int, int], int] = {}
+        done: dict[tuple[OpKind, int, int], int] = {}
         table: list[Op] = []
         tick = 0
         while any(pending):
@@ -218,9 +233,9 @@ class OpSchedule:
     def describe(self) -> str:
         """One line for the run header: schedule, S, M, ticks, the bubble counted on the table, stage inputs held."""
         s, m = self.num_stages, self.num_microbatches
-        if self.kind == "zero_bubble":
+        if self.kind == ScheduleKind.ZERO_BUBBLE:
             ops, formula = "a block's forward, input backward or weight backward each", "(S-1)/(3M+S-1) for M >= S"
-        elif self.kind == "interleaved_1f1b":
+        elif self.kind == ScheduleKind.INTERLEAVED_1F1B:
             ops, formula = (f"one of a stage's R={self.num_repeats} blocks' forward or backward each",
                             "(S-1)/(RM+S-1)")
         else:

@@ -21,8 +21,34 @@ the M x R + S - 1 iterations: the bubble is (S - 1) / (M x R + S - 1).
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any, NamedTuple
 
+
+class ScheduleKind(enum.StrEnum):
+    """The pipeline schedules (config key `pipeline_schedule`, `auto` resolved by `resolve`). gPipe and circular
+    run here, their backward derived by autodiff; the others are explicit-backward op tables
+    (`maxpar.core.op_schedule`) that `maxpar.pipeline.one_f_one_b` executes."""
+
+    GPIPE = "gpipe"
+    CIRCULAR = "circular"
+    ONE_F_ONE_B = "1f1b"
+    ZERO_BUBBLE = "zero_bubble"
+    INTERLEAVED_1F1B = "interleaved_1f1b"
+
+    @property
+    def explicit_backward(self) -> bool:
+        return self not in (ScheduleKind.GPIPE, ScheduleKind.CIRCULAR)
+
+    @staticmethod
+    def resolve(name: str, num_repeats: int) -> ScheduleKind:
+        """`name` as configured; `auto` is gPipe with one repeat, circular with more."""
+        if name == "auto":
+            return ScheduleKind.GPIPE if num_repeats == 1 else ScheduleKind.CIRCULAR
+        return ScheduleKind(name)
+
+
+EXPLICIT_BACKWARD = frozenset(kind for kind in ScheduleKind if kind.explicit_backward)
 
 
 def pipeline_bubble(stages: int, microbatches: int, repeats: int = 1) -> float:
@@ -53,14 +79,19 @@ def stage_task(iteration: Any, stage: Any, num_microbatches: int, num_repeats: i
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """A pipeline of `num_stages` stages over `num_layers` layers, M microbatches, R repeats."""
+    """A pipeline of `num_stages` stages over `num_layers` layers, M microbatches, R repeats, run by schedule `kind`
+    (by default the forward-only loop: gPipe with one repeat, circular with more). The layout resolves it once
+    (`maxpar.core.layout.pipeline_schedule`); every other module reads `kind` and `explicit_backward` from here."""
 
     num_stages: int
     num_microbatches: int
     num_repeats: int
     num_layers: int
+    kind: ScheduleKind | None = None
 
     def __post_init__(self) -> None:
+        if self.kind is None:
+            object.__setattr__(self, "kind", ScheduleKind.resolve("auto", self.num_repeats))
         s, m, r, layers = self.num_stages, self.num_microbatches, self.num_repeats, self.num_layers
         if min(s, m, r, layers) < 1 or layers % (s * r):
             raise ValueError(f"no schedule for {layers} layers, {s} stages, {r} repeats, {m} microbatches")
@@ -68,8 +99,9 @@ class Schedule:
             raise ValueError(f"a circular schedule needs microbatches >= stages, got {m} < {s}")
 
     @property
-    def kind(self) -> str:
-        return "gPipe" if self.num_repeats == 1 else "circular"
+    def explicit_backward(self) -> bool:
+        """Whether the schedule runs the backward itself (an op table), not autodiff through the forward loop."""
+        return self.kind.explicit_backward
 
     @property
     def num_iterations(self) -> int:
@@ -107,6 +139,7 @@ class Schedule:
     def describe(self) -> str:
         """One line for the run header: schedule, S, M, R and the bubble."""
         s, m, r = self.num_stages, self.num_microbatches, self.num_repeats
-        return (f"{self.kind} pipeline: S={s} stages, M={m} microbatches, R={r} repeat(s), "
+        label = "gPipe" if self.kind == ScheduleKind.GPIPE else self.kind
+        return (f"{label} pipeline: S={s} stages, M={m} microbatches, R={r} repeat(s), "
                 f"{self.layers_per_block} layer(s) per block, {self.num_iterations} iterations; "
                 f"bubble (S-1)/(R*M+S-1) = {s - 1}/{r * m + s - 1} = {self.bubble:.1%}")

@@ -17,7 +17,7 @@ import jax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from maxpar.core.axes import BATCH_INPUT, ZERO_AXIS, unknown_logical
-from maxpar.core.config import AxisRule, ConfigError
+from maxpar.core.config import AxisRule
 
 Axes = tuple[str, ...]
 
@@ -141,17 +141,6 @@ def uneven_split(abstract_tree: Any, shardings: Any) -> UnevenSplit | None:
             if size % degree:
                 return UnevenSplit(index, path, tuple(leaf.shape), dim, axes, degree)
     return None
-
-
-def check_divisible(abstract_tree: Any, shardings: Any) -> None:
-    """Every sharded dimension must divide evenly; name the offender if not."""
-    split = uneven_split(abstract_tree, shardings)
-    if split is not None:
-        size = split.shape[split.dim]
-        raise ConfigError(
-            f"parameter {split.name} of shape {split.shape} cannot be split: dimension {size} is sharded over "
-            f"mesh axes {split.axes} of total degree {split.degree}. Change the model dims or the "
-            f"ici_/dcn_*_parallelism degrees (or logical_axis_rules) so that {split.degree} divides {size}.")
 
 
 def _spec_entry(axes: Sequence[str]) -> None | str | tuple[str, ...]:

@@ -25,7 +25,6 @@ because falling back would not help and silently training on would be wrong.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence

@@ -32,15 +32,15 @@ from maxpar.model.moe import MOE_STATS
 from maxpar.model.mtp import MTP, MultiTokenPrediction, mtp_inputs, mtp_key, mtp_loss_sum
 from maxpar.model.routing import balance_loss_from_sums
 from maxpar.model.stack import DENSE, STACKED, layer_stack, num_units
-from maxpar.model.transformer import (DECODER, DecoderLayer, decoder_unit, output_logits, rematerialized,
-                                      token_lookup)
+from maxpar.model.transformer import (DECODER, FINAL_NORM, OUTPUT, TOKEN_EMBEDDING, DecoderLayer, decoder_unit,
+                                      dense_prefix, embed, output_logits, output_weight, rematerialized, token_lookup)
 from maxpar.pipeline.one_f_one_b import Placement, one_f_one_b
 
 Array = jax.Array
 Batch = dict[str, Array]
 # loss_fn(logits [b, T, V] float32, targets, segment_ids) -> (objective, sums): what the step differentiates
 LossFn = Callable[[Array, Array, Array], tuple[Array, Any]]
-HEAD_KEYS = ("final_norm", "output", "token_embedding", MTP)  # what the last stage's loss head may read
+HEAD_KEYS = (FINAL_NORM, OUTPUT, TOKEN_EMBEDDING, MTP)  # what the last stage's loss head may read
 # The head's logits keep their vocab whole: XLA's SPMD partitioner aborts on the loss's gather of vocab-split
 # logits whose rows are split too, inside the executor's partly manual shard_map.
 HEAD_LOGITS = (Logical.BATCH, Logical.LENGTH, None)
@@ -99,12 +99,12 @@ def head_fn(config: ModelConfig, layout: ModelLayout | None, loss_fn: LossFn,
 
     def run(head: dict, x: Array, targets: Array, segment_ids: Array, *mtp_side: Array) -> tuple[Array, Any]:
         x = pin(x, RESIDUAL)
-        out = head["token_embedding" if config.logits_via_embedding else "output"]
+        out = output_weight(config, head)
 
         def logits(h: Array) -> Array:
             return pin(output_logits(config, h, out), HEAD_LOGITS)
 
-        normed = RMSNorm(config, layout).apply({"params": head["final_norm"]}, x)
+        normed = RMSNorm(config, layout).apply({"params": head[FINAL_NORM]}, x)
         objective, sums = loss_fn(logits(normed), targets, segment_ids)
         if MTP not in head:
             return objective, sums
@@ -112,7 +112,7 @@ def head_fn(config: ModelConfig, layout: ModelLayout | None, loss_fn: LossFn,
         def lookup(ids: Array) -> Array:
             # the table as it comes, not gathered as `embed` gathers it: that gather inside the last stage's
             # branch leaves an FSDP group's devices waiting on different collectives (a hang at fsdp=4)
-            return pin(token_lookup(head["token_embedding"], ids, config.dtype), RESIDUAL)
+            return pin(token_lookup(head[TOKEN_EMBEDDING], ids, config.dtype), RESIDUAL)
 
         positions, arrays = mtp_side[0], iter(mtp_side[1:])
         batch = {mtp_key(name, k): next(arrays) for k in range(1, config.mtp_num_layers + 1) for name in MTP_SIDE}
@@ -133,20 +133,14 @@ def loss_segments(batch: Batch) -> Array:
     return jnp.where(batch["loss_mask"] != 0, batch["segment_ids"], 0)
 
 
-def embed(config: ModelConfig, layout: ModelLayout, table: Array, tokens: Array) -> Array:
-    """The token lookup, as `Transformer` does it (a pipelined run gathers the table's embed shards first)."""
-    table = layout.constrain(table, (Logical.VOCAB, None)) if layout.gather_lookup_table else table
-    return layout.constrain(token_lookup(table, tokens, config.dtype), RESIDUAL)
-
-
 def before_stages(config: ModelConfig, layout: ModelLayout, prefix: dict, batch: Batch) -> Array:
     """What stage 0 receives: the token lookup, then the dense prefix (first_num_dense_layers), which runs
     outside the stages as in `Decoder`, on every device with the outer layout."""
-    x = embed(config, layout, prefix["token_embedding"], batch["inputs"])
+    x = embed(config, layout, prefix[TOKEN_EMBEDDING], batch["inputs"])
     if DENSE not in prefix:
         return x
-    dense = layer_stack(rematerialized(config, DecoderLayer), config.first_num_dense_layers, axis=DENSE)
-    return dense(config, layout).apply({"params": prefix[DENSE]}, x, batch["positions"], batch["segment_ids"])[0]
+    return dense_prefix(config)(config, layout).apply({"params": prefix[DENSE]}, x, batch["positions"],
+                                                      batch["segment_ids"])[0]
 
 
 def staged_grads(config: ModelConfig, layout: ModelLayout, schedule: OpSchedule, params: dict, batch: Batch,
@@ -158,10 +152,10 @@ def staged_grads(config: ModelConfig, layout: ModelLayout, schedule: OpSchedule,
     [L, ...]); `block_objective` (`balance_objective`) adds the balance loss to the objective. With MTP modules
     (a `with_mtp_targets` batch) the head runs them too (`head_fn`, weighted by mtp_weight)."""
     pipe = layout.pipeline
-    prefix = {"token_embedding": params["token_embedding"], **({DENSE: params[DECODER][DENSE]}
-                                                              if config.first_num_dense_layers else {})}
+    prefix = {TOKEN_EMBEDDING: params[TOKEN_EMBEDDING], **({DENSE: params[DECODER][DENSE]}
+                                                            if config.first_num_dense_layers else {})}
     x, pull_prefix = jax.vjp(lambda p: before_stages(config, layout, p, batch), prefix)
-    head = {key: params[key] for key in HEAD_KEYS if key in params and (key != "token_embedding"
+    head = {key: params[key] for key in HEAD_KEYS if key in params and (key != TOKEN_EMBEDDING
                                                                         or config.logits_via_embedding
                                                                         or config.mtp_num_layers)}
     layers, run = num_units(config) // schedule.num_blocks, pipe.executor
@@ -181,20 +175,19 @@ def staged_grads(config: ModelConfig, layout: ModelLayout, schedule: OpSchedule,
     grads = {**params, **out.head, DECODER: {**params[DECODER], STACKED: out.stage}}
     if DENSE in d_prefix:
         grads[DECODER][DENSE] = d_prefix[DENSE]
-    d_table = d_prefix["token_embedding"]
-    grads["token_embedding"] = d_table + out.head["token_embedding"] if "token_embedding" in out.head else d_table
+    d_table = d_prefix[TOKEN_EMBEDDING]
+    grads[TOKEN_EMBEDDING] = d_table + out.head[TOKEN_EMBEDDING] if TOKEN_EMBEDDING in out.head else d_table
     return ({**out.sums, MOE_STATS: {DECODER: {STACKED: out.stats}}} if out.stats else out.sums), grads
 
 
-def staged_value_and_grad(model: Any, loss_fn: LossFn, kind: str, balance_weight: float = 0.0, mtp_weight: float = 0.0
+def staged_value_and_grad(model: Any, loss_fn: LossFn, balance_weight: float = 0.0, mtp_weight: float = 0.0
                           ) -> Callable[[Any, Any, Batch], tuple[tuple[Array, Any], tuple[Any, Any]]]:
     """`jax.value_and_grad(objective, argnums=(params, fp8_meta), has_aux=True)`'s contract, computed by the
-    layout's explicit-backward schedule `kind` (1f1b, zero_bubble, interleaved_1f1b) instead of autodiff through the
+    layout's explicit-backward op table (1f1b, zero_bubble, interleaved_1f1b) instead of autodiff through the
     model: ((objective, sums), (grads, fp8 cotangents: none, fp8_scaling=delayed is refused with stages)). The
     objective returned is `sums["loss_sum"]`; its gradient includes balance_weight (`balance_objective`'s) and
     mtp_weight x the MTP loss (`head_fn`'s)."""
-    schedule = model.layout.pipeline.schedule
-    ops = OpSchedule(kind, schedule.num_stages, schedule.num_microbatches, schedule.num_repeats)
+    ops = model.layout.executor.ops
     aux = balance_objective(balance_weight) if model.config.num_experts > 1 and balance_weight else None
 
     def run(params: Any, fp8_meta: Any, batch: Batch) -> tuple[tuple[Array, Any], tuple[Any, Any]]:

@@ -7,6 +7,7 @@ mesh axes, the run layout says (`ModelLayout`, handed in: the model never inspec
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import flax.linen as nn
@@ -15,6 +16,8 @@ import jax.numpy as jnp
 
 from maxpar.core.axes import LOGITS, RESIDUAL, Logical
 from maxpar.core.config import ModelConfig
+from maxpar.core.layout import ModelLayout
+from maxpar.core.sharding import constrain
 from maxpar.model.layers import CACHE, Attention, Mlp, ModelModule, RMSNorm
 from maxpar.model.fp8 import FP8_META
 from maxpar.model.matmul import PROJECTION, matmul
@@ -82,9 +85,34 @@ def rematerialized(cfg: ModelConfig, unit: type[nn.Module]) -> type[nn.Module]:
     return nn.remat(unit, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=not cfg.scan_layers)
 
 
+# The model's top-level parameters (`DECODER` holds the layer stacks): named here once, read by the explicit-backward
+# pipelines' pieces (`maxpar.model.staged`) and, by their Hugging Face names, the converter's mappings.
+TOKEN_EMBEDDING, FINAL_NORM, OUTPUT = "token_embedding", "final_norm", "output"
+
+
 def token_lookup(table: Array, ids: Array, dtype: Any) -> Array:
-    """The embedding rows of `ids` in the compute dtype: the model's input (also `maxpar.model.staged`'s)."""
+    """The embedding rows of `ids` in the compute dtype."""
     return jnp.take(table, ids, axis=0).astype(dtype)
+
+
+def embed(cfg: ModelConfig, layout: ModelLayout | None, table: Array, ids: Array) -> Array:
+    """The model's input: the token lookup, the table's embed shards gathered first where the layout says so
+    (`ModelLayout.gather_lookup_table` says why); `Transformer`'s and the explicit-backward pipelines' alike."""
+    if layout is None:
+        return constrain(token_lookup(table, ids, cfg.dtype), RESIDUAL, (), None)
+    table = layout.constrain(table, (Logical.VOCAB, None)) if layout.gather_lookup_table else table
+    return layout.constrain(token_lookup(table, ids, cfg.dtype), RESIDUAL)
+
+
+def dense_prefix(cfg: ModelConfig) -> type[nn.Module]:
+    """The scanned stack of the first_num_dense_layers dense layers, which run before the (pipelined) stack."""
+    return layer_stack(rematerialized(cfg, DecoderLayer), cfg.first_num_dense_layers,
+                       collections=(CACHE, FP8_META), axis=DENSE)
+
+
+def output_weight(cfg: ModelConfig, params: dict) -> Array:
+    """The output projection among the model's top-level `params`: the embedding table when logits_via_embedding."""
+    return params[TOKEN_EMBEDDING if cfg.logits_via_embedding else OUTPUT]
 
 
 def embedding_init(cfg: ModelConfig) -> nn.initializers.Initializer:
@@ -115,8 +143,7 @@ class Decoder(ModelModule):
         cfg, layout = self.config, self.layout
         dense, num_dense = rematerialized(cfg, DecoderLayer), cfg.first_num_dense_layers
         if num_dense and cfg.scan_layers:
-            x, _ = layer_stack(dense, num_dense, collections=(CACHE, FP8_META), axis=DENSE)(
-                cfg, layout, name=DENSE)(x, positions, segment_ids)
+            x, _ = dense_prefix(cfg)(cfg, layout, name=DENSE)(x, positions, segment_ids)
         elif num_dense:
             for i in range(num_dense):
                 x, _ = dense(cfg, layout, name=unrolled_name(i, DENSE))(x, positions, segment_ids)
@@ -164,18 +191,13 @@ class Transformer(ModelModule):
     @nn.compact
     def __call__(self, tokens: Array, positions: Array, segment_ids: Array,
                  mtp_tokens: Sequence[Array] | None = None) -> Array | tuple[Array, list[Array]]:
-        cfg, layout, dt, wdt = self.config, self.layout, self.dtype, self.weight_dtype
-        table = self.param("token_embedding", nn.with_logical_partitioning(
+        cfg, layout, wdt = self.config, self.layout, self.weight_dtype
+        table = self.param(TOKEN_EMBEDDING, nn.with_logical_partitioning(
             embedding_init(cfg), (Logical.VOCAB, Logical.EMBED)), (cfg.vocab_size, cfg.emb_dim), wdt)
-        gather_table = layout is None or layout.gather_lookup_table  # maxpar.core.layout.ModelLayout says why
-        lookup_table = self.constrain(table, (Logical.VOCAB, None)) if gather_table else table
-
-        def embed(ids: Array) -> Array:
-            return self.constrain(token_lookup(lookup_table, ids, dt), RESIDUAL)
-
-        hidden = Decoder(cfg, layout, name=DECODER)(embed(tokens), positions, segment_ids)
-        x = RMSNorm(cfg, layout, name="final_norm")(hidden)
-        out = table if cfg.logits_via_embedding else self.param("output", nn.with_logical_partitioning(
+        lookup = partial(embed, cfg, layout, table)
+        hidden = Decoder(cfg, layout, name=DECODER)(lookup(tokens), positions, segment_ids)
+        x = RMSNorm(cfg, layout, name=FINAL_NORM)(hidden)
+        out = table if cfg.logits_via_embedding else self.param(OUTPUT, nn.with_logical_partitioning(
             nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal"), (Logical.EMBED, Logical.VOCAB)),
             (cfg.emb_dim, cfg.vocab_size), wdt)
 
@@ -189,4 +211,4 @@ class Transformer(ModelModule):
             return logits
         mtp = MultiTokenPrediction(cfg, layout, layer=rematerialized(cfg, DecoderLayer), moe=cfg.num_experts > 1,
                                    name=MTP)
-        return logits, mtp(hidden, mtp_tokens, positions, segment_ids, embed, head)
+        return logits, mtp(hidden, mtp_tokens, positions, segment_ids, lookup, head)

@@ -34,6 +34,8 @@ and the embedded input x: the caller finishes the backward of whatever made x (t
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, NamedTuple
@@ -47,8 +49,21 @@ from maxpar.core.layout import merge_microbatches, split_microbatches
 from maxpar.core.op_schedule import B, F, W, OpSchedule, op_kinds
 
 Array = jax.Array
-# The branch each device takes at a tick: BACKWARD is B unsplit, BACKWARD_INPUT and BACKWARD_WEIGHTS B and W.
-IDLE, FORWARD, FORWARD_HEAD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHTS = range(6)
+
+
+class Branch(enum.IntEnum):
+    """The branch a device takes at a tick (`lax.switch`'s index, `Program.branch`): FORWARD_HEAD is the last
+    block's F, with the loss head; BACKWARD is B unsplit, BACKWARD_INPUT and BACKWARD_WEIGHTS zero_bubble's B and W."""
+
+    IDLE = 0
+    FORWARD = 1
+    FORWARD_HEAD = 2
+    BACKWARD = 3
+    BACKWARD_INPUT = 4
+    BACKWARD_WEIGHTS = 5
+
+
+IDLE, FORWARD, FORWARD_HEAD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHTS = Branch
 
 
 class Program(NamedTuple):
@@ -87,7 +102,7 @@ def program(schedule: OpSchedule) -> Program:
     block's B; the last block: its own F, where the loss head makes it) to the same op. Blocks are stages but
     under interleaved_1f1b, where block v = r S + s is repeat r of stage s.
     """
-    s_count, ticks, repeats = schedule.num_stages, schedule.num_ticks, schedule.num_repeats
+    s_count, ticks = schedule.num_stages, schedule.num_ticks
     blocks = schedule.num_blocks
     split = W in op_kinds(schedule.kind)
     branch = np.full((ticks, s_count), IDLE, np.int32)
@@ -182,67 +197,96 @@ def _zeros(tree: Any) -> Any:
     return jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
 
 
-def _run(block_fn: Callable[..., tuple[Array, Any]], head_fn: Callable[..., tuple[Array, Any]], prog: Program,
-         schedule: OpSchedule, stage_axes: tuple[str, ...], batch_axes: tuple[str, ...], params: Any,
-         head_params: Any, x: Array, side: tuple[Array, ...], head_side: tuple[Array, ...], *,
-         block_objective: Callable[[Any, Any], Array] | None = None, placement: Placement | None = None) -> tuple:
-    """One device's part: stage `axis_index(stage_axes)` of its replica, over every tick (with a
-    `block_objective`, first over the F ops alone: the step's totals of the blocks' stats)."""
-    s_count, m_count, repeats = schedule.num_stages, schedule.num_microbatches, schedule.num_repeats
-    stage = jax.lax.axis_index(stage_axes)
-    # the weights (and gradient, stats) of the stage's block r: leaves [R, ...] when it has R of them
-    pick = ((lambda tree, r: tree) if repeats == 1  # noqa: E731
-            else (lambda tree, r: jax.tree.map(lambda a: a[r], tree)))
+class Carry(NamedTuple):
+    """What the scan over the ticks carries on one device (one stage of one replica)."""
 
-    def add_at(total: Any, part: Any, r: Array) -> Any:
-        add = (lambda a, g: a + g.astype(jnp.float32)) if repeats == 1 else (
-            lambda a, g: a.at[r].add(g.astype(jnp.float32)))
+    acts: Array      # [act_slots, b, ...] the block inputs kept for their backward ops
+    cots: Array      # [cot_slots, b, ...] the cotangents waiting for their backward ops
+    dx: Array        # [M, b, ...] the cotangent of each microbatch's stage-0 input
+    grads: Any       # float32 gradient of the stage's weights
+    head_grads: Any  # float32 gradient of the head's weights (the last stage's)
+    sums: Any        # head_fn's sums so far
+    stats: Any       # block_fn's stats so far
+    send_act: Array  # the F output this stage sends on after the tick
+    send_cot: Array  # the input cotangent this stage sends back after the tick
+
+
+class OpArgs(NamedTuple):
+    """One tick's operands for a branch, read from the program at (tick, stage)."""
+
+    microbatch: Array
+    repeat: Array    # which of the stage's blocks (0 but under interleaved_1f1b)
+    act_slot: Array  # the slot of the block's input
+    cot_slot: Array  # the slot of its cotangent
+
+
+@dataclasses.dataclass(frozen=True)
+class StageWork:
+    """What one device's ops run on: the block and head functions, the stage's weights and the microbatched inputs
+    (stage 0's rows and the per-row side arrays), and how results stay placed (`Placement`)."""
+
+    block_fn: Callable[..., tuple[Array, Any]]
+    head_fn: Callable[..., tuple[Array, Any]]
+    params: Any
+    head_params: Any
+    micro_x: Array          # [M, b, ...]
+    micro_side: list[Array]
+    micro_head: list[Array]
+    stage: Array            # this device's stage index
+    num_repeats: int
+    placement: Placement | None
+    block_objective: Callable[[Any, Any], Array] | None
+
+    def pick(self, tree: Any, r: Array) -> Any:
+        """The weights (gradient, stats) of the stage's block r: leaves [R, ...] when it has R of them."""
+        return tree if self.num_repeats == 1 else jax.tree.map(lambda a: a[r], tree)
+
+    def add_at(self, total: Any, part: Any, r: Array) -> Any:
+        add = ((lambda a, g: a + g.astype(jnp.float32)) if self.num_repeats == 1
+               else (lambda a, g: a.at[r].add(g.astype(jnp.float32))))
         return jax.tree.map(add, total, part)
-    rows = partial(_pin, sharding=placement and placement.rows)
-    pin_grads = ((lambda g: g) if placement is None  # noqa: E731
-                 else (lambda g: jax.lax.with_sharding_constraint(g, placement.weights)))
-    if placement is not None and placement.gathered is not None:
-        params = jax.lax.with_sharding_constraint(params, placement.gathered)
-    micro_x = rows(split_microbatches(x, m_count), lead=1)
-    micro_side = [split_microbatches(a, m_count) for a in side]
-    micro_head = [split_microbatches(a, m_count) for a in head_side]
-    take = lambda arrays, m: [a[m] for a in arrays]  # noqa: E731
-    one = micro_x[0]
-    y_shape, stats_shape = jax.eval_shape(lambda: block_fn(pick(params, 0), one, *take(micro_side, 0)))
-    if repeats > 1:
-        stats_shape = jax.tree.map(lambda a: jax.ShapeDtypeStruct((repeats, *a.shape), a.dtype), stats_shape)
-    sums_shape = jax.eval_shape(lambda: head_fn(head_params, jnp.zeros(y_shape.shape, y_shape.dtype),
-                                                *take(micro_head, 0))[1])
 
-    def objective_block(p: Any, a: Array, m: Array, totals: Any) -> tuple[Array, Array]:
+    def rows(self, x: Array, lead: int = 0) -> Array:
+        return _pin(x, self.placement and self.placement.rows, lead)
+
+    def pin_grads(self, grads: Any) -> Any:
+        return grads if self.placement is None else jax.lax.with_sharding_constraint(grads, self.placement.weights)
+
+    def side(self, m: Array) -> list[Array]:
+        return [a[m] for a in self.micro_side]
+
+    def head_side(self, m: Array) -> list[Array]:
+        return [a[m] for a in self.micro_head]
+
+    def objective_block(self, p: Any, a: Array, m: Array, totals: Any) -> tuple[Array, Array]:
         """(y, the block's part of the objective): what B and W differentiate, with cotangent (cot, 1)."""
-        y, stats = block_fn(p, a, *take(micro_side, m))
-        part = jnp.zeros((), jnp.float32) if totals is None else block_objective(stats, totals)
+        y, stats = self.block_fn(p, a, *self.side(m))
+        part = jnp.zeros((), jnp.float32) if totals is None else self.block_objective(stats, totals)
         return y, part.astype(jnp.float32)
 
-    def forward(carry, op, head: bool):
-        """F of microbatch m on the stage's block r: op = (m, r, its input's slot, its cotangent's slot)."""
-        m, r, a_slot, c_slot = op
-        acts, cots, dx, grads, head_grads, (sums, stats), _, send_cot = carry
-        inputs = jnp.where((stage == 0) & (r == 0), micro_x[m], acts[a_slot])
-        acts = acts.at[a_slot].set(inputs)
-        y, new_stats = block_fn(pick(params, r), inputs, *take(micro_side, m))
-        stats = add_at(stats, new_stats, r)
-        if head:
-            _, pull, new_sums = jax.vjp(lambda hp, y: head_fn(hp, y, *take(micro_head, m)), head_params, y,
-                                        has_aux=True)
-            d_head, dy = pull(jnp.ones((), jnp.float32))
-            head_grads = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), head_grads, d_head)
-            sums = jax.tree.map(jnp.add, sums, new_sums)
-            cots = cots.at[c_slot].set(dy.astype(cots.dtype))
-        return acts, cots, dx, grads, head_grads, (sums, stats), y.astype(one.dtype), send_cot
+    def forward(self, carry: Carry, op: OpArgs, head: bool) -> Carry:
+        """F of microbatch m on the stage's block r (the last block's: with the loss head and its VJP)."""
+        m, r = op.microbatch, op.repeat
+        inputs = jnp.where((self.stage == 0) & (r == 0), self.micro_x[m], carry.acts[op.act_slot])
+        y, stats = self.block_fn(self.pick(self.params, r), inputs, *self.side(m))
+        carry = carry._replace(acts=carry.acts.at[op.act_slot].set(inputs),
+                               stats=self.add_at(carry.stats, stats, r), send_act=y.astype(carry.send_act.dtype))
+        if not head:
+            return carry
+        _, pull, sums = jax.vjp(lambda hp, y: self.head_fn(hp, y, *self.head_side(m)), self.head_params, y,
+                                has_aux=True)
+        d_head, dy = pull(jnp.ones((), jnp.float32))
+        return carry._replace(head_grads=jax.tree.map(lambda a, g: a + g.astype(jnp.float32), carry.head_grads,
+                                                      d_head),
+                              sums=jax.tree.map(jnp.add, carry.sums, sums),
+                              cots=carry.cots.at[op.cot_slot].set(dy.astype(carry.cots.dtype)))
 
-    def backward(carry, op, inputs: bool, weights: bool, totals: Any):
-        """B unsplit (both), zero_bubble's B (inputs: the cotangent sent back) or W (weights); op as forward's."""
-        m, r, a_slot, c_slot = op
-        acts, cots, dx, grads, head_grads, sums, send_act, send_cot = carry
-        block = lambda p, a: objective_block(p, a, m, None if totals is None else pick(totals, r))  # noqa: E731
-        mine, act, cot = pick(params, r), acts[a_slot], (cots[c_slot], jnp.ones((), jnp.float32))
+    def backward(self, carry: Carry, op: OpArgs, inputs: bool, weights: bool, totals: Any) -> Carry:
+        """B unsplit (inputs and weights), zero_bubble's B (inputs: the cotangent sent back) or its W (weights)."""
+        m, r = op.microbatch, op.repeat
+        block = partial(self.objective_block, m=m, totals=None if totals is None else self.pick(totals, r))
+        mine, act = self.pick(self.params, r), carry.acts[op.act_slot]
+        cot = (carry.cots[op.cot_slot], jnp.ones((), jnp.float32))
         if inputs and weights:
             d_params, d_x = jax.vjp(block, mine, act)[1](cot)
         elif inputs:
@@ -250,60 +294,92 @@ def _run(block_fn: Callable[..., tuple[Array, Any]], head_fn: Callable[..., tupl
         else:
             (d_params,) = jax.vjp(lambda p: block(p, act), mine)[1](cot)
         if weights:
-            grads = pin_grads(add_at(grads, d_params, r))
+            carry = carry._replace(grads=self.pin_grads(self.add_at(carry.grads, d_params, r)))
         if inputs:
-            dx = dx.at[m].set(jnp.where((stage == 0) & (r == 0), d_x, dx[m]))
-            send_cot = d_x.astype(one.dtype)
-        return acts, cots, dx, grads, head_grads, sums, send_act, send_cot
+            first = (self.stage == 0) & (r == 0)
+            carry = carry._replace(dx=carry.dx.at[m].set(jnp.where(first, d_x, carry.dx[m])),
+                                   send_cot=d_x.astype(carry.send_cot.dtype))
+        return carry
 
-    idle = lambda c, op: c  # noqa: E731 - also the branches the schedule never takes: XLA compiles each branch
-    split = W in op_kinds(schedule.kind)
+    def branches(self, split: bool, totals: Any, forward_only: bool) -> list[Callable[[Carry, OpArgs], Carry]]:
+        """The branch of each `Branch`, in its order; forward_only: F without the head, the backward ops idle
+        (the pass that sums the stats). A branch the schedule never takes is idle too (XLA compiles each)."""
+        idle = lambda carry, op: carry  # noqa: E731
+        table = {Branch.IDLE: idle, Branch.FORWARD: partial(self.forward, head=False),
+                 Branch.FORWARD_HEAD: partial(self.forward, head=not forward_only),
+                 Branch.BACKWARD: partial(self.backward, inputs=True, weights=True, totals=totals),
+                 Branch.BACKWARD_INPUT: partial(self.backward, inputs=True, weights=False, totals=totals),
+                 Branch.BACKWARD_WEIGHTS: partial(self.backward, inputs=False, weights=True, totals=totals)}
+        taken = {Branch.IDLE, Branch.FORWARD, Branch.FORWARD_HEAD}
+        if not forward_only:
+            taken |= {Branch.BACKWARD_INPUT, Branch.BACKWARD_WEIGHTS} if split else {Branch.BACKWARD}
+        return [table[b] if b in taken else idle for b in Branch]
 
-    def branch_table(totals: Any, forward_only: bool) -> list[Callable]:
-        """The branches by op; forward_only: F without the head, B and W idle (the pass that sums the stats)."""
-        if forward_only:
-            return [idle, *(lambda c, op: forward(c, op, False),) * 2, idle, idle, idle]
-        return [idle, lambda c, op: forward(c, op, False), lambda c, op: forward(c, op, True),
-                idle if split else (lambda c, op: backward(c, op, True, True, totals)),
-                (lambda c, op: backward(c, op, True, False, totals)) if split else idle,
-                (lambda c, op: backward(c, op, False, True, totals)) if split else idle]
-    # R blocks per stage: the last stage's F feeds stage 0's next block, stage 0's B the last stage's previous one
-    hops = s_count if repeats > 1 else s_count - 1
-    forward_perm = [(i, (i + 1) % s_count) for i in range(hops)]
-    backward_perm = [((i + 1) % s_count, i) for i in range(hops)]
-    branch_rows = jnp.asarray(prog.branch)
-    op_rows = tuple(jnp.asarray(a) for a in (prog.microbatch, prog.repeat, prog.act_slot, prog.cot_slot))
-    recv_rows = jnp.asarray(prog.act_recv), jnp.asarray(prog.cot_recv)
+    def start(self, prog: Program, sums_shape: Any, stats_shape: Any) -> Carry:
+        one = self.micro_x[0]
+        blank = self.rows(jnp.zeros_like(one))
+        return Carry(acts=self.rows(jnp.zeros((prog.act_slots, *one.shape), one.dtype), lead=1),
+                     cots=self.rows(jnp.zeros((prog.cot_slots, *one.shape), one.dtype), lead=1),
+                     dx=self.rows(jnp.zeros_like(self.micro_x), lead=1), grads=self.pin_grads(_zeros(self.params)),
+                     head_grads=_zeros(self.head_params), sums=_zeros(sums_shape), stats=_zeros(stats_shape),
+                     send_act=blank, send_cot=blank)
 
-    def tick(branches, carry, t, cotangents: bool = True):
-        carry = jax.lax.switch(branch_rows[t, stage], branches, carry, tuple(a[t, stage] for a in op_rows))
-        acts, cots, dx, grads, head_grads, sums, send_act, send_cot = carry
-        got_act = jax.lax.ppermute(send_act, stage_axes, forward_perm)
-        # the forward-only pass moves no cotangents (what it writes to their slots is never read)
-        got_cot = jax.lax.ppermute(send_cot, stage_axes, backward_perm) if cotangents else send_cot
-        # What arrived (the previous block's F output, the next block's B cotangent) goes to its slot, if any.
-        a_slot, c_slot = recv_rows[0][t, stage], recv_rows[1][t, stage]
-        acts = acts.at[jnp.maximum(a_slot, 0)].set(jnp.where(a_slot >= 0, got_act, acts[jnp.maximum(a_slot, 0)]))
-        cots = cots.at[jnp.maximum(c_slot, 0)].set(jnp.where(c_slot >= 0, got_cot, cots[jnp.maximum(c_slot, 0)]))
-        return (rows(acts, lead=1), rows(cots, lead=1), rows(dx, lead=1), grads, head_grads, sums, send_act,
-                send_cot), None
 
-    blank = rows(jnp.zeros_like(one))
-    carry = (rows(jnp.zeros((prog.act_slots, *one.shape), one.dtype), lead=1),
-             rows(jnp.zeros((prog.cot_slots, *one.shape), one.dtype), lead=1), rows(jnp.zeros_like(micro_x), lead=1),
-             pin_grads(_zeros(params)), _zeros(head_params), (_zeros(sums_shape), _zeros(stats_shape)), blank, blank)
+def _tick(work: StageWork, prog: Program, stage_axes: tuple[str, ...], ring: bool,
+          branches: list[Callable[[Carry, OpArgs], Carry]], carry: Carry, t: Array, cotangents: bool = True
+          ) -> tuple[Carry, None]:
+    """Tick t: the stage's op, then the F outputs one stage on and the B cotangents one stage back (ring: with R
+    blocks per stage, stage S - 1 feeds stage 0's next block); what arrives goes to the slot `prog` gives it. The
+    forward-only pass moves no cotangents (what it writes to their slots is never read)."""
+    s_count, at = prog.branch.shape[1], (t, work.stage)
+    op = OpArgs(*(jnp.asarray(a)[at] for a in (prog.microbatch, prog.repeat, prog.act_slot, prog.cot_slot)))
+    carry = jax.lax.switch(jnp.asarray(prog.branch)[at], branches, carry, op)
+    hops = s_count if ring else s_count - 1
+    got_act = jax.lax.ppermute(carry.send_act, stage_axes, [(i, (i + 1) % s_count) for i in range(hops)])
+    got_cot = (jax.lax.ppermute(carry.send_cot, stage_axes, [((i + 1) % s_count, i) for i in range(hops)])
+               if cotangents else carry.send_cot)
+
+    def receive(store: Array, slot: Array, got: Array) -> Array:
+        kept = jnp.maximum(slot, 0)
+        return work.rows(store.at[kept].set(jnp.where(slot >= 0, got, store[kept])), lead=1)
+    return carry._replace(acts=receive(carry.acts, jnp.asarray(prog.act_recv)[at], got_act),
+                          cots=receive(carry.cots, jnp.asarray(prog.cot_recv)[at], got_cot),
+                          dx=work.rows(carry.dx, lead=1)), None
+
+
+def _run(block_fn: Callable[..., tuple[Array, Any]], head_fn: Callable[..., tuple[Array, Any]], prog: Program,
+         schedule: OpSchedule, stage_axes: tuple[str, ...], batch_axes: tuple[str, ...], params: Any,
+         head_params: Any, x: Array, side: tuple[Array, ...], head_side: tuple[Array, ...], *,
+         block_objective: Callable[[Any, Any], Array] | None = None, placement: Placement | None = None) -> tuple:
+    """One device's part: stage `axis_index(stage_axes)` of its replica, over every tick (with a
+    `block_objective`, first over the F ops alone: the step's totals of the blocks' stats)."""
+    m_count, repeats = schedule.num_microbatches, schedule.num_repeats
+    if placement is not None and placement.gathered is not None:
+        params = jax.lax.with_sharding_constraint(params, placement.gathered)
+    work = StageWork(block_fn, head_fn, params, head_params, _pin(split_microbatches(x, m_count),
+                                                                  placement and placement.rows, lead=1),
+                     [split_microbatches(a, m_count) for a in side], [split_microbatches(a, m_count)
+                                                                      for a in head_side],
+                     jax.lax.axis_index(stage_axes), repeats, placement, block_objective)
+    one = work.micro_x[0]
+    y_shape, stats_shape = jax.eval_shape(lambda: block_fn(work.pick(params, 0), one, *work.side(0)))
+    if repeats > 1:
+        stats_shape = jax.tree.map(lambda a: jax.ShapeDtypeStruct((repeats, *a.shape), a.dtype), stats_shape)
+    sums_shape = jax.eval_shape(lambda: head_fn(head_params, jnp.zeros(y_shape.shape, y_shape.dtype),
+                                                *work.head_side(0))[1])
+    carry = work.start(prog, sums_shape, stats_shape)
+    split, tick = W in op_kinds(schedule.kind), partial(_tick, work, prog, stage_axes, repeats > 1)
     # each replica ran its own rows: the weights' gradients and the sums add up over them
     total = (lambda tree: jax.lax.psum(tree, batch_axes)) if batch_axes else (lambda tree: tree)  # noqa: E731
     totals = None
     if block_objective is not None:  # the F ops alone, over the ticks that hold one
-        forward_ticks = np.flatnonzero(np.isin(prog.branch, (FORWARD, FORWARD_HEAD)).any(axis=1))
-        first, _ = jax.lax.scan(partial(tick, branch_table(None, True), cotangents=False), carry,
+        forward_ticks = np.flatnonzero(np.isin(prog.branch, (Branch.FORWARD, Branch.FORWARD_HEAD)).any(axis=1))
+        first, _ = jax.lax.scan(partial(tick, work.branches(split, None, True), cotangents=False), carry,
                                 jnp.asarray(forward_ticks))
-        totals = total(first[5][1])
-    carry, _ = jax.lax.scan(partial(tick, branch_table(totals, False)), carry, jnp.arange(schedule.num_ticks))
-    _, _, dx, grads, head_grads, (sums, stats), _, _ = carry
-    grads, head_grads, sums, stats = total((grads, head_grads, sums, stats))
+        totals = total(first.stats)
+    carry, _ = jax.lax.scan(partial(tick, work.branches(split, totals, False)), carry, jnp.arange(schedule.num_ticks))
+    grads, head_grads, sums, stats = total((carry.grads, carry.head_grads, carry.sums, carry.stats))
     cast = lambda tree, like: jax.tree.map(lambda g, p: g.astype(p.dtype), tree, like)  # noqa: E731
     expand = lambda tree: jax.tree.map(lambda a: a[None], tree)  # noqa: E731 - a leading stage dim for out_specs
     return (expand(sums), cast(grads, params), expand(cast(head_grads, head_params)),
-            merge_microbatches(dx)[None], stats)
+            merge_microbatches(carry.dx)[None], stats)

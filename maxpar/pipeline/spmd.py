@@ -48,11 +48,11 @@ microbatches and replicas, as one device does over its whole batch.
 
 from __future__ import annotations
 
-from functools import partial
-from collections.abc import Callable, Sequence
-from typing import Any
-
+import dataclasses
 import math
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +60,7 @@ from jax.sharding import PartitionSpec
 
 from maxpar.core.axes import Logical
 from maxpar.core.layout import ModelLayout, merge_microbatches, split_microbatches
-from maxpar.core.schedule import Schedule, stage_task
+from maxpar.core.schedule import Schedule, Task, stage_task
 from maxpar.core.sharding import named_shardings
 
 STAGED = Logical.LAYERS  # the stages are the stacked layers' axis, and the loop's activations follow it
@@ -139,104 +139,127 @@ def _blocks(params: Any, schedule: Schedule, lead: int | None = None) -> Any:
     return jax.tree.map(lambda p: p.reshape(r, s, n, *p.shape[lead:]), params)
 
 
+class LoopCarry(NamedTuple):
+    """What the scan over the iterations carries."""
+
+    state: Array   # [S, b, ...] each stage's output of the last iteration, rolled one stage on
+    buffer: Array  # [S, M, b, ...] per microbatch: its input to stage 0's next repeat; in the end, the output
+    stats: Any     # leaves [R, S, ...]: each block's sums so far
+    kept: Any      # the histories' blocks, read by every iteration (their cotangents combine by max: `_fork`)
+
+
+def per_stage(mask: Array, a: Array, b: Array) -> Array:
+    """`a` on the stages where `mask` [S] holds, `b` elsewhere."""
+    return jnp.where(mask.reshape(-1, *([1] * (a.ndim - 1))), a, b)
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """The pipeline loop's fixed parts: the stages' function (vmapped over the stage axis), the schedule, the
+    microbatched per-row inputs and the layout `inner` whose rules constrain every activation."""
+
+    run_stages: Callable[..., tuple[Array, Any]]
+    schedule: Schedule
+    stage_axes: tuple[str, ...]
+    inner: ModelLayout
+    x_axes: tuple[str, ...]
+    side_axes: tuple[str, ...]
+    micro_side: list[Array]  # [M, b, ...] each
+
+    def pick(self, tree: Any, task: Task) -> Any:
+        """Each stage's block of this iteration: leaves [R, S, ...] -> [S, ...]."""
+        if self.schedule.num_repeats == 1:
+            return jax.tree.map(lambda p: p[0], tree)
+        pick_repeat = jax.vmap(lambda block, r: jax.tree.map(lambda p: p[r], block), in_axes=(1, 0),
+                               spmd_axis_name=self.stage_axes)
+        return pick_repeat(tree, task.repeat)
+
+    def iteration(self, carry: LoopCarry, t: Array, weights_of: Callable[[Task], Any]) -> tuple[LoopCarry, None]:
+        """Iteration t: every stage runs its task on what it was handed (stage 0: a fresh microbatch or one back
+        from the last stage), adds its block's stats, and passes its output on."""
+        s_count, m_count, r_count = (self.schedule.num_stages, self.schedule.num_microbatches,
+                                     self.schedule.num_repeats)
+        stages = jnp.arange(s_count)
+        task, first = stage_task(t, stages, m_count, r_count), stage_task(t, 0, m_count, r_count)
+        fresh = jax.lax.dynamic_index_in_dim(carry.buffer, first.microbatch, axis=1, keepdims=False)
+        inputs = per_stage(stages == 0, fresh, carry.state)
+        # Tie the weights to this iteration, so that FSDP gathers them here, every iteration, even where
+        # they are loop-invariant (gPipe): whether XLA would hoist the gather otherwise depends on dtype
+        # and remat. Gathering once before the loop is what pipeline_fsdp_ag_once asks for.
+        weights, inputs = jax.lax.optimization_barrier((weights_of(task), inputs))
+        side_now = [self.inner.constrain(a[task.microbatch], (STAGED, *self.side_axes)) for a in self.micro_side]
+        kept, read = _fork(carry.kept)
+        read = jax.tree.map(lambda h: per_stage(task.active, h, jax.lax.stop_gradient(h)), self.pick(read, task))
+        outputs, block_stats = self.run_stages(weights, read, inputs, *side_now)
+        outputs = self.inner.constrain(outputs, (STAGED, *self.x_axes))
+        # Block (repeat, stage) of each active stage adds this iteration's sums; idle stages add nothing.
+        slot = ((jnp.arange(r_count)[:, None] == task.repeat[None, :]) & task.active[None, :]).astype(jnp.float32)
+        stats = jax.tree.map(lambda acc, new: acc + slot.reshape(*slot.shape, *([1] * (new.ndim - 1))) * new[None],
+                             carry.stats, block_stats)
+        passed = jnp.roll(outputs, 1, axis=0)  # stage s -> s + 1; the last stage -> stage 0
+        last = stage_task(t, s_count - 1, m_count, r_count)
+        held = jax.lax.dynamic_index_in_dim(carry.buffer, last.microbatch, axis=1, keepdims=False)
+        buffer = jax.lax.dynamic_update_index_in_dim(carry.buffer, jnp.where(last.active, passed, held),
+                                                     last.microbatch, axis=1)
+        return LoopCarry(passed, buffer, stats, kept), None
+
+    def iterations(self, weights_of: Callable[[Task], Any]) -> Callable[[LoopCarry, Array], tuple[LoopCarry, None]]:
+        return partial(self.iteration, weights_of=weights_of)
+
+
 def _loop(stage_fn: StageFn, params: Any, histories: Any, x: Array, side: Sequence[Array], schedule: Schedule,
           stage_axes: tuple[str, ...], inner: ModelLayout, x_axes: Sequence[str], side_axes: Sequence[str],
-          block_shardings: Any = None) -> Array:
+          block_shardings: Any = None) -> tuple[Array, Any]:
     """The M x R + S - 1 iterations, constrained by `inner`: rules that name no manual axis, over the loop's mesh.
+    Returns (the blocks' output [B, ...], the stats [R, S, ...]).
 
     block_shardings: gather each repeat's blocks once per window (`FsdpGather.PER_REPEAT`) into these shardings.
     """
     s_count, m_count, r_count = schedule.num_stages, schedule.num_microbatches, schedule.num_repeats
     blocks = _blocks(params, schedule)
     micro_x = inner.constrain(split_microbatches(x, m_count), (None, *x_axes))
-    micro_side = [inner.constrain(split_microbatches(a, m_count), (None, *side_axes)) for a in side]
-    buffer = inner.constrain(jnp.broadcast_to(micro_x, (s_count, *micro_x.shape)), (STAGED, None, *x_axes))
+    loop = Loop(jax.vmap(stage_fn, spmd_axis_name=stage_axes), schedule, stage_axes, inner, tuple(x_axes),
+                tuple(side_axes), [inner.constrain(split_microbatches(a, m_count), (None, *side_axes)) for a in side])
     state = inner.constrain(jnp.zeros((s_count, *micro_x.shape[1:]), x.dtype), (STAGED, *x_axes))
-    stages = jnp.arange(s_count)
-    run_stages = jax.vmap(stage_fn, spmd_axis_name=stage_axes)
-    pick_repeat = jax.vmap(lambda block, r: jax.tree.map(lambda p: p[r], block), in_axes=(1, 0),
-                           spmd_axis_name=stage_axes)
-
-    def per_stage(mask: Array, a: Array, b: Array) -> Array:
-        return jnp.where(mask.reshape(-1, *([1] * (a.ndim - 1))), a, b)
-
-    def pick(tree: Any, task: Any) -> Any:  # each stage's block of this iteration
-        return jax.tree.map(lambda p: p[0], tree) if r_count == 1 else pick_repeat(tree, task.repeat)
-
-    def default_weights(task: Any) -> Any:
-        return pick(blocks, task)
-
-    def make_iteration(weights_of: Callable[[Any], Any]) -> Callable:
-        return lambda carry, t: iteration(carry, t, weights_of)
-
-    def iteration(carry: tuple[Array, Array, Any, Any], t: Array, weights_of: Callable[[Any], Any]
-                  ) -> tuple[tuple[Array, Array, Any, Any], None]:
-        state, buffer, stats, kept = carry
-        task = stage_task(t, stages, m_count, r_count)
-        first = stage_task(t, 0, m_count, r_count)
-        fresh = jax.lax.dynamic_index_in_dim(buffer, first.microbatch, axis=1, keepdims=False)
-        inputs = per_stage(stages == 0, fresh, state)
-        weights = weights_of(task)
-        # Tie the weights to this iteration, so that FSDP gathers them here, every iteration, even where
-        # they are loop-invariant (gPipe): whether XLA would hoist the gather otherwise depends on dtype
-        # and remat. Gathering once before the loop is what pipeline_fsdp_ag_once asks for.
-        weights, inputs = jax.lax.optimization_barrier((weights, inputs))
-        side_now = [inner.constrain(a[task.microbatch], (STAGED, *side_axes)) for a in micro_side]
-        kept, read = _fork(kept)
-        read = jax.tree.map(lambda h: per_stage(task.active, h, jax.lax.stop_gradient(h)), pick(read, task))
-        outputs, block_stats = run_stages(weights, read, inputs, *side_now)
-        outputs = inner.constrain(outputs, (STAGED, *x_axes))
-        # Block (repeat, stage) of each active stage adds this iteration's sums; idle stages add nothing.
-        slot = ((jnp.arange(r_count)[:, None] == task.repeat[None, :]) & task.active[None, :]).astype(jnp.float32)
-        stats = jax.tree.map(lambda acc, new: acc + slot.reshape(*slot.shape, *([1] * (new.ndim - 1))) * new[None],
-                             stats, block_stats)
-        passed = jnp.roll(outputs, 1, axis=0)  # stage s -> s + 1; the last stage -> stage 0
-        last = stage_task(t, s_count - 1, m_count, r_count)
-        slot = jax.lax.dynamic_index_in_dim(buffer, last.microbatch, axis=1, keepdims=False)
-        buffer = jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(last.active, passed, slot),
-                                                     last.microbatch, axis=1)
-        return (passed, buffer, stats, kept), None
-
-    first_side = [inner.constrain(a[0], side_axes) for a in micro_side]
     history_blocks = _blocks(histories, schedule, lead=1)
-    task0 = stage_task(0, stages, m_count, r_count)
-    stats_shape = jax.eval_shape(lambda: run_stages(default_weights(task0), pick(history_blocks, task0),
-                                                    state, *(jnp.broadcast_to(a, (s_count, *a.shape))
-                                                             for a in first_side))[1])
-    stats = jax.tree.map(lambda leaf: jnp.zeros((r_count, *leaf.shape), jnp.float32), stats_shape)
+    task0 = stage_task(0, jnp.arange(s_count), m_count, r_count)
+    first_side = [jnp.broadcast_to(inner.constrain(a[0], side_axes), (s_count, *a.shape[1:])) for a in loop.micro_side]
+    stats_shape = jax.eval_shape(lambda: loop.run_stages(loop.pick(blocks, task0), loop.pick(history_blocks, task0),
+                                                         state, *first_side)[1])
+    carry = LoopCarry(state=state,
+                      buffer=inner.constrain(jnp.broadcast_to(micro_x, (s_count, *micro_x.shape)),
+                                             (STAGED, None, *x_axes)),
+                      stats=jax.tree.map(lambda leaf: jnp.zeros((r_count, *leaf.shape), jnp.float32), stats_shape),
+                      kept=history_blocks)
     if block_shardings is None:
-        (_, buffer, stats, _), _ = jax.lax.scan(make_iteration(default_weights),
-                                                (state, buffer, stats, history_blocks),
-                                                jnp.arange(schedule.num_iterations))
-        return inner.constrain(merge_microbatches(buffer[0]), tuple(x_axes)), stats
-
-    # FsdpGather.PER_REPEAT: window w runs iterations [w M, (w + 1) M) (the last one the S - 1 after them), in which
-    # stage s runs repeat w - 1 for its first s iterations and repeat w after (repeats past R - 1: idle). Each
-    # window is rematerialized: the backward pass gathers its blocks and re-runs its forward again, so only one
-    # window's gathered blocks (and activations) are alive at a time.
-    carry = (state, buffer, stats, history_blocks)
-    for window in range(r_count + 1):
-        needed = tuple(sorted({min(max(window - 1, 0), r_count - 1), min(window, r_count - 1)}))
-        length = m_count if window < r_count else s_count - 1
-        if length:
-            carry = _window(make_iteration, blocks, carry, block_shardings, needed, window * m_count, length, per_stage)
-    return inner.constrain(merge_microbatches(carry[1][0]), tuple(x_axes)), carry[2]
+        carry, _ = jax.lax.scan(loop.iterations(partial(loop.pick, blocks)), carry, jnp.arange(schedule.num_iterations))
+    else:
+        # FsdpGather.PER_REPEAT: window w runs iterations [w M, (w + 1) M) (the last one the S - 1 after them), in
+        # which stage s runs repeat w - 1 for its first s iterations and repeat w after (repeats past R - 1: idle).
+        # Each window is rematerialized: the backward pass gathers its blocks and re-runs its forward again, so only
+        # one window's gathered blocks (and activations) are alive at a time.
+        for window in range(r_count + 1):
+            needed = tuple(sorted({min(max(window - 1, 0), r_count - 1), min(window, r_count - 1)}))
+            length = m_count if window < r_count else s_count - 1
+            if length:
+                carry = _window(loop, blocks, carry, block_shardings, needed, window * m_count, length)
+    return inner.constrain(merge_microbatches(carry.buffer[0]), tuple(x_axes)), carry.stats
 
 
-def _window(make_iteration: Callable, blocks: Any, carry: tuple[Array, Array, Any, Any], block_shardings: Any,
-            repeats: tuple[int, ...], start: int, length: int, per_stage: Callable) -> tuple[Array, Array, Any, Any]:
+def _window(loop: Loop, blocks: Any, carry: LoopCarry, block_shardings: Any, repeats: tuple[int, ...], start: int,
+            length: int) -> LoopCarry:
     """`length` pipeline iterations from `start` with the blocks of `repeats` gathered once for all of them."""
     @jax.checkpoint
-    def run(blocks: Any, carry: tuple[Array, Array, Any, Any]) -> tuple[Array, Array, Any, Any]:
+    def run(blocks: Any, carry: LoopCarry) -> LoopCarry:
         gathered = [jax.lax.with_sharding_constraint(jax.tree.map(lambda p, r=r: p[r], blocks), block_shardings)
                     for r in repeats]
 
-        def weights_of(task: Any) -> Any:  # a stage still on the earlier repeat takes the earlier block
+        def weights_of(task: Task) -> Any:  # a stage still on the earlier repeat takes the earlier block
             if len(gathered) == 1:
                 return gathered[0]
             return jax.tree.map(lambda later, earlier: per_stage(task.repeat == repeats[-1], later, earlier),
                                 gathered[-1], gathered[0])
 
-        carry, _ = jax.lax.scan(make_iteration(weights_of), carry, start + jnp.arange(length))
+        carry, _ = jax.lax.scan(loop.iterations(weights_of), carry, start + jnp.arange(length))
         return carry
     return run(blocks, carry)

@@ -24,7 +24,7 @@ from maxpar.io.logs import tool_log_path
 from maxpar.io.run_config import load_run_config
 from maxpar.plan import compile_report, report, verify
 from maxpar.plan.hardware import available, default_num_slices, hardware_for_device_kind, load_hardware
-from maxpar.plan.layout import Layout
+from maxpar.plan.tensors import Layout
 from maxpar.plan.predict import Plan, Target, make_plan, plan_layout
 from maxpar.plan.recommend import recommend
 from maxpar.training.train_step import trace_state

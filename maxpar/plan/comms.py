@@ -26,7 +26,7 @@ from collections.abc import Iterable
 
 from maxpar.model.roles import Block
 from maxpar.plan.hlo import wire_bytes
-from maxpar.plan.layout import Layout, Tensor
+from maxpar.plan.tensors import Layout, Tensor
 from maxpar.plan.model_math import dtype_bytes, layer_split
 
 FORWARD, BACKWARD = "forward", "backward"
@@ -141,7 +141,7 @@ class StageLoop:
 
 
 def stage_loop(layout: Layout) -> StageLoop:
-    pipe = layout.pipeline
+    pipe = layout.schedule
     if pipe is None:
         return StageLoop()
     return StageLoop(per_iteration=pipe.num_iterations / pipe.num_repeats, once=layout.config.pipeline_fsdp_ag_once,
@@ -160,7 +160,7 @@ class LayerRuns:
 def layer_runs(layout: Layout, tokens: float, microbatches: int) -> LayerRuns:
     """Every pipeline iteration (bubble too) runs a block of layers on one pipeline microbatch of all stages'
     rows; without a pipeline each microbatch runs the device's share of the layer stack."""
-    config, pipe = layout.config, layout.pipeline
+    config, pipe = layout.config, layout.schedule
     residual = tokens * config.emb_dim * dtype_bytes(config.dtype)
     if pipe:
         return LayerRuns(count=pipe.num_iterations * pipe.layers_per_block * microbatches,

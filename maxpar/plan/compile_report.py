@@ -28,10 +28,10 @@ from maxpar.core.config import Config, to_yaml
 from maxpar.core.mesh import MeshShape, local_mesh_shape
 from maxpar.host import topology
 from maxpar.io import executable, logs
-from maxpar.io.metrics import peak_flops, training_flops_per_token
+from maxpar.model.arithmetic import training_flops_per_token
 from maxpar.plan import hlo
 from maxpar.plan.hardware import Hardware, load_hardware
-from maxpar.plan.verify import Compiled, compile_train_step, program_axes
+from maxpar.plan.verify import Compiled, compile_train_step, labelled_collectives
 
 GIB = 2 ** 30
 EXIT_FITS, EXIT_DOES_NOT_FIT = 0, 1
@@ -52,7 +52,7 @@ class Memory:
     output: float           # the new state and metrics
     aliased: float          # outputs written over donated arguments (the state): counted once
     generated_code: float
-    capacity: float | None  # the chip's HBM; None when no hardware profile names the device kind
+    capacity: float  # the chip's HBM
 
     @property
     def peak(self) -> float:
@@ -60,7 +60,7 @@ class Memory:
 
     @property
     def fits(self) -> bool:
-        return self.capacity is None or self.peak <= self.capacity
+        return self.peak <= self.capacity
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,25 +122,20 @@ class TopologyReport:
                 "mfu": self.cost.mfu if self.cost else None}
 
 
-def memory_of(analysis: Any, hardware: Hardware | None) -> Memory:
+def memory_of(analysis: Any, hardware: Hardware) -> Memory:
     return Memory(arguments=analysis.argument_size_in_bytes, temporaries=analysis.temp_size_in_bytes,
                   output=analysis.output_size_in_bytes, aliased=analysis.alias_size_in_bytes,
                   generated_code=analysis.generated_code_size_in_bytes,
-                  capacity=hardware.hbm_bytes if hardware else None)
+                  capacity=hardware.hbm_bytes)
 
 
 def collective_sums(text: str, mesh: MeshShape) -> tuple[CollectiveSum, ...]:
     """Every collective of the compiled program by (kind, mesh axes), largest first; a collective matmul's
     permutes under the all-gather or reduce-scatter they do ("all-gather (collective matmul)")."""
-    axis_sizes, slices, dcn_axes = program_axes(text, mesh)
-    partitions = hlo.axis_partitions(axis_sizes)
     executions: dict[tuple[str, str], float] = defaultdict(float)
     moved: dict[tuple[str, str], float] = defaultdict(float)
-    for c in hlo.collectives(text, math.prod(axis_sizes.values()), num_slices=slices):
-        axes = dcn_axes if c.dcn else hlo.label_groups(c, axis_sizes, partitions)
+    for axes, c in labelled_collectives(text, mesh):
         kind = f"{c.stands_for} (collective matmul)" if c.stands_for else c.kind
-        if axes == "none":
-            continue
         executions[(kind, axes)] += c.count
         moved[(kind, axes)] += hlo.collective_wire_bytes(c) * c.count
     sums = [CollectiveSum(kind, axes, executions[(kind, axes)], moved[(kind, axes)]) for kind, axes in moved]
@@ -205,16 +200,15 @@ def exceeded_hbm(message: str) -> HbmExceeded | None:
     return None
 
 
-def build_report(config: Config, compiled: Compiled, topology: str, hardware: Hardware | None) -> TopologyReport:
+def build_report(config: Config, compiled: Compiled, topology: str, hardware: Hardware) -> TopologyReport:
+    """What XLA made of the step for `hardware` (its HBM and peak FLOP/s): memory, collectives, cost, advice."""
     layout = compiled.layout
     memory = memory_of(compiled.memory, hardware)
     cost = compiler_cost(config, compiled)
-    device_kind = hardware.device_kind if hardware else compiled.platform
     if cost is not None:
-        peak = peak_flops(device_kind, config.peak_flops_per_device) if hardware is None else hardware.peak_flops
-        cost = dataclasses.replace(cost, peak_flops=peak)
+        cost = dataclasses.replace(cost, peak_flops=hardware.peak_flops)
     dcn = tuple(a for a, d in zip(layout.mesh.axis_names, layout.mesh.dcn) if d > 1)
-    return TopologyReport(topology=topology, device_kind=device_kind, num_devices=math.prod(layout.mesh.shape),
+    return TopologyReport(topology=topology, device_kind=hardware.device_kind, num_devices=math.prod(layout.mesh.shape),
                           mesh=layout.mesh.describe(), dcn_axes=dcn, memory=memory,
                           collectives=collective_sums(compiled.text, layout.mesh), cost=cost,
                           compile_seconds=compiled.compile_seconds,
@@ -233,8 +227,7 @@ def render(report: TopologyReport) -> list[str]:
              "  memory per chip (XLA's buffer assignment):",
              f"    arguments {_gib(m.arguments)}, temporaries {_gib(m.temporaries)}, output {_gib(m.output)} "
              f"({_gib(m.aliased)} of it over the donated state), code {_gib(m.generated_code)}",
-             f"    peak {_gib(m.peak)}" + ("" if m.capacity is None else
-                                           f" of {_gib(m.capacity)} HBM ({m.peak / m.capacity:.0%})")]
+             f"    peak {_gib(m.peak)} of {_gib(m.capacity)} HBM ({m.peak / m.capacity:.0%})"]
     if report.collectives:
         lines.append("  collectives per chip per step (wire bytes, ring algorithms; axes from replica groups):")
         for s in report.collectives:

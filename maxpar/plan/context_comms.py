@@ -29,7 +29,7 @@ import dataclasses
 
 from maxpar.core.config import BLOCK_ATTENTION
 from maxpar.plan.comms import BACKWARD, FORWARD, Comm, hierarchical
-from maxpar.plan.layout import Layout
+from maxpar.plan.tensors import Layout
 from maxpar.plan.model_math import dtype_bytes, kv_widths, layer_split, regathers_in_backward, tp_degrees
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from maxpar.core.config import Config, ConfigError
 from maxpar.core.mesh import MeshShape, local_mesh_shape, resolve_mesh_shape
 from maxpar.plan.hardware import load_hardware
-from maxpar.plan.layout import build_layout
+from maxpar.plan.tensors import build_layout
 from maxpar.plan.model_math import memory_per_device
 from maxpar.plan.predict import plan_batch
 from maxpar.training.train_step import layout_check, trace_state

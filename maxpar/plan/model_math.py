@@ -11,13 +11,13 @@ from __future__ import annotations
 import numpy as np
 
 from maxpar.core.axes import Logical
-from maxpar.core.config import BLOCK_ATTENTION, EXPLICIT_BACKWARD, Config
+from maxpar.core.config import BLOCK_ATTENTION, Config
 from maxpar.core.layout import TracedState
 from maxpar.core.op_schedule import held_inputs
-from maxpar.io.metrics import attention_head_widths, matmul_params, parameter_counts, training_flops_per_token
+from maxpar.model.arithmetic import attention_head_widths, matmul_params, parameter_counts, training_flops_per_token
 from maxpar.model.roles import Block, ParamRole
 from maxpar.model.routing import expert_capacity
-from maxpar.plan.layout import Layout, Tensor
+from maxpar.plan.tensors import Layout, Tensor
 from maxpar.plan.muon import muon_working_bytes
 
 
@@ -216,8 +216,8 @@ def gathered_weight_bytes(config: Config, layout: Layout) -> float:
     With pipeline_fsdp_ag_once a pipeline keeps its stage's whole stack gathered through the loop; with
     pipeline_fsdp_ag_per_repeat one window's blocks, two repeats' (2/R of the stage's stack).
     """
-    whole_stage = layout.pipeline is not None and config.pipeline_fsdp_ag_once
-    per_repeat = layout.pipeline is not None and config.pipeline_fsdp_ag_per_repeat
+    whole_stage = layout.schedule is not None and config.pipeline_fsdp_ag_once
+    per_repeat = layout.schedule is not None and config.pipeline_fsdp_ag_per_repeat
     total = 0.0
     for t in layout.params():
         batch = layout.weight_batch_axes(t)
@@ -234,7 +234,7 @@ def gathered_weight_bytes(config: Config, layout: Layout) -> float:
         # Unscanned layers without remat keep every layer's gathered weights for the backward pass.
         kept = not regathers_in_backward(config) and not sequence_parallel(layout)
         if t.layered and per_repeat:  # one window's blocks: two repeats' (1/R of the stage's stack each)
-            gathered = gathered / layer_split(layout) / layout.pipeline.num_repeats * 2
+            gathered = gathered / layer_split(layout) / layout.schedule.num_repeats * 2
         elif t.layered and not kept:
             gathered = gathered / layer_split(layout) if whole_stage else gathered / config.num_decoder_layers * 2
         total += gathered
@@ -256,7 +256,7 @@ def _pipelined_activation_bytes(config: Config, layout: Layout, tokens_per_micro
                                 masked_ragged_dot: bool) -> tuple[float, float]:
     """(saved, working) activation bytes of a pipelined step: every iteration keeps its block's activations of one
     pipeline microbatch, bubble included, and stage 0 holds the microbatch buffer and its gradient."""
-    pipe = layout.pipeline
+    pipe = layout.schedule
     per_token = activation_bytes_per_token(config, layout)
     loop_tokens = tokens_per_microbatch * pipe.num_stages  # in the loop every stage sees its shard's rows
     run_tokens = loop_tokens / pipe.num_microbatches
@@ -284,12 +284,12 @@ def _one_f_one_b_activation_bytes(config: Config, layout: Layout, tokens_per_mic
     and its cotangent (all M); a backward op (B, or zero_bubble's B or W) re-runs one block on one microbatch
     (the block's saved activations and one layer's re-run, transient), whatever M. The dense prefix runs
     before the executor on the loop's tokens, and keeps its activations for its backward after it."""
-    pipe = layout.pipeline
+    pipe = layout.schedule
     per_token = activation_bytes_per_token(config, layout)
     loop_tokens = tokens_per_microbatch * pipe.num_stages  # in the loop every stage sees its shard's rows
     run_tokens = loop_tokens / pipe.num_microbatches
     residual = config.emb_dim * dtype_bytes(config.dtype)  # per token: a stage input, or its cotangent
-    held = held_inputs(config.pipeline_schedule, pipe.num_stages, pipe.num_microbatches, pipe.num_repeats)
+    held = held_inputs(pipe.kind, pipe.num_stages, pipe.num_microbatches, pipe.num_repeats)
     saved = (2 * held * run_tokens + 2 * loop_tokens) * residual
     saved += loop_tokens * per_token[config.remat_policy] * config.first_num_dense_layers
     working = run_tokens * (per_token[config.remat_policy] * pipe.layers_per_block
@@ -311,9 +311,9 @@ def layer_activation_bytes(config: Config, layout: Layout, tokens_per_microbatch
                            masked_ragged_dot: bool) -> tuple[float, float]:
     """(saved, working): the activations the layers keep for the backward pass, and the one layer's re-run (or
     kept) at a time, dense and MoE."""
-    if layout.pipeline and config.pipeline_schedule in EXPLICIT_BACKWARD:
+    if layout.ops:
         return _one_f_one_b_activation_bytes(config, layout, tokens_per_microbatch, masked_ragged_dot)
-    if layout.pipeline:
+    if layout.schedule:
         return _pipelined_activation_bytes(config, layout, tokens_per_microbatch, masked_ragged_dot)
     per_token = activation_bytes_per_token(config, layout)
     moe = moe_activation_bytes_per_token(config, layout, masked_ragged_dot)

@@ -26,10 +26,10 @@ from __future__ import annotations
 import dataclasses
 
 from maxpar.core.axes import Logical
-from maxpar.core.config import EXPLICIT_BACKWARD, Config
+from maxpar.core.config import Config
 from maxpar.model.roles import Block, ParamRole
 from maxpar.plan.comms import BACKWARD, FORWARD, Comm, expert_all_to_all_bytes, hierarchical, stage_loop, tp_axes
-from maxpar.plan.layout import Layout, Tensor
+from maxpar.plan.tensors import Layout, Tensor
 from maxpar.plan.model_math import capacity_slots_per_row, dtype_bytes, layer_split
 
 
@@ -63,7 +63,7 @@ def expert_weight_comms(layout: Layout, microbatches: int) -> list[Comm]:
         comms += [_explicit(c) for c in hierarchical(layout, "MoE expert-weight gradient reduce-scatter", gather,
                                                      "reduce-scatter", full, count=looped, phase=BACKWARD,
                                                      **common)]
-        if in_loop and config.pipeline_schedule in EXPLICIT_BACKWARD:
+        if in_loop and layout.ops:
             continue  # the executor's psum over the replicas reduces them (pipeline_comms._explicit_gradient_comms)
         reduce = layout.live(a for a in layout.weight_batch_axes(t) if a not in t.axes)
         inner = tuple(a for a in reduce if a not in loop.manual)
@@ -107,7 +107,7 @@ def expert_activation_comms(layout: Layout, tokens: float, microbatches: int) ->
     experts = next(iter(layout.params(Block.EXPERTS)))
     ep_axes = layout.live(experts.dim_axes(Logical.EXP))
     hidden = layout.live(a for a in experts.dim_axes(Logical.MLP) if a not in layout.batch_axes)
-    pipe, tokens_per_microbatch = layout.pipeline, tokens
+    pipe, tokens_per_microbatch = layout.schedule, tokens
     if pipe:  # every iteration (bubble too) runs a block's MoE layers on a pipeline microbatch of all stages' rows
         count = pipe.num_iterations * pipe.layers_per_block * config.num_moe_layers / config.num_stack_layers \
             * microbatches

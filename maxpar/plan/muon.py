@@ -13,7 +13,7 @@ import dataclasses
 from jax.sharding import PartitionSpec
 
 from maxpar.core.sharding import entry_axes
-from maxpar.plan.layout import Layout, Tensor
+from maxpar.plan.tensors import Layout, Tensor
 from maxpar.training.muon import MatrixView, is_muon_parameter, newton_schulz_flops
 from maxpar.training.optimizer import muon_sharding
 

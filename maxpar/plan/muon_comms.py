@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec
 
 from maxpar.core.sharding import entry_axes
 from maxpar.plan.comms import BACKWARD, Comm, hierarchical
-from maxpar.plan.layout import Layout
+from maxpar.plan.tensors import Layout
 from maxpar.plan.muon import local_bytes, muon_parameters
 
 

@@ -10,10 +10,11 @@ zero-bubble) run another executor, with collectives of their own: `explicit_back
 
 from __future__ import annotations
 
-from maxpar.core.op_schedule import F, OpSchedule, op_kinds
+from maxpar.core.op_schedule import F, op_kinds
+from maxpar.core.schedule import ScheduleKind
 from maxpar.model.roles import Block
 from maxpar.plan.comms import BACKWARD, FORWARD, Comm, LayerRuns, fsdp_axes, hierarchical
-from maxpar.plan.layout import Layout
+from maxpar.plan.tensors import Layout
 from maxpar.plan.model_math import dtype_bytes, tp_degrees
 
 
@@ -21,7 +22,7 @@ def pipeline_comms(layout: Layout, tokens: float, runs: LayerRuns, microbatches:
     """PP: per iteration the stage state rolls to the next stage (and back in the backward pass); outside the
     loop the stages split the batch: its input is gathered over them, and stage 0's outputs scattered back (a
     reduce-scatter of the output left on stage 0); the reverse when differentiated."""
-    config, pipe = layout.config, layout.pipeline
+    config, pipe = layout.config, layout.schedule
     axes = layout.live(layout.stage_axes)
     if not pipe or not axes:
         return []
@@ -60,12 +61,12 @@ def explicit_backward_comms(layout: Layout, tokens: float, runs: LayerRuns, micr
     targets) gathered over the stages; the input's cotangent comes back stacked over the stages with only stage
     0's block real, and taking that block reshards it to the batch's layout: an all-to-all over the stages. The
     gradients (`_explicit_gradient_comms`) replace `maxpar.plan.weight_comms`."""
-    config, pipe = layout.config, layout.pipeline
+    config, pipe = layout.config, layout.schedule
     axes = layout.live(layout.stage_axes)
     if not pipe or not axes:
         return []
     stages = pipe.num_stages
-    schedule = OpSchedule(config.pipeline_schedule, stages, pipe.num_microbatches, pipe.num_repeats)
+    schedule = layout.ops
     ticks = schedule.num_ticks
     senders = 1.0 if pipe.num_repeats > 1 else (stages - 1) / stages
     residual = tokens * config.emb_dim * dtype_bytes(config.dtype)
@@ -101,13 +102,13 @@ def _explicit_gradient_comms(layout: Layout, stage_axes: tuple[str, ...], microb
     `_executor_gathers`) and every weight backward all-reduces their float32 gradient; pipeline_fsdp_ag_once
     gathers them before the executor (its FSDP axes are replicas). The head's weights are gathered and their
     gradient all-reduced over those axes at each of the last stage's F ops (1/S of the devices' ops)."""
-    config, stages = layout.config, layout.pipeline.num_stages
+    config, stages = layout.config, layout.schedule.num_stages
     executor = layout.run.model.pipeline.executor
     replicas = layout.live(executor.batch_axes)
     batch = layout.live(layout.batch_axes)
     automatic = tuple(a for a in batch if a not in replicas + stage_axes)
-    gathers, weight_ops = _executor_gathers(config.pipeline_schedule, layout.pipeline.num_microbatches)
-    head_ops = layout.pipeline.num_microbatches / stages  # F ops with the head, per device on average
+    gathers, weight_ops = _executor_gathers(layout.ops.kind, layout.schedule.num_microbatches)
+    head_ops = layout.schedule.num_microbatches / stages  # F ops with the head, per device on average
     grad = dict(phase=BACKWARD, scales=False, count=microbatches)
     comms: list[Comm] = []
     for t in layout.params():
@@ -157,7 +158,7 @@ def _explicit_gradient_comms(layout: Layout, stage_axes: tuple[str, ...], microb
     return comms
 
 
-def _executor_gathers(kind: str, num_microbatches: int) -> tuple[int, int]:
+def _executor_gathers(kind: ScheduleKind, num_microbatches: int) -> tuple[int, int]:
     """(stage-weight gathers, weight backwards) per stage per step of the explicit-backward executor under FSDP:
     F gathers once; B and W each take a VJP that recomputes the block's forward, and XLA gathers the weights
     for the recomputation and again for the backward (two loops over the layers)."""

@@ -21,17 +21,16 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from maxpar.core.axes import Physical
-from maxpar.core.config import BLOCK_ATTENTION, EXPLICIT_BACKWARD, Config, ConfigError
+from maxpar.core.config import BLOCK_ATTENTION, Config, ConfigError
 from maxpar.core.layout import TracedState, batch_shape
 from maxpar.core.mesh import MeshShape, resolve_mesh_shape
-from maxpar.core.op_schedule import OpSchedule
-from maxpar.io.metrics import matmul_params, training_flops_per_token
+from maxpar.model.arithmetic import matmul_params, training_flops_per_token
 from maxpar.model.roles import Block
 from maxpar.plan import rooflines
 from maxpar.plan.comms import BACKWARD, FORWARD, Comm, layer_runs
 from maxpar.plan.context_comms import cp_intensity, predict_context_comms
 from maxpar.plan.hardware import Hardware, ici_axis_shares, slice_shape_exists, torus_shape
-from maxpar.plan.layout import Layout, build_layout
+from maxpar.plan.tensors import Layout, build_layout
 from maxpar.plan.model_math import (attention_flops_per_token, dtype_bytes, fp8_matmul_params,
                                     memory_per_device, param_breakdown, state_bytes, tp_degrees)
 from maxpar.plan.moe_comms import predict_moe_comms
@@ -181,7 +180,7 @@ def hbm_seconds(layout: Layout, microbatches: int, hardware: Hardware) -> dict[s
     """HBM time: weights streamed per matmul (forward 1x, backward 2x), the optimizer's state pass."""
     config = layout.config
     weights = 0.0
-    pipe = layout.pipeline
+    pipe = layout.schedule
     for t in layout.params():
         if t.block in (Block.NORM, Block.EMBEDDING):
             continue
@@ -258,7 +257,7 @@ def step_comms(layout: Layout, batch: Batch) -> list[Comm]:
     local = batch.tokens_per_shard / layout.context_degree  # context parallelism: each device holds 1/C of the tokens
     runs = layer_runs(layout, local, microbatches)
     args = (layout, batch.tokens_per_shard, microbatches)
-    if layout.pipeline and layout.config.pipeline_schedule in EXPLICIT_BACKWARD:  # its own gradient reductions
+    if layout.ops:  # the explicit-backward executor: its own gradient reductions
         weights, stages = [], explicit_backward_comms(layout, local, runs, microbatches)
     else:
         weights, stages = weight_comms(layout, microbatches), pipeline_comms(layout, local, runs, microbatches)
@@ -368,13 +367,11 @@ class StepTime:
         return [p for p in PHASES if comm_seconds(self.network, p) > self.compute[p]]
 
 
-def pipeline_bubble(config: Config, pipe: Any) -> float:
+def pipeline_bubble(layout: Layout) -> float:
     """The stages' idle fraction: gPipe's and circular's formula, or counted on the op table of a schedule with an
     explicit backward (1f1b: the same; zero_bubble: (S-1)/(3M+S-1) for M >= S, its B and W one tick each;
     interleaved_1f1b: circular's (S-1)/(RM+S-1), a tick one of the R blocks' ops)."""
-    if config.pipeline_schedule in EXPLICIT_BACKWARD:
-        return OpSchedule(config.pipeline_schedule, pipe.num_stages, pipe.num_microbatches, pipe.num_repeats).bubble
-    return pipe.bubble
+    return (layout.ops or layout.schedule).bubble
 
 
 def step_time(layout: Layout, hardware: Hardware, batch: Batch, network: dict[tuple[str, str], float],
@@ -387,7 +384,7 @@ def step_time(layout: Layout, hardware: Hardware, batch: Batch, network: dict[tu
         flops["optimizer"] = muon_flops(layout)
         compute["optimizer"] = flops["optimizer"] / hardware.peak_flops
     hbm = hbm_seconds(layout, batch.microbatches, hardware)
-    bubble = pipeline_bubble(config, layout.pipeline) if layout.pipeline else 0.0
+    bubble = pipeline_bubble(layout) if layout.schedule else 0.0
     return StepTime(flops=flops, compute=compute, hbm=hbm, network=network, bubble=bubble,
                     seconds=step_seconds(compute, hbm, network, bubble))
 
@@ -431,7 +428,7 @@ def time_figures(layout: Layout, hardware: Hardware, batch: Batch, time: StepTim
                  memory: dict[str, Any], tokens_per_device: float) -> dict[str, Any]:
     """The report's step time, MFU and what bounds them."""
     bound = limiting_resource(time.compute, time.hbm, time.network)
-    pipe = layout.pipeline
+    pipe = layout.schedule
     return {
         "compute_time_s": sum(time.compute.values()),
         "compute_time_by_phase_s": time.compute,

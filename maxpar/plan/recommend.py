@@ -32,14 +32,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
-from jax.sharding import PartitionSpec
 
 from maxpar.core.axes import PHYSICAL_AXES, Physical
 from maxpar.core.config import BLOCK_ATTENTION, AxisRule, Config, ConfigError
 from maxpar.core.layout import TracedState, is_spec
 from maxpar.core.mesh import degree_overrides, resolve_mesh_shape
 from maxpar.core.sharding import mesh_axes
-from maxpar.plan.layout import Layout
+from maxpar.plan.tensors import Layout
 from maxpar.plan.predict import Target, evaluate_layout, memory_fit, plan_batch, plan_layout
 
 REMAT_POLICIES = ("none", "minimal", "full")  # fastest first: a policy only adds recompute

@@ -25,7 +25,7 @@ from maxpar.core.config import Config
 from maxpar.model.roles import ParamRole
 from maxpar.plan.comms import (BACKWARD, FORWARD, Comm, LayerRuns, fsdp_axes, hierarchical,
                                residual_split_axes, sequence_axes, tp_axes)
-from maxpar.plan.layout import Layout
+from maxpar.plan.tensors import Layout
 from maxpar.plan.model_math import dtype_bytes, regathers_in_backward
 
 
@@ -107,7 +107,7 @@ def _dense_layer_share(layout: Layout) -> float:
     """The share of the layers `layer_runs` counts whose feed-forward is a dense MLP (the MoE layers':
     maxpar.plan.moe_comms); a pipeline's runs are its stack's, without the dense prefix."""
     config = layout.config
-    return 1 - config.num_moe_layers / (config.num_stack_layers if layout.pipeline else config.num_decoder_layers)
+    return 1 - config.num_moe_layers / (config.num_stack_layers if layout.schedule else config.num_decoder_layers)
 
 
 def mlp_tp_comms(layout: Layout, runs: LayerRuns) -> list[Comm]:
@@ -151,7 +151,7 @@ def tp_transpose_comms(layout: Layout, tokens: float, count: float, microbatches
     for phase, what, collective, size, times in steps:
         comms += hierarchical(layout, f"TP-transpose MLP {what} ({phase})", axes, collective, size,
                               count=count * times, phase=phase, dtype=config.dtype, scales=True)
-    if layout.pipeline is None:
+    if layout.schedule is None:
         for phase in (FORWARD, BACKWARD):
             comms += hierarchical(layout, f"TP-transpose residual all-gather at the final norm ({phase})", axes,
                                   "all-gather", residual / t, count=microbatches, phase=phase, dtype=config.dtype,
@@ -180,7 +180,7 @@ def sequence_input_comms(layout: Layout, tokens: float, microbatches: int) -> li
     """TP-sequence without a pipeline: attention constrains positions and segment ids to its whole-length q,
     gathered once per step."""
     axes = residual_split_axes(layout, (1, 2))
-    if not axes or layout.pipeline:
+    if not axes or layout.schedule:
         return []
     return hierarchical(layout, "TP-sequence positions and segment ids all-gather (forward)", axes, "all-gather",
                         2 * tokens / layout.group_degree(axes) * 4, count=microbatches, phase=FORWARD, dtype="int32",

@@ -25,22 +25,22 @@ import dataclasses
 import math
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
-from maxpar.core.config import EXPLICIT_BACKWARD, Config, ConfigError, model_config
+from maxpar.core.config import Config, ConfigError, model_config
 from maxpar.core.layout import RunLayout, check_devices
 from maxpar.core.mesh import MeshShape, build_mesh, local_mesh_shape
-from maxpar.core.op_schedule import OpSchedule
+from maxpar.core.schedule import Schedule
 from maxpar.model import Transformer
 from maxpar.pipeline.one_f_one_b import BACKWARD_WEIGHTS, program
 from maxpar.plan import hlo
 from maxpar.plan.comms import Comm
-from maxpar.plan.layout import Layout
+from maxpar.plan.tensors import Layout
 from maxpar.plan.model_math import dtype_bytes, memory_per_device, sequence_parallel
 from maxpar.plan.predict import Plan
 from maxpar.training import train_step
@@ -105,10 +105,9 @@ def branch_runs(config: Config, layout: Layout) -> dict[int, tuple[float, ...]]:
     """How often, per step and device, the explicit-backward executor's per-tick `lax.switch` runs each branch:
     a stage runs one branch a tick, the one its row of the op table names, so branch k runs (ticks and stages
     naming k) / S times per device on average; its forward-only pass runs the same table's F rows."""
-    pipe = layout.pipeline
-    if config.pipeline_schedule not in EXPLICIT_BACKWARD or not pipe:
+    schedule = layout.ops
+    if schedule is None:
         return {}
-    schedule = OpSchedule(config.pipeline_schedule, pipe.num_stages, pipe.num_microbatches, pipe.num_repeats)
     table = program(schedule).branch
     return {BACKWARD_WEIGHTS + 1: tuple(np.bincount(table.ravel(), minlength=BACKWARD_WEIGHTS + 1)
                                         / schedule.num_stages)}
@@ -124,6 +123,18 @@ def program_axes(text: str, mesh: MeshShape | dict[str, int]) -> tuple[dict[str,
         dcn = "+".join(a for a, d in zip(mesh.axis_names, mesh.dcn) if d > 1)
         return dict(zip(mesh.axis_names, mesh.ici)), slices, dcn
     return dict(zip(mesh.axis_names, mesh.shape)), 1, ""
+
+
+def labelled_collectives(text: str, mesh: MeshShape | dict[str, int], runs: dict[int, tuple[float, ...]] | None = None
+                          ) -> Iterator[tuple[str, hlo.Collective]]:
+    """(mesh axes, collective) for every collective of the compiled program that crosses devices: its mesh axes
+    from its replica groups (`hlo.label_groups`), or the DCN axes for a transfer between slices."""
+    axis_sizes, slices, dcn_axes = program_axes(text, mesh)
+    parts = hlo.axis_partitions(axis_sizes)
+    for c in hlo.collectives(text, math.prod(axis_sizes.values()), runs, num_slices=slices):
+        label = dcn_axes if c.dcn else hlo.label_groups(c, axis_sizes, parts)
+        if label != "none":
+            yield label, c
 
 
 def collective_matmul_ring_share(c: hlo.Collective, axes: str, axis_sizes: dict[str, int]) -> float:
@@ -142,13 +153,9 @@ def measure(text: str, mesh: MeshShape | dict[str, int], runs: dict[int, tuple[f
     """Every operand of every collective: mesh axes, kind, dtype, bytes per device per step, provenance;
     `mesh`: the run's mesh (or its axis sizes), `runs`: `branch_runs`. A collective matmul's permutes count as
     the all-gather or reduce-scatter they do (`via` says so)."""
-    axis_sizes, slices, dcn_axes = program_axes(text, mesh)
-    parts = hlo.axis_partitions(axis_sizes)
+    axis_sizes = program_axes(text, mesh)[0]
     rows = []
-    for c in hlo.collectives(text, math.prod(axis_sizes.values()), runs, num_slices=slices):
-        label = dcn_axes if c.dcn else hlo.label_groups(c, axis_sizes, parts)
-        if label == "none":
-            continue
+    for label, c in labelled_collectives(text, mesh, runs):
         ring = collective_matmul_ring_share(c, label, axis_sizes)
         for operand in c.operands or (hlo.Operand(c.operand_bytes, c.dtype, c.op_name),):
             sent = hlo.wire_bytes(c.kind, operand.nbytes, c.group_size, c.moving_fraction) * c.count
@@ -159,7 +166,7 @@ def measure(text: str, mesh: MeshShape | dict[str, int], runs: dict[int, tuple[f
     return rows
 
 
-def known_mispredictions(config: Config, tp_sequence: bool, pipelined: bool) -> list[str]:
+def known_mispredictions(config: Config, tp_sequence: bool, schedule: Schedule | None) -> list[str]:
     """Configurations whose compiled step is known to differ from the plan, and why (not hidden: they still FAIL)."""
     known = []
     if config.remat_policy == "full" and not config.scan_layers:
@@ -170,12 +177,12 @@ def known_mispredictions(config: Config, tp_sequence: bool, pipelined: bool) -> 
         known.append("known misprediction: TP-sequence with remat_policy=full: the backward pass gathers the "
                      "attention and gate/up weights twice over the FSDP axes (the recomputation's gathers and "
                      "the gradients' are not merged); the plan counts one backward gather")
-    if config.pipeline_fsdp_ag_per_repeat and pipelined:
+    if config.pipeline_fsdp_ag_per_repeat and schedule:
         known.append("known misprediction: pipeline_fsdp_ag_per_repeat on XLA:CPU: the temporaries come out about "
                      "1.8x the estimate, which counts one window's gathered blocks alive at a time; XLA:CPU's "
                      "schedule keeps more of them (the collectives match)")
-    if config.pipeline_schedule in EXPLICIT_BACKWARD and config.dtype in ("bfloat16", "float16") and pipelined:
-        known.append(f"known misprediction: pipeline_schedule={config.pipeline_schedule} with dtype={config.dtype} "
+    if schedule and schedule.explicit_backward and config.dtype in ("bfloat16", "float16"):
+        known.append(f"known misprediction: pipeline_schedule={schedule.kind} with dtype={config.dtype} "
                      "on XLA:CPU: the temporaries are estimated as float32 (as XLA:CPU keeps them elsewhere), but "
                      "the executor's are partly kept in the narrow dtype: measured on the tiny model, the "
                      "estimate matches at S=2, is about 1.4x at S=2 under FSDP(2) and about 1.6x at S=4 (the "
@@ -235,7 +242,7 @@ def compare(plan: Plan, layout: Layout, compiled: Compiled, config: Config) -> d
         notes.append("'predicted (cpu)' is the prediction converted to what XLA:CPU emits; 'predicted on the "
                      "target' is what a TPU/GPU compile moves. Conversions:")
         notes += [f"  {n}" for n in sorted(backend_notes)]
-    notes += known_mispredictions(config, sequence_parallel(layout), compiled.layout.pipelined)
+    notes += known_mispredictions(config, sequence_parallel(layout), compiled.layout.schedule)
     matmuls = [r for r in measured if r["via"]]
     if matmuls:
         sent, ring = sum(r["sent_bytes"] for r in matmuls), sum(r["bytes"] for r in matmuls)

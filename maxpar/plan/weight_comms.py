@@ -26,7 +26,7 @@ from maxpar.model.mtp import MTP
 from maxpar.model.roles import Block
 from maxpar.plan.comms import (BACKWARD, FORWARD, Comm, StageLoop, fsdp_axes, hierarchical,
                                sequence_axes, stage_loop)
-from maxpar.plan.layout import Layout, Tensor
+from maxpar.plan.tensors import Layout, Tensor
 from maxpar.plan.model_math import dtype_bytes, regathers_in_backward, sequence_parallel
 
 

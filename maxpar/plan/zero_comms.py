@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from maxpar.plan.comms import BACKWARD, Comm, hierarchical
-from maxpar.plan.layout import Layout, Tensor
+from maxpar.plan.tensors import Layout, Tensor
 
 
 def zero_comms(layout: Layout, comms: list[Comm]) -> list[Comm]:

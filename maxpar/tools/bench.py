@@ -181,7 +181,8 @@ def run_worker(name: str, overrides: Sequence[str], num_devices: int, steps: int
     import jax
 
     from maxpar.core.config import ConfigError, load_config
-    from maxpar.io.metrics import parameter_counts, peak_flops, throughput
+    from maxpar.io.metrics import peak_flops, throughput
+    from maxpar.model.arithmetic import parameter_counts
     from maxpar.host import malloc
     from maxpar.train import setup_run
     from maxpar.training.train_step import create_state, lower_train_step

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from maxpar.core.config import EXPLICIT_BACKWARD, Config, model_config
+from maxpar.core.config import Config, model_config
 from maxpar.core.layout import RunLayout, TracedState, resolve_layout, split_microbatches
 from maxpar.core.mesh import MeshShape
 from maxpar.core.sharding import logical_specs, named_shardings, replicated
@@ -185,7 +185,6 @@ def moe_sums(stats: Any, count: jax.Array, config: Config) -> tuple[jax.Array, d
 def _staged_grad_fn(model: nn.Module, config: Config) -> Callable:
     """The explicit-backward schedule's value_and_grad (`maxpar.model.staged`), with `objective`'s MoE sums."""
     grad_fn = staged_value_and_grad(model, partial(_token_losses, z_loss_weight=config.z_loss_weight),
-                                    config.pipeline_schedule,
                                     config.load_balance_loss_weight / max(config.num_moe_layers, 1),
                                     config.mtp_loss_scaling_factor)
 
@@ -215,7 +214,7 @@ def _grads(params: Any, fp8_meta: Any, model: nn.Module, batch: Batch, config: C
     """Gradient of the summed objective, the amaxes the fp8 matmuls observed (the amax histories' cotangents:
     maxpar.model.fp8) and the metric sums, accumulated over microbatches with a scan (the amaxes by max)."""
     batch = reorder_batch(with_mtp_targets(batch, config.mtp_num_layers), model.layout)
-    if config.pipeline_schedule in EXPLICIT_BACKWARD:  # the schedule runs the backward itself: maxpar.model.staged
+    if model.layout.executor:  # the schedule runs the backward itself: maxpar.model.staged
         grad_fn = _staged_grad_fn(model, config)
     else:
         grad_fn = jax.value_and_grad(step_objective(model, config, {} if frozen is None else frozen), argnums=(0, 1),

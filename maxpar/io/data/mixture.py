@@ -29,8 +29,7 @@ import grain
 import numpy as np
 
 from maxpar.core.config import ConfigError
-from maxpar.io.data.text import (INFINITE, _entropy, _JsonSafeState, _LaneDocuments, _stack_lanes, process_rows,
-                                 sync_read)
+from maxpar.io.data.text import _entropy, _lane_rows, _LaneDocuments, _stack_lanes, process_rows
 from maxpar.io.data.tokenizer import Tokenizer
 
 Notify = Callable[[str], None]
@@ -77,14 +76,11 @@ class RowChooser:
 
 def _source_rows(name: str, reader: _LaneDocuments, seq_len: int, heard: Callable[[str, int], None]
                  ) -> grain.IterDataset:
-    """One source's rows in one lane: its documents packed end to end (text._lane_rows's), `heard` of each read."""
+    """One source's rows in one lane: its documents packed end to end as a text lane's are, `heard` of each read."""
     def document(index: int) -> dict[str, np.ndarray]:
         heard(name, index)
         return reader(index)
-
-    docs = grain.MapDataset.range(INFINITE).map(document).to_iter_dataset(sync_read())
-    return _JsonSafeState(grain.experimental.ConcatThenSplitIterDataset(
-        docs, length_struct={"inputs": seq_len, "targets": seq_len}))
+    return _lane_rows(document, seq_len)
 
 
 class _MixedLane(grain.IterDataset):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import sysconfig
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grain
@@ -262,8 +262,9 @@ class _JsonSafeStateIterator(grain.DatasetIterator):
         self._parent.set_state(state)
 
 
-def _lane_rows(documents: _LaneDocuments, seq_len: int) -> grain.IterDataset:
-    """One lane: its documents packed end to end into rows of seq_len."""
+def _lane_rows(documents: Callable[[int], dict[str, np.ndarray]], seq_len: int) -> grain.IterDataset:
+    """One lane: its documents (document i of the lane's endless order: `_LaneDocuments`) packed end to end into
+    rows of seq_len."""
     docs = grain.MapDataset.range(INFINITE).map(documents).to_iter_dataset(sync_read())
     packed = grain.experimental.ConcatThenSplitIterDataset(
         docs, length_struct={"inputs": seq_len, "targets": seq_len}

@@ -21,6 +21,7 @@ from maxpar.core.axes import Logical
 from maxpar.core.config import Config
 from maxpar.core.layout import RunLayout, TracedState, is_spec, resolve_layout
 from maxpar.core.mesh import MeshShape
+from maxpar.core.op_schedule import OpSchedule
 from maxpar.core.schedule import Schedule
 from maxpar.core.sharding import entry_axes
 from maxpar.model import stack
@@ -130,9 +131,14 @@ class Layout:
         return math.prod(self.degree(a) for a in self.batch_axes)
 
     @property
-    def pipeline(self) -> Schedule | None:
+    def schedule(self) -> Schedule | None:
         """The pipeline schedule the trainer would run on this mesh (None: one stage)."""
-        return self.run.pipeline
+        return self.run.schedule
+
+    @property
+    def ops(self) -> OpSchedule | None:
+        """The explicit-backward schedule's op table (None: no stages, or gPipe/circular under autodiff)."""
+        return self.run.ops
 
     @property
     def lookup_on_shards(self) -> bool:
