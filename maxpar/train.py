@@ -42,7 +42,6 @@ from maxpar.io.metrics import MetricsWriter, peak_flops, rewind_metrics, through
 from maxpar.model.arithmetic import parameter_counts, training_flops_per_token
 from maxpar.io.run_config import load_run_config
 from maxpar.model import Transformer
-from maxpar.plan.compile_report import compile_topology
 from maxpar.plan.fit import check_local_fit
 from maxpar.training import dpo, summary, trainable
 from maxpar.training.cadence import StepTimer, cadence
@@ -530,6 +529,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = run_config.config
         host_devices.cpu_unless_accelerators()  # before JAX starts: libtpu's warnings where there is no TPU
         if config.compile_topology:  # compile for a TPU topology, report and exit: no local devices used
+            from maxpar.plan.compile_report import compile_topology  # the planner's modules: only this command's
+
             preflight.check_output_directory(config)
             return compile_topology(config, run_directory(config))
         preflight.apply_simulated_devices(config)  # before JAX starts

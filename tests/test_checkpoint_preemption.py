@@ -153,10 +153,11 @@ SIGNAL_STEP = 8
 MAX_STEPS_PAST_SIGNAL = 6
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
-def test_a_signal_stops_the_run_within_a_few_steps_of_the_device_whatever_the_log_period(corpus, tmp_path, signum):
+def test_a_signal_stops_the_run_within_a_few_steps_of_the_device_whatever_the_log_period(corpus, tmp_path):
     """Nothing is logged before the last step, so no read syncs the host with the device: the stop must still
-    come right after the step the device is at, not after every step the host has already dispatched."""
+    come right after the step the device is at, not after every step the host has already dispatched. SIGTERM here;
+    in one process a first SIGINT is the same request (guards.PreemptionWatch), and the test above sends both."""
+    signum = signal.SIGTERM
     steps = SIGNAL_STEP + 100
     args = [str(REPO / "configs" / "base.yml"), *MICRO, *overrides(corpus), f"steps={steps}", f"log_period={steps}",
             f"checkpoint_period={steps}", f"base_output_directory={tmp_path}", "run_name=run"]

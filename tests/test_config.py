@@ -422,13 +422,18 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("args, expected", [
+def assert_config_error(status: int, stdout: str, stderr: str, expected: list[str]) -> None:
+    assert status == 2, stderr
+    assert "Traceback" not in stderr and "Traceback" not in stdout
+    assert "config error" in stderr
+    for part in expected:
+        assert part in stderr, (part, stderr)
+
+
+# Each a command whose config the trainer refuses: (arguments, what its one line must name).
+CLI_ERRORS = [
     (["configs/base.yml", "stepz=3"], ["stepz", "steps"]),
     (["configs/base.yml", "steps=abc"], ["steps", "abc", "int"]),
-    # Valid as a config; only the mesh (8 devices) rejects it.
-    (["configs/base.yml", *SHORT, "ici_tensor_parallelism=3", "ici_fsdp_parallelism=1", "dataset_type=synthetic",
-      "enable_checkpointing=false"], ["ici_tensor_parallelism=3", "8"]),
     # Valid as a config; 4 rows per microbatch cannot split over fsdp=8.
     (["configs/base.yml", *SHORT, "per_device_batch_size=0.5", "dataset_type=synthetic", "steps=0"],
      ["per_device_batch_size=0.5", "4 rows", "degree 8"]),
@@ -443,14 +448,31 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     # A tokenizer file that cannot be read as one.
     (["configs/base.yml", *SHORT, "dataset_type=text", "dataset_path=README.md", "tokenizer_path=tests/goldens/shardings.json",
       "steps=0"], ["tokenizer_path", "shardings.json", "could not load"]),
-])
-def test_cli_config_errors_exit_2_without_traceback(args, expected):
-    result = _cli(*args)
-    assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr and "Traceback" not in result.stdout
-    assert "config error" in result.stderr
-    for part in expected:
-        assert part in result.stderr, (part, result.stderr)
+]
+
+
+@pytest.mark.parametrize("args, expected", CLI_ERRORS)
+def test_cli_config_errors_exit_2_without_traceback(args, expected, tmp_path, monkeypatch, capsys):
+    """The trainer's `main` (what `python -m maxpar.train` exits with) on this process's 8 simulated devices; a
+    traceback would escape it and fail the test. The process itself: `test_a_config_error_ends_the_process_...`."""
+    from maxpar.train import main
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("JAX_PLATFORMS", os.environ.get("JAX_PLATFORMS", "cpu"))  # as the child had: environ unchanged
+    if not any(arg.startswith("base_output_directory=") for arg in args):
+        args = [*args, f"base_output_directory={tmp_path}"]  # what a run that gets far enough writes: not in REPO
+    status = main(args)
+    out = capsys.readouterr()
+    assert_config_error(status, out.out, out.err, expected)
+
+
+@pytest.mark.slow
+def test_a_config_error_ends_the_process_with_status_2_and_one_line():
+    """`python -m maxpar.train` as a user runs it: valid as a config, only the mesh (8 devices, after JAX started)
+    rejects it; exit status 2, the line on stderr, no traceback."""
+    result = _cli("configs/base.yml", *SHORT, "ici_tensor_parallelism=3", "ici_fsdp_parallelism=1",
+                  "dataset_type=synthetic", "enable_checkpointing=false")
+    assert_config_error(result.returncode, result.stdout, result.stderr, ["ici_tensor_parallelism=3", "8"])
 
 
 # ---------------------------------------------------------------- parsing is pure

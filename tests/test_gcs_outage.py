@@ -1,17 +1,19 @@
 """Storage outages during a run on gs:// (docs/storage.md#outages): the emulator, keeping its objects on disk, is
-stopped mid-run and started again on the same port, or stopped for good."""
+stopped mid-run and started again on the same port, or stopped for good. The run is a training process; the same
+command then resumes it in this process (`maxpar.train.main`, the process's exit status its return value): a
+process adds nothing to reading back what the outage left."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
-import subprocess
 import time
 
 import pytest
 
 from gcs import Server, filesystem, process_env
-from helpers import REPO, compilation_cache_env, start_training, train_command
+from helpers import compilation_cache_env, start_training, train_command
 from maxpar.core import storage
 from maxpar.training.guards import STORAGE_EXIT_STATUS
 
@@ -81,7 +83,7 @@ def complete_steps(fs, run_name: str) -> list[int]:
     return sorted(int(m.group(1)) for n in names if (m := re.search(r"/checkpoints/(\d+)/commit_success\.txt$", n)))
 
 
-def test_a_save_during_a_short_outage_is_retried_and_the_run_resumes_bitwise(server, tmp_path):
+def test_a_save_during_a_short_outage_is_retried_and_the_run_resumes_bitwise(server, tmp_path, monkeypatch, capsys):
     env = process_env(server.url, compilation_cache_env(tmp_path / "jax_cache"))
     log = tmp_path / "train.log"
     process = train_until(server, "blip", log, 1, env)
@@ -97,13 +99,14 @@ def test_a_save_during_a_short_outage_is_retried_and_the_run_resumes_bitwise(ser
     first = losses(fs, "blip")
     assert sorted(first) == list(range(1, STEPS + 1))
     fs.rm(f"{BUCKET}/runs/blip/checkpoints/12", recursive=True)  # resume from the step saved through the outage
-    done = run(env, "run_name=blip")
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "resumed from checkpoint at step 6" in done.stdout + done.stderr
+    status, output = rerun(monkeypatch, capsys, "run_name=blip")
+    assert status == 0, output
+    assert "resumed from checkpoint at step 6" in output
     assert losses(fs, "blip") == first  # bitwise: floats from JSON
 
 
-def test_a_save_that_fails_for_good_stops_with_one_line_and_restore_takes_the_last_good_step(server, tmp_path):
+def test_a_save_that_fails_for_good_stops_with_one_line_and_restore_takes_the_last_good_step(server, tmp_path,
+                                                                                              monkeypatch, capsys):
     env = process_env(server.url, compilation_cache_env(tmp_path / "jax_cache"))
     log = tmp_path / "train.log"  # saving synchronously, step 6 is complete once step 7 is logged
     process = train_until(server, "dead", log, 7, env, "save_attempts=2", "async_checkpointing=false")
@@ -120,12 +123,19 @@ def test_a_save_that_fails_for_good_stops_with_one_line_and_restore_takes_the_la
     fs = filesystem(server.url)
     assert complete_steps(fs, "dead") == [6]
     fs.pipe(f"{BUCKET}/runs/dead/checkpoints/9/params/_METADATA", b"{}")  # a save cut short: no commit_success.txt
-    done = run(env, "run_name=dead", "steps=6")
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "resumed from checkpoint at step 6" in done.stdout + done.stderr
+    status, output = rerun(monkeypatch, capsys, "run_name=dead", "steps=6")
+    assert status == 0, output
+    assert "resumed from checkpoint at step 6" in output
     assert not fs.exists(f"{BUCKET}/runs/dead/checkpoints/9"), "a step cut short is removed when a run starts"
 
 
-def run(env: dict[str, str], *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run(train_command(*RUN, *overrides), cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
+def rerun(monkeypatch, capsys, *overrides: str) -> tuple[int, str]:
+    """The training command's `main` in this process (its 8 simulated devices, the server the fixture named): the
+    exit status and the output."""
+    from maxpar.train import main
+
+    monkeypatch.setenv("JAX_PLATFORMS", os.environ.get("JAX_PLATFORMS", "cpu"))  # main sets it where it is unset
+    capsys.readouterr()
+    status = main(train_command(*RUN, *overrides)[3:])  # the arguments after `python -m maxpar.train`
+    out = capsys.readouterr()
+    return status, out.out + out.err

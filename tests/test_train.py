@@ -27,6 +27,11 @@ def text_config(corpus, *overrides):
     return micro_config("dataset_type=text", f"dataset_path={corpus}", "per_device_batch_size=2", *overrides)
 
 
+# The one-device runs below train 6 steps under a constant schedule after warm-up: `steps` and the schedule are
+# constants of the compiled step, so with these keys they share one program (the session's compilation cache).
+SIX_STEPS = ("steps=6", "learning_rate_final_fraction=1.0")
+
+
 def test_outputs_metrics_and_eval(tmp_path, corpus, capsys):
     config = text_config(corpus, "steps=6", "log_period=2", "eval_interval=3", "eval_steps=2", "eval_fraction=0.2",
                          "enable_checkpointing=true", "checkpoint_period=4")
@@ -65,7 +70,7 @@ def test_the_batch_line_counts_only_gradient_accumulation_microbatches():
 
 
 def test_mfu_uses_configured_peak(tmp_path, corpus):
-    config = text_config(corpus, "steps=2", "peak_flops_per_device=1e12")
+    config = text_config(corpus, *SIX_STEPS, "peak_flops_per_device=1e12")
     row = train(config, devices=jax.devices()[:1], run_dir=tmp_path)
     assert row["mfu"] == pytest.approx(row["tflops_per_device"] * 1e12 / 1e12)
     assert row["tflops_per_device"] == pytest.approx(
@@ -128,7 +133,7 @@ def test_a_step_that_is_only_logged_is_read_after_the_next_is_dispatched(tmp_pat
     monkeypatch.setattr(train_module.RunSetup, "compile_train_step", recording_compile)
     monkeypatch.setattr(train_module, "_metrics_row",
                         lambda run, step, *rest: (events.append(f"read {step}"), metrics_row(run, step, *rest))[1])
-    config = text_config(corpus, "steps=6", "log_period=1", "enable_checkpointing=true", "checkpoint_period=3",
+    config = text_config(corpus, *SIX_STEPS, "log_period=1", "enable_checkpointing=true", "checkpoint_period=3",
                          "eval_fraction=0")
     train(config, devices=jax.devices()[:1], run_dir=tmp_path)
     assert events == ["run", "run", "read 1", "run", "read 2", "read 3",  # step 3 saves: read before step 4 runs
@@ -139,11 +144,10 @@ def test_a_step_that_is_only_logged_is_read_after_the_next_is_dispatched(tmp_pat
 
 def test_resume_continues_the_same_run(tmp_path, corpus):
     # A constant schedule after warm-up makes the 6-step run's schedule independent of `steps`.
-    common = ("checkpoint_period=2", "enable_checkpointing=true", "learning_rate_final_fraction=1.0",
-              "async_checkpointing=true")
-    whole = train(text_config(corpus, "steps=6", *common), devices=jax.devices()[:1], run_dir=tmp_path / "a")
-    train(text_config(corpus, "steps=4", *common), devices=jax.devices()[:1], run_dir=tmp_path / "b")
-    resumed = train(text_config(corpus, "steps=6", *common), devices=jax.devices()[:1], run_dir=tmp_path / "b")
+    common = ("checkpoint_period=2", "enable_checkpointing=true", "async_checkpointing=true")
+    whole = train(text_config(corpus, *SIX_STEPS, *common), devices=jax.devices()[:1], run_dir=tmp_path / "a")
+    train(text_config(corpus, *SIX_STEPS, *common, "steps=4"), devices=jax.devices()[:1], run_dir=tmp_path / "b")
+    resumed = train(text_config(corpus, *SIX_STEPS, *common), devices=jax.devices()[:1], run_dir=tmp_path / "b")
     assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4", "6"]
     a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
@@ -155,6 +159,7 @@ def test_resume_continues_the_same_run(tmp_path, corpus):
 def test_command_line_training_run(tmp_path, corpus):
     args = [sys.executable, "-m", "maxpar.train", "configs/base.yml", "steps=3", "log_period=1",
             "dataset_type=text", f"dataset_path={corpus}", "enable_checkpointing=false", "eval_interval=0",
+            "eval_steps=1", "per_device_batch_size=1",
             "emb_dim=64", "mlp_dim=128", "head_dim=16", "num_decoder_layers=1", "max_target_length=32",
             f"base_output_directory={tmp_path}", "run_name=cli"]
     result = subprocess.run(args, capture_output=True, text=True, timeout=300)
