@@ -30,8 +30,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptio
 BASE = str(Path(__file__).resolve().parents[1] / "configs" / "base.yml")
 
 MOE = ["model_name=tiny-moe", "dataset_type=synthetic"]
-# name -> (devices, overrides); every mesh sees the same 8-row global batch. Expert parallelism alone at 8, and at 2
-# and 4 with the other batch axes (EP(2) and EP(4) alone on 2 and 4 devices: the same dispatch, fewer devices).
+# name -> (devices, overrides); every mesh sees the same 8-row global batch. EP alone at degree 8; EP(2) and EP(4)
+# beside fsdp, tensor or data (alone, on 2 and 4 devices, they dispatched as EP(8) does: docs/architecture.md).
 MESHES = {
     "ep8": (8, ["ici_expert_parallelism=8", "ici_fsdp_parallelism=1", "per_device_batch_size=1"]),
     "ep4_fsdp2": (8, ["ici_expert_parallelism=4", "ici_fsdp_parallelism=2", "per_device_batch_size=1"]),
