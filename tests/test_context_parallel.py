@@ -19,7 +19,8 @@ CASES = {
     "cp8_ring_balanced": ["ici_context_parallelism=8", "ici_fsdp_parallelism=1", "context_parallel_strategy=ring"],
     "cp8_gather_unbalanced": ["ici_context_parallelism=8", "ici_fsdp_parallelism=1",
                               "context_parallel_load_balance=false"],
-    "cp4_gather_fsdp2": ["ici_context_parallelism=4", "ici_fsdp_parallelism=2"],
+    # all-gather at CP(4), load-balanced: tests/test_context_moe.py's capacity_cp4_ep2_gather (the same attention);
+    # CP x FSDP: the two cases below
     "cp4_ring_unbalanced_fsdp2": ["ici_context_parallelism=4", "ici_fsdp_parallelism=2",
                                   "context_parallel_strategy=ring", "context_parallel_load_balance=false"],
     "cp2_gather_balanced_fsdp4": ["ici_context_parallelism=2", "ici_fsdp_parallelism=4"],
@@ -34,10 +35,8 @@ def reference():
     return one_device()
 
 
-def test_blockwise_matches_dot_product_on_one_device(reference):
-    assert_same_run(run_metrics(jax.devices()[:1], "per_device_batch_size=8", *BLOCKWISE), reference)
-
-
+# Blockwise attention on the mesh against the dot_product reference: blockwise = dot_product on one device is
+# tests/test_blockwise.py's (the forward and gradient of the core), and a difference would fail every case here.
 @pytest.mark.parametrize("name", list(CASES))
 def test_context_parallel_matches_single_device(name, reference):
     assert_same_run(run_metrics(jax.devices(), "per_device_batch_size=1", *BLOCKWISE, *CASES[name]), reference)
@@ -65,15 +64,16 @@ def test_context_config_errors_name_the_keys(overrides, named):
 
 
 def test_checkpoint_restores_across_context_degrees_and_strategies(tmp_path):
-    """Saved by a CP=4 ring run, resumed at step 2 on one device with dot_product: the same steps 3 and 4."""
+    """Saved by a CP=4 ring run, resumed at step 2 on one device with dot_product: the same steps 3 and 4. Both runs
+    have the programs of a case above and of the one-device reference (4 steps, 8 rows): the session's compilation
+    cache holds them already."""
     from helpers import write_corpus
     from test_checkpoint import copy_run, run_config
     from maxpar.train import train
 
     corpus = write_corpus(tmp_path / "corpus")
     saved = tmp_path / "saved"
-    train(run_config(corpus, *BLOCKWISE, "ici_context_parallelism=4", "ici_fsdp_parallelism=2",
-                     "context_parallel_strategy=ring"), devices=jax.devices(), run_dir=saved)
+    train(run_config(corpus, *BLOCKWISE, *CASES["cp4_ring_unbalanced_fsdp2"]), devices=jax.devices(), run_dir=saved)
     resumed = copy_run(saved, tmp_path / "resumed", steps={2})
     train(run_config(corpus, "per_device_batch_size=8"), devices=jax.devices()[:1], run_dir=resumed)
     rows = {name: [(r["step"], r["loss"]) for r in read_metrics(run)] for name, run in (("saved", saved),

@@ -1,6 +1,7 @@
 """The whole tiny DeepSeek-V3-style model (configs/models/deepseek-tiny.yml: MLA with a compressed query, sigmoid
 routing within groups with an aux-loss-free bias, a shared expert, experts narrower than the dense prefix layer,
-multi-token prediction) trains equal to one device under FSDP, TP, EP, PP with the experts in stages, and CP.
+multi-token prediction) trains equal to one device under FSDP x TP, PP x EP x FSDP with the experts in stages, and
+CP x EP x TP.
 
 One 1-device run per module is the reference; every mesh runs the trainer's compiled step on the same 8-row packed
 batch (`helpers.compiled_steps`; the loop around it: tests/test_equivalence.py's docstring says where). The per-step
@@ -26,10 +27,11 @@ RATE = 0.05  # routed_bias_update_rate
 # A bias rate 50x the preset's, so that the bias updates weigh in the next steps' choices of experts.
 DEEPSEEK = ("model_name=deepseek-tiny", "num_decoder_layers=3", f"routed_bias_update_rate={RATE}")
 METRICS = ("loss", "grad_norm", "mtp_loss", "moe_load_max_over_mean")
-# Every mesh shards over fsdp too: FSDP is proven by each (the suite's FSDP(8) cases are test_equivalence.py's).
+# FSDP, TP and EP each in two meshes, PP and CP in one (the suite's FSDP(8) cases are test_equivalence.py's). EP(4) x
+# FSDP(2)'s dispatch (the token lookup's all-to-all over fsdp+expert) is tests/test_moe_parallel.py's; the routing it
+# feeds is computed before the dispatch, and moves the biases by the global counts under EP(2) in two meshes here.
 MESHES = {
     "fsdp2_tp4": ["ici_fsdp_parallelism=2", "ici_tensor_parallelism=4"],
-    "ep4_fsdp2": ["ici_expert_parallelism=4", "ici_fsdp_parallelism=2"],
     # gPipe over 2 stages: the prefix before the loop, one MoE layer (its experts split over expert) per stage,
     # the MTP module after the last.
     "pp2_ep2_fsdp2": ["ici_stage_parallelism=2", "ici_expert_parallelism=2", "ici_fsdp_parallelism=2",

@@ -1,9 +1,9 @@
 """Muon and the z-loss on meshes: equal to one device, predicted by the planner, resumed exactly.
 
 Compiled steps on a fixed packed batch (no input pipeline): Muon (spread orthogonalization) under FSDP(2) x TP(2)
-x EP(2) with MoE layers has the one-device run's losses, gradient norms and hidden matrices;
-the z-loss under vocab-sharded logits (FSDP x TP) and in the 1F1B loss head has the one-device run's losses,
-z-loss and gradient norms; `--verify` finds the planner's Muon collectives in the compiled step; a Muon run
+x EP(2) with MoE layers and the z-loss (vocab-sharded logits) has the one-device run's losses, z-loss, gradient
+norms and hidden matrices; the z-loss in the 1F1B loss head has the one-device run's losses, z-loss and gradient
+norms; `--verify` finds the planner's Muon collectives in the compiled step; a Muon run
 resumed from its checkpoint logs the uninterrupted run's numbers.
 """
 
@@ -25,6 +25,9 @@ from maxpar.training.train_step import create_state, jit_train_step
 
 STEPS = 3
 MOE = ("num_experts=4", "num_experts_per_tok=2", "moe_layer_interval=2")
+# Muon's runs have the z-loss on too: its vocab-sharded logits (tensor parallelism splits the output head) are
+# checked by the Muon mesh, its 1F1B loss head by the z-loss case below (one compiled program fewer).
+MUON = ("opt_type=muon", *MOE, "z_loss_weight=1e-2", "steps=4")
 
 
 def compiled_run(config, devices, steps: int = STEPS):
@@ -60,15 +63,18 @@ def assert_same(got, want, keys=("loss", "grad_norm"), params=False):
 
 @pytest.fixture(scope="module")
 def muon_one_device():
-    return compiled_run(micro_config("opt_type=muon", *MOE, "per_device_batch_size=8"), jax.devices()[:1])
+    """The program of test_a_muon_run_resumes_exactly's runs too (compiled once)."""
+    return compiled_run(micro_config(*MUON, "per_device_batch_size=8"), jax.devices()[:1])
 
 
 def test_muon_under_fsdp_tp_ep_equals_one_device(muon_one_device):
     """FSDP(2) x TP(2) x EP(2): the spread way moves the fsdp and tensor axes onto the layers, gathers what is
-    left, and keeps the experts split over `expert`."""
-    config = micro_config("opt_type=muon", *MOE, "per_device_batch_size=1", "ici_fsdp_parallelism=2",
-                         "ici_tensor_parallelism=2", "ici_expert_parallelism=2")
-    assert_same(compiled_run(config, jax.devices()), muon_one_device, params=True)
+    left, and keeps the experts split over `expert`; the z-loss of vocab-sharded logits."""
+    config = micro_config(*MUON, "per_device_batch_size=1", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2",
+                          "ici_expert_parallelism=2")
+    assert_same(compiled_run(config, jax.devices()), muon_one_device, keys=("loss", "grad_norm", "z_loss"),
+                params=True)
+    assert muon_one_device[0][0]["z_loss"] > 0
 
 
 Z_LOSS = ("z_loss_weight=1e-2", "num_decoder_layers=4")
@@ -79,11 +85,10 @@ def z_loss_one_device():
     return compiled_run(micro_config(*Z_LOSS, "per_device_batch_size=8"), jax.devices()[:1])
 
 
-@pytest.mark.parametrize("mesh", [("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"),
-                                  ("ici_stage_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2",
-                                   "pipeline_schedule=1f1b", "num_pipeline_microbatches=2")],
-                         ids=["vocab_sharded", "1f1b"])
-def test_z_loss_under_vocab_sharded_logits_and_1f1b_equals_one_device(mesh, z_loss_one_device):
+def test_z_loss_in_the_1f1b_loss_head_equals_one_device(z_loss_one_device):
+    """The last stage's loss head computes the z-loss (with FSDP x TP inside the stages: vocab-sharded logits)."""
+    mesh = ("ici_stage_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2", "pipeline_schedule=1f1b",
+            "num_pipeline_microbatches=2")
     got = compiled_run(micro_config(*Z_LOSS, "per_device_batch_size=1", *mesh), jax.devices())
     assert_same(got, z_loss_one_device, keys=("loss", "grad_norm", "z_loss"))
     assert z_loss_one_device[0][0]["z_loss"] > 0
@@ -103,8 +108,8 @@ def test_verify_finds_the_planned_muon_collectives():
 
 def test_a_muon_run_resumes_exactly(tmp_path):
     corpus = write_corpus(tmp_path / "corpus")
-    config = micro_config("opt_type=muon", "dataset_type=text", f"dataset_path={corpus}", "per_device_batch_size=8",
-                         "steps=4", "checkpoint_period=2", "enable_checkpointing=true", "max_checkpoints_to_keep=0")
+    config = micro_config(*MUON, "dataset_type=text", f"dataset_path={corpus}", "per_device_batch_size=8",
+                          "checkpoint_period=2", "enable_checkpointing=true", "max_checkpoints_to_keep=0")
     train(config, devices=jax.devices()[:1], run_dir=tmp_path / "whole")
     shutil.copytree(tmp_path / "whole" / "checkpoints" / "2", tmp_path / "resumed" / "checkpoints" / "2")
     train(config, devices=jax.devices()[:1], run_dir=tmp_path / "resumed")

@@ -44,7 +44,8 @@ CASES = {  # name: (stages, microbatches, repeats, other mesh axes and options)
     "circular_s2_m2": (2, 2, 2, (*FSDP_TP, "pipeline_fsdp_ag_once=true")),
     "circular_s2_m4": (2, 4, 2, (*FSDP_TP, "pipeline_fsdp_ag_once=true")),
     "circular_s4_m4": (4, 4, 2, ("ici_data_parallelism=2", "ici_fsdp_parallelism=1", "remat_policy=full")),
-    "circular_s4_m8": (4, 8, 2, ("ici_data_parallelism=2", "ici_fsdp_parallelism=1", "remat_policy=minimal")),
+    # M = 2S at S = 4: gpipe_s4_m8; remat_policy=minimal under the stages' vmap: its saved residuals in
+    # test_minimal_remat_saves_the_projections_under_the_stage_vmap, its gradients in tests/test_pipeline_1f1b.py.
 }
 
 
