@@ -60,16 +60,18 @@ def config_for(converted, *overrides):
                         f"max_new_tokens={NEW}", *overrides])
 
 
-@pytest.mark.parametrize("mesh", ["one", "fsdp4_tp2"])
-@pytest.mark.parametrize("name", ["llama", "mistral", "mixtral", "llama3_scaled", "qwen3", "qwen3_moe"])
+# Every model decodes under FSDP(4)xTP(2) as transformers does: its cache and arithmetic, split over the mesh. One
+# device, the same code unsplit: the Llama's case (each model's one-device forward: test_convert.py's [name-one]).
+@pytest.mark.parametrize("name, mesh", [("llama", "one"), *((name, "fsdp4_tp2") for name in (
+    "llama", "mistral", "mixtral", "llama3_scaled", "qwen3", "qwen3_moe"))])
 def test_greedy_tokens_equal_transformers_generate(name, mesh, models):
     assert_greedy_tokens_equal_transformers(*models[name], mesh)
 
 
-@pytest.mark.parametrize("mesh", ["one", "fsdp4_tp2"])
-def test_deepseek_v3_greedy_tokens_equal_transformers_generate(mesh, deepseek):
-    """MLA decoding from its latent cache, sigmoid group-limited routing, the dense prefix; MTP plays no part."""
-    assert_greedy_tokens_equal_transformers(*deepseek, mesh)
+def test_deepseek_v3_greedy_tokens_equal_transformers_generate(deepseek):
+    """MLA decoding from its latent cache, sigmoid group-limited routing, the dense prefix, under FSDP(4)xTP(2); MTP
+    plays no part."""
+    assert_greedy_tokens_equal_transformers(*deepseek, "fsdp4_tp2")
 
 
 def transformers_greedy(hf_dir) -> list[list[int]]:
