@@ -175,8 +175,13 @@ def tokens_for(seed: int, rows: int = 8, length: int = 12) -> np.ndarray:
 
 # ---------------------------------------------------------------- logits
 
-@pytest.mark.parametrize("mesh", list(MESHES))
-@pytest.mark.parametrize("name", list(MODELS))
+# Every model on one device and under TP (scanned and unrolled); FSDP(8) alone splits the same parameters more ways than
+# FSDP(4)xTP(2) does, so its case is the model-independent loading's, kept for Mixtral and Qwen3-MoE (the experts).
+LOGITS_CASES = [(name, mesh) for name in MODELS for mesh in MESHES
+                if mesh != "fsdp8" or name in ("mixtral", "qwen3_moe")]
+
+
+@pytest.mark.parametrize("name, mesh", LOGITS_CASES)
 def test_logits_equal_transformers(name, mesh, hf_dirs, converted):
     tokens = tokens_for(1)
     count, overrides = MESHES[mesh]
@@ -239,7 +244,7 @@ def short_documents(directory: Path, count: int = 24) -> str:
     return str(directory / "*.txt")
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral"])
+@pytest.mark.parametrize("name", ["mistral"])  # GQA, a head_dim of its own and a sliding window: Llama's case and more
 def test_training_from_converted_checkpoint_starts_at_transformers_loss(name, hf_dirs, converted, tmp_path):
     corpus = short_documents(tmp_path / "corpus")
     config = load_config([str(BASE), *overrides_of(converted[name]), "dataset_type=text", f"dataset_path={corpus}",

@@ -526,41 +526,40 @@ MOE = ("num_experts=4", "num_experts_per_tok=2")
 
 @pytest.fixture(scope="module")
 def delayed_on_one_device() -> Steps:
-    one = compiled_steps(jax.devices()[:1], "per_device_batch_size=8", *DELAYED_STEPS)
+    """The MoE model with delayed scaling on one device, the reference of every mesh below: its attention
+    projections' histories (replicated) and its experts' (per expert, in the canonical [layers, experts, x/w/g,
+    length]). A run of `steps={STEPS}`, whose compiled step `checkpointed_run`'s trainer reads back from the
+    compilation cache (the same config but the data source)."""
+    one = compiled_steps(jax.devices()[:1], "per_device_batch_size=8", *DELAYED_STEPS, *MOE, f"steps={STEPS}")
     assert one.loss[-1] < one.loss[0] - 0.5  # it is really training
+    assert {h.shape for h in jax.tree.leaves(one.histories["decoder"]["layers"]["moe"])} == {(2, 4, 3, 2)}
     return one
 
 
-@pytest.mark.parametrize("mesh", [("ici_fsdp_parallelism=4",),
-                                  ("ici_stage_parallelism=2", "ici_fsdp_parallelism=2", "num_pipeline_microbatches=1")],
-                         ids=["fsdp4", "gpipe_s2_fsdp2"])
-def test_delayed_fp8_on_a_mesh_equals_delayed_fp8_on_one_device(mesh, delayed_on_one_device):
+DELAYED_MESHES = {
+    # The experts' per-expert histories split over expert, the attention projections' tensors over fsdp.
+    "ep2_fsdp2": ("ici_expert_parallelism=2", "ici_fsdp_parallelism=2"),
+    # One microbatch keeps the first step's current scales those of the whole batch (more microbatches:
+    # `test_a_pipeline_reports_each_layers_largest_amax_like_one_device`).
+    "gpipe_s2_fsdp2": ("ici_stage_parallelism=2", "ici_fsdp_parallelism=2", "num_pipeline_microbatches=1"),
+}
+
+
+@pytest.mark.parametrize("name", list(DELAYED_MESHES))
+def test_delayed_fp8_on_a_mesh_equals_delayed_fp8_on_one_device(name, delayed_on_one_device):
     """The histories hold global amaxes (a max over the sharded tensors; in a pipeline, over each layer's stage
-    iterations), so FSDP and gPipe keep the same histories and scales as one device: equal at fp8's tolerance
-    (`assert_equal_at_fp8_tolerance` says why). Four shards split every tensor as eight do (the current-scaling
-    test has eight); one microbatch keeps the first step's current scales those of the whole batch (more
-    microbatches: `test_a_pipeline_reports_each_layers_largest_amax_like_one_device`)."""
-    sharded = compiled_steps(jax.devices()[:4], "per_device_batch_size=2", *DELAYED_STEPS, *mesh)
+    iterations; an expert's over the shards of its tokens), so EP x FSDP and gPipe keep the same histories and scales
+    as one device: equal at fp8's tolerance (`assert_equal_at_fp8_tolerance` says why). Current scaling splits
+    every tensor eight ways: `test_fp8_on_fsdp8_equals_fp8_on_one_device`."""
+    sharded = compiled_steps(jax.devices()[:4], "per_device_batch_size=2", *DELAYED_STEPS, *MOE, f"steps={STEPS}",
+                             *DELAYED_MESHES[name])
     assert_equal_at_fp8_tolerance(sharded, delayed_on_one_device)
     assert_histories_close(sharded.histories, delayed_on_one_device.histories)
 
 
-def test_delayed_fp8_moe_on_ep2_fsdp2_equals_one_device():
-    """The experts' per-expert histories train under EP(2) x FSDP(2) as on one device, in the canonical
-    [layers, experts, x/w/g, length]."""
-    one = compiled_steps(jax.devices()[:1], "per_device_batch_size=8", *DELAYED_STEPS, *MOE)
-    sharded = compiled_steps(jax.devices()[:4], "per_device_batch_size=2", *DELAYED_STEPS, *MOE,
-                             "ici_expert_parallelism=2", "ici_fsdp_parallelism=2")
-    assert one.loss[-1] < one.loss[0] - 0.5  # it is really training
-    assert_equal_at_fp8_tolerance(sharded, one)
-    want = one.histories["decoder"]["layers"]["moe"]
-    assert {h.shape for h in jax.tree.leaves(want)} == {(2, 4, 3, 2)}
-    assert_histories_close(sharded.histories["decoder"]["layers"]["moe"], want)
-
-
 # One run of the trainer itself, with checkpoints: the histories' way to disk and back.
-CHECKPOINTED = ("dataset_type=text", "eval_fraction=0", "per_device_batch_size=8", "steps=4", "checkpoint_period=2",
-                "enable_checkpointing=true", *DELAYED_STEPS, *MOE)
+CHECKPOINTED = ("dataset_type=text", "eval_fraction=0", "per_device_batch_size=8", f"steps={STEPS}",
+                "checkpoint_period=2", "enable_checkpointing=true", *DELAYED_STEPS, *MOE)
 
 
 @pytest.fixture(scope="module")

@@ -60,16 +60,18 @@ def config_for(converted, *overrides):
                         f"max_new_tokens={NEW}", *overrides])
 
 
-@pytest.mark.parametrize("mesh", ["one", "fsdp4_tp2"])
-@pytest.mark.parametrize("name", ["llama", "mistral", "mixtral", "llama3_scaled", "qwen3", "qwen3_moe"])
+# Every model decodes under FSDP(4)xTP(2) as transformers does: its cache and arithmetic, split over the mesh. One
+# device, the same code unsplit: the Llama's case (each model's one-device forward: test_convert.py's [name-one]).
+@pytest.mark.parametrize("name, mesh", [("llama", "one"), *((name, "fsdp4_tp2") for name in (
+    "llama", "mistral", "mixtral", "llama3_scaled", "qwen3", "qwen3_moe"))])
 def test_greedy_tokens_equal_transformers_generate(name, mesh, models):
     assert_greedy_tokens_equal_transformers(*models[name], mesh)
 
 
-@pytest.mark.parametrize("mesh", ["one", "fsdp4_tp2"])
-def test_deepseek_v3_greedy_tokens_equal_transformers_generate(mesh, deepseek):
-    """MLA decoding from its latent cache, sigmoid group-limited routing, the dense prefix; MTP plays no part."""
-    assert_greedy_tokens_equal_transformers(*deepseek, mesh)
+def test_deepseek_v3_greedy_tokens_equal_transformers_generate(deepseek):
+    """MLA decoding from its latent cache, sigmoid group-limited routing, the dense prefix, under FSDP(4)xTP(2); MTP
+    plays no part."""
+    assert_greedy_tokens_equal_transformers(*deepseek, "fsdp4_tp2")
 
 
 def transformers_greedy(hf_dir) -> list[list[int]]:
@@ -194,18 +196,20 @@ def test_the_printed_command_lays_out_every_kind_of_run_in_one_process(kind, tmp
 
 
 @pytest.mark.slow
-def test_the_command_a_run_prints_samples_from_it(tmp_path):
-    """A circular pipeline on 2 simulated devices (num_simulated_devices=2 in its config.yml): the summary's command
-    runs as printed, in a fresh process. (A bad tokenizer_path exits 2 without a traceback: test_bad_requests_exit_2,
-    through the same `main`.)"""
-    trained = subprocess.run(train_command("steps=1", "enable_checkpointing=true", "num_simulated_devices=2",
-                                           "ici_stage_parallelism=2", "ici_fsdp_parallelism=1", "num_decoder_layers=4",
-                                           "num_pipeline_repeats=2", "num_pipeline_microbatches=4", "max_new_tokens=3",
-                                           f"base_output_directory={tmp_path}", "run_name=run"),
-                             cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert trained.returncode == 0, trained.stderr[-3000:]
-    assert f"library logs (absl, Orbax, JAX): {tmp_path / 'run' / 'libraries.log'}" in trained.stdout
-    printed = next(line for line in trained.stdout.splitlines() if "sample from it: " in line)
+def test_the_command_a_run_prints_samples_from_it(tmp_path, capsys):
+    """A circular pipeline on 2 simulated devices (num_simulated_devices=2 in its config.yml), trained in this process
+    on 2 of its devices: the summary's command runs as printed, in a fresh process, which makes those 2 devices from
+    the run's config.yml. (A bad tokenizer_path exits 2 without a traceback: test_bad_requests_exit_2, through the same
+    `main`. The trainer's command line applying num_simulated_devices before JAX starts: tests/test_preflight.py.)"""
+    from maxpar.train import train
+
+    train(micro_config("steps=1", "enable_checkpointing=true", "num_simulated_devices=2", "ici_stage_parallelism=2",
+                       "ici_fsdp_parallelism=1", "num_decoder_layers=4", "num_pipeline_repeats=2",
+                       "num_pipeline_microbatches=4", "max_new_tokens=3", f"base_output_directory={tmp_path}",
+                       "run_name=run"), devices=jax.devices()[:2])
+    printed = capsys.readouterr().out
+    assert f"library logs (absl, Orbax, JAX): {tmp_path / 'run' / 'libraries.log'}" in printed
+    printed = next(line for line in printed.splitlines() if "sample from it: " in line)
     command = shlex.split(printed.split("sample from it: ")[1])
     assert command[:3] == ["python", "-m", "maxpar.generate"] and "ici_data_parallelism=2" in command
     sampled = subprocess.run([sys.executable, *command[1:]], cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -227,24 +231,26 @@ def test_sampling_keys_restrict_the_draw():
     assert (np.asarray(sample(logits, keys[2], 0.0, 0, 1.0)) == 0).all()  # temperature 0: greedy
 
 
-# Meshes whose batch shards (2 or 4) divide neither 1 nor 3 prompts. capacity_factor=4.0 gives every expert
-# room for every token of a row, so the capacity path drops nothing and decodes as dropless does.
+# Meshes whose batch shards (2 or 4) divide neither 1 nor 3 prompts, on the Mixtral: its MoE dispatch is what needs
+# even rows, and the padding is the same for a dense model (a Llama's fsdp2 case showed nothing more). Dropless
+# experts padded: ep2; 4 batch shards: ep2_dp2_capacity, where capacity_factor=4.0 gives every expert room for every
+# token of a row, so the capacity path drops nothing and decodes as dropless does.
 UNEVEN_MESHES = {
     "fsdp2": (2, ["ici_fsdp_parallelism=2"]),
     "ep2": (2, ["ici_expert_parallelism=2", "ici_fsdp_parallelism=1"]),
-    "ep4": (4, ["ici_expert_parallelism=4", "ici_fsdp_parallelism=1"]),
     "ep2_dp2_capacity": (4, ["ici_expert_parallelism=2", "ici_data_parallelism=2", "ici_fsdp_parallelism=1",
                              "capacity_factor=4.0"]),
 }
 
 
-@pytest.mark.parametrize("name, mesh", [*(("mixtral", mesh) for mesh in UNEVEN_MESHES), ("llama", "fsdp2")])
-def test_any_prompt_count_decodes_as_on_one_device(name, mesh, request):
+@pytest.mark.parametrize("mesh", list(UNEVEN_MESHES))
+def test_any_prompt_count_decodes_as_on_one_device(mesh, mixtral):
     """The rows are padded to the batch shards (the MoE dispatch's shard_map splits them evenly) and the padding
     dropped: 1 or 3 prompts on 2 or 4 batch shards give the tokens of one device."""
-    _, converted = request.getfixturevalue(name)
+    _, converted = mixtral
     one = config_for(converted, "max_new_tokens=3", "ici_fsdp_parallelism=1")
-    alone = decode(*load_model(one, jax.devices()[:1]), PROMPTS[:3], one, eos_id=-1).tokens
+    alone = shared(lambda: decode(*load_model(one, jax.devices()[:1]), PROMPTS[:3], one, eos_id=-1).tokens,
+                   "decoded_on_one_device", str(converted), PROMPTS[:3], 3)
     count, overrides = UNEVEN_MESHES[mesh]
     config = config_for(converted, "max_new_tokens=3", *overrides)
     apply, params = load_model(config, jax.devices()[:count])
