@@ -4,7 +4,7 @@ Each run is the trainer's own compiled train step (layout, sharded initializatio
 4 steps on one fixed packed batch of 8 rows, on 8 devices against 1. Step 1 runs at learning rate 0 (warm-up), so
 steps 2-4 start from updated AdamW moments and steps 3-4 from updated parameters. The trainer's loop around the step
 (data pipeline, per-device batches, metrics) on other meshes than one device is compared in
-tests/test_checkpoint.py (a resharded resume on FSDP(4)xTP(2), DP(2)xFSDP(4) and one device logs the FSDP(8) run's
+tests/test_checkpoint.py (a resharded resume on FSDP(4)xTP(2) and one device logs the FSDP(8) run's
 losses). Gradient accumulation against one big batch: tests/test_mtp.py (accumulation on a pipelined FSDP x TP mesh
 against one device without it) and tests/test_pipeline_1f1b.py; remat policies: the fsdp_transpose and tp_sequence
 meshes below.
