@@ -53,6 +53,12 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # set: a worker of this sessi
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
+# The tests' gs:// paths all reach the GCS emulator, which speaks only the JSON API. gcsfs, unless told otherwise before
+# it is imported, first asks every bucket's layout over gRPC and waits a minute for an answer, for each operation
+# (maxpar sets this for its own processes when STORAGE_EMULATOR_HOST is set: maxpar/core/storage.py); this
+# process's gcsfs clients (tests/gcs.py, the trainer run in process) skip the probe too.
+os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
+
 if "MAXPAR_TESTS_SHARED_DIR" not in os.environ:  # set: a worker of this session
     _SHARED = tempfile.mkdtemp(prefix="maxpar-tests-shared-")
     atexit.register(shutil.rmtree, _SHARED, ignore_errors=True)

@@ -341,7 +341,8 @@ def test_the_emulator_command_serves_generations_until_stopped(stop, tmp_path):
     the object generation TensorStore's OCDBT reads, and Ctrl-C (or kill) stops it and its server (issue 43)."""
     import urllib.request
     command = [sys.executable, "-m", "maxpar.tools.emulator", "--port", "0", "--bucket", "cli"]
-    with subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
         lines = [process.stdout.readline() for _ in range(3)]
         url = next(line.split("=", 1)[1].strip() for line in lines if "export STORAGE_EMULATOR_HOST=" in line)
         upload = urllib.request.Request(f"{url}/upload/storage/v1/b/cli/o?uploadType=media&name=some/object",
@@ -351,4 +352,7 @@ def test_the_emulator_command_serves_generations_until_stopped(stop, tmp_path):
             assert answer.read() == b"payload" and answer.headers["x-goog-generation"]
         process.send_signal(stop)
         assert process.wait(timeout=30) == 0
+    finally:  # a server that outlived the signal must not hold the test (or the worker) forever
+        process.kill()
+        process.communicate()
     assert storage.check_reachable(url, timeout_s=1) is not None  # the server went with it

@@ -67,7 +67,7 @@ STRATEGIES = {
     # Context parallelism: weights gathered over fsdp+context like FSDP; k/v gathered (or permuted round the
     # ring) per layer in the attention shard_map; the lookup's table gradient all-reduced over context first.
     # The ring without load balancing here; balanced, on the DeepSeek model below.
-    "CP(4, all_gather)xFSDP(2)": ("base.yml", trained(*CONTEXT_PARALLEL["cp4_gather_fsdp2"], *BLOCKWISE),
+    "CP(2, all_gather)xFSDP(4)": ("base.yml", trained(*CONTEXT_PARALLEL["cp2_gather_balanced_fsdp4"], *BLOCKWISE),
                                   {("fsdp+context", "all-gather"), ("context", "all-gather"),
                                    ("context", "reduce-scatter"), ("context", "all-reduce")}),
     "CP(4, ring, unbalanced)xFSDP(2)": ("base.yml", trained(*CONTEXT_PARALLEL["cp4_ring_unbalanced_fsdp2"], *BLOCKWISE),

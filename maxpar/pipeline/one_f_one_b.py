@@ -356,11 +356,12 @@ def _run(block_fn: Callable[..., tuple[Array, Any]], head_fn: Callable[..., tupl
     m_count, repeats = schedule.num_microbatches, schedule.num_repeats
     if placement is not None and placement.gathered is not None:
         params = jax.lax.with_sharding_constraint(params, placement.gathered)
-    work = StageWork(block_fn, head_fn, params, head_params, _pin(split_microbatches(x, m_count),
-                                                                  placement and placement.rows, lead=1),
-                     [split_microbatches(a, m_count) for a in side], [split_microbatches(a, m_count)
-                                                                      for a in head_side],
-                     jax.lax.axis_index(stage_axes), repeats, placement, block_objective)
+    micro = partial(split_microbatches, num=m_count)
+    work = StageWork(block_fn, head_fn, params, head_params,
+                     micro_x=_pin(micro(x), placement and placement.rows, lead=1),
+                     micro_side=[micro(a) for a in side], micro_head=[micro(a) for a in head_side],
+                     stage=jax.lax.axis_index(stage_axes), num_repeats=repeats, placement=placement,
+                     block_objective=block_objective)
     one = work.micro_x[0]
     y_shape, stats_shape = jax.eval_shape(lambda: block_fn(work.pick(params, 0), one, *work.side(0)))
     if repeats > 1:

@@ -26,6 +26,10 @@ from maxpar.io import logs
 # and TensorStore's OCDBT reads ("Malformed StorageGeneration" otherwise), so the launcher adds it.
 LAUNCHER = """
 import sys
+from http import server
+# Its single-threaded server queues 5 connections (socketserver's default); clients that open more at once (gcsfs's
+# batched copies, renames and reads, TensorStore's) have their connections dropped and retried a second later.
+server.HTTPServer.request_queue_size = 1024
 from gcp_storage_emulator.handlers import objects
 original = objects.download
 def download(request, response, storage, *args, **kwargs):
@@ -111,6 +115,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"it:\n  export {storage.EMULATOR}={url}\nthen gs://{args.bucket}/... paths reach it, e.g. "
           f"base_output_directory=gs://{args.bucket}/runs. Ctrl-C stops it.", flush=True)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))  # `kill PID` stops the server too
+    # Ctrl-C stops it even where it started with SIGINT ignored (a script's background job inherits that)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         status = server.process.wait()
     except KeyboardInterrupt:

@@ -214,7 +214,7 @@ def _grads(params: Any, fp8_meta: Any, model: nn.Module, batch: Batch, config: C
     """Gradient of the summed objective, the amaxes the fp8 matmuls observed (the amax histories' cotangents:
     maxpar.model.fp8) and the metric sums, accumulated over microbatches with a scan (the amaxes by max)."""
     batch = reorder_batch(with_mtp_targets(batch, config.mtp_num_layers), model.layout)
-    if model.layout.executor:  # the schedule runs the backward itself: maxpar.model.staged
+    if model.layout is not None and model.layout.executor:  # the schedule runs its backward: maxpar.model.staged
         grad_fn = _staged_grad_fn(model, config)
     else:
         grad_fn = jax.value_and_grad(step_objective(model, config, {} if frozen is None else frozen), argnums=(0, 1),
