@@ -22,6 +22,7 @@ from test_context_parallel import BLOCKWISE, CASES as CONTEXT_PARALLEL
 from test_deepseek_parallel import DEEPSEEK as DEEPSEEK_TRAINED, MESHES as DEEPSEEK_MESHES, STEPS as DEEPSEEK_STEPS
 from test_equivalence import STRATEGIES as EQUIVALENCE, STEPS
 from maxpar.core.config import load_config
+from maxpar.core.schedule import Schedule, ScheduleKind
 from maxpar.plan import verify
 from maxpar.plan.__main__ import main, run
 from maxpar.plan.comms import Comm
@@ -188,10 +189,17 @@ def test_cpu_conversions_are_explicit():
 def test_known_mispredictions_are_named():
     unscanned_full = load_config([BASE, *SMALL, "remat_policy=full", "scan_layers=false"])
     assert any("unscanned layers with remat_policy=full" in n
-               for n in verify.known_mispredictions(unscanned_full, False, False))
+               for n in verify.known_mispredictions(unscanned_full, False, None))
     assert any("TP-sequence" in n for n in verify.known_mispredictions(load_config([BASE, *SMALL, "remat_policy=full"]),
-                                                                       True, False))
-    assert verify.known_mispredictions(load_config([BASE, *SMALL]), True, False) == []
+                                                                       True, None))
+    assert verify.known_mispredictions(load_config([BASE, *SMALL]), True, None) == []
+    # the pipelined ones, by the schedule the layout resolved (not by the config key)
+    bf16 = load_config([BASE, *SMALL, "dtype=bfloat16"])
+    one_f_one_b = Schedule(2, 4, 1, 4, kind=ScheduleKind.ONE_F_ONE_B)
+    assert any("pipeline_schedule=1f1b with dtype=bfloat16" in n
+               for n in verify.known_mispredictions(bf16, False, one_f_one_b))
+    assert verify.known_mispredictions(bf16, False, Schedule(2, 4, 1, 4)) == []  # gPipe: autodiff's backward
+    assert verify.known_mispredictions(bf16, False, None) == []
 
 
 DEEPSEEK = {
